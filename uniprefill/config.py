@@ -1,0 +1,175 @@
+"""The one configuration object of uniprefill.
+
+`UniPrefillConfig` is frozen and validated on construction: a bad value raises
+`ValueError` naming the field, the value and the allowed range. Its field names are
+also the keys of `torch.compile(..., backend="uniprefill", options={...})` and of the
+vLLM `compilation_config` channel; `UniPrefillConfig.from_options` rejects unknown keys.
+`stable_hash()` is a hex digest of every field, for compile caches that must never go stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Union
+
+DropLayers = Union[Literal["auto", "all"], tuple[int, ...]]
+KeepRatio = Union[None, float, tuple[float, ...]]
+
+POLICIES = ("cumulative", "suspend")
+IMPLS = ("auto", "triton", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class UniPrefillConfig:
+    """Settings of the score-and-select rewrite.
+
+    Attributes:
+        p: share of the (block-averaged, head-summed) attention score that the kept blocks
+            must hold, in (0, 1]. Sink and window blocks count toward it. At p = 1 the
+            rewrite stays in place, still scores, and keeps every token.
+        block_size: G, the number of consecutive tokens scored and kept or dropped
+            together. >= 1.
+        last_q: n, the number of final queries whose attention scores the keys. These
+            last n tokens are always kept. >= 1.
+        sink: A, the number of leading tokens that are always kept (attention sinks). >= 0.
+        drop_layers: where tokens are dropped. A tuple of decoder-layer indices (as in
+            `model.model.layers`), each of which must be a full-attention layer; "all" for
+            every full-attention layer; "auto" for the rule in
+            `uniprefill.passes.drop_points.auto_drop_layers`.
+        policy: "cumulative" (a later drop point scores only the survivors; dropped tokens
+            never return) or "suspend" (a dropped token keeps the hidden state it had when
+            dropped, skips every layer up to the next drop point and re-enters there to be
+            scored again; after the last drop point it stays out).
+        keep_ratio: None to select by top-p; otherwise a float in (0, 1], or one float per
+            drop point: keep that share of the tokens entering the drop point (sink and
+            window included in the count), highest-scoring blocks first. `p` is then ignored.
+        min_tokens: sequences shorter than this are never dropped from. Values below
+            `sink + last_q` are raised to it (see `effective_min_tokens`).
+        impl: "triton", "torch" (the PyTorch reference) or "auto" (Triton on CUDA tensors,
+            the reference elsewhere). Chosen explicitly; never a silent fallback.
+        strict: raise instead of running a graph unaccelerated when it cannot be rewritten.
+        debug: dump the graph before and after the rewrite (to the logger
+            `uniprefill.passes`, at INFO, and to `debug_dir` if the environment names one).
+    """
+
+    p: float = 0.99
+    block_size: int = 64
+    last_q: int = 128
+    sink: int = 128
+    drop_layers: DropLayers = "auto"
+    policy: Literal["cumulative", "suspend"] = "cumulative"
+    keep_ratio: KeepRatio = None
+    min_tokens: int = 0
+    impl: Literal["auto", "triton", "torch"] = "auto"
+    strict: bool = False
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        _check_number("p", self.p, low=0.0, low_open=True, high=1.0)
+        _check_int("block_size", self.block_size, low=1)
+        _check_int("last_q", self.last_q, low=1)
+        _check_int("sink", self.sink, low=0)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        object.__setattr__(self, "drop_layers", _normalise_drop_layers(self.drop_layers))
+        object.__setattr__(self, "keep_ratio", _normalise_keep_ratio(self.keep_ratio))
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
+        for name in ("strict", "debug"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+
+    @property
+    def effective_min_tokens(self) -> int:
+        """Shortest sequence that can be dropped from: never below sink + last_q."""
+        return max(self.min_tokens, self.sink + self.last_q)
+
+    def keep_ratio_at(self, drop_index: int, num_drop_points: int) -> float | None:
+        """The forced keep ratio of the `drop_index`-th drop point, or None for top-p."""
+        if self.keep_ratio is None:
+            return None
+        if len(self.keep_ratio) == 1:
+            return self.keep_ratio[0]
+        if len(self.keep_ratio) != num_drop_points:
+            raise ValueError(
+                f"keep_ratio has {len(self.keep_ratio)} values but the model has "
+                f"{num_drop_points} drop points; give one value or one per drop point"
+            )
+        return self.keep_ratio[drop_index]
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None) -> "UniPrefillConfig":
+        """Build from a `torch.compile` options dict; unknown keys raise `ValueError`."""
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown uniprefill option(s) {unknown}; the options are {sorted(known)}"
+            )
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for key in ("drop_layers", "keep_ratio"):
+            if isinstance(out[key], tuple):
+                out[key] = list(out[key])
+        return out
+
+    def stable_hash(self) -> str:
+        """A digest of every field, stable across processes and Python versions."""
+        blob = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _check_number(name, value, *, low, high, low_open=False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name}={value!r} must be a number in {_range(low, high, low_open)}")
+    too_low = value <= low if low_open else value < low
+    if too_low or value > high:
+        raise ValueError(f"{name}={value!r} is outside {_range(low, high, low_open)}")
+
+
+def _range(low, high, low_open) -> str:
+    return f"{'(' if low_open else '['}{low}, {high}]"
+
+
+def _check_int(name, value, *, low) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    if value < low:
+        raise ValueError(f"{name}={value!r} must be >= {low}")
+
+
+def _normalise_drop_layers(value) -> DropLayers:
+    if value in ("auto", "all"):
+        return value
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ValueError(
+            f"drop_layers={value!r} must be 'auto', 'all' or a list of decoder-layer indices"
+        )
+    layers = tuple(value)
+    for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"drop_layers={value!r}: {layer!r} is not a layer index >= 0")
+    if not layers:
+        raise ValueError("drop_layers=[] names no layer; use p=1 to keep every token")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"drop_layers={value!r} repeats a layer")
+    return tuple(sorted(layers))
+
+
+def _normalise_keep_ratio(value) -> KeepRatio:
+    if value is None:
+        return None
+    values = (value,) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+    if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+        raise ValueError(f"keep_ratio={value!r} must be None, a float or a list of floats")
+    for ratio in values:
+        _check_number("keep_ratio", ratio, low=0.0, low_open=True, high=1.0)
+    return tuple(float(r) for r in values)
