@@ -1,1 +1,4 @@
-"""x"""
+"""Per-forward runtime state: drop history."""
+from .history import DropHistory, DropPoint, DropRecorder
+
+__all__ = ["DropHistory", "DropPoint", "DropRecorder"]

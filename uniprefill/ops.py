@@ -1,0 +1,225 @@
+"""The `torch.library` custom ops that the token-drop rewrite inserts into a graph.
+
+Vocabulary (shared with `uniprefill.passes.token_drop`):
+
+* A *dense* tensor is laid out as the model traced it: a batch axis of size B (or 1 when
+  broadcast) and a token axis of size N.
+* A *packed* tensor holds only the kept tokens of every row, back to back: batch axis of
+  size 1 and token axis of size T (the total kept), rows in order, tokens in their original
+  order inside a row. `cu_seqlens`-style row boundaries travel as a host tensor of per-row
+  counts, copied once per drop point.
+* `flat` indices address the dense (batch, token) grid as `b * N + t`; `rel` indices
+  address the token axis of the previous packed layout.
+
+Every op has a fake (meta) implementation so graphs that contain them stay traceable;
+`score_select` allocates a data-dependent output size through `new_dynamic_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import api as kernels_api
+
+LIB = "uniprefill"
+
+
+# --------------------------------------------------------------------------------------
+# score_select: score the tokens of the current layout and choose which to keep
+# --------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::score_select", mutates_args=())
+def score_select(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    src_flat: torch.Tensor,
+    counts_in: torch.Tensor,
+    scale: float,
+    block_size: int,
+    p: float,
+    keep_ratio: float,
+    sink: int,
+    last_q: int,
+    min_tokens: int,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose the tokens to keep at one drop point.
+
+    q, k: the attention inputs of the drop layer, `[Bq, H, L, d]` (SDPA layout).
+    src_flat: int64 `[T_in]`, the flat `b * L + t` index of every live token of the
+        current layout, rows back to back (`counts_in` host int64 `[R]` tokens per row).
+    keep_ratio < 0 means top-p with `p`.
+    Returns (rel_kept int64 `[T_out]` indices into `src_flat`, counts_out host int64 `[R]`).
+    One device-to-host copy: the kept counts.
+    """
+    bq, hk, length, d = k.shape
+    counts = counts_in.tolist()
+    k_flat = k.transpose(1, 2).reshape(bq * length, hk, d)
+    k_packed = k_flat.index_select(0, src_flat)
+    cu_k = _cumsum0(counts_in).to(q.device, torch.int32)
+    q_counts = [min(last_q, c) for c in counts]
+    q_flat_idx = _last_tokens(src_flat, counts, q_counts)
+    q_packed = q.transpose(1, 2).reshape(q.shape[0] * length, q.shape[1], d).index_select(0, q_flat_idx)
+    cu_q = _cumsum0(torch.tensor(q_counts, dtype=torch.int64)).to(q.device, torch.int32)
+    selection = kernels_api.score_and_select(
+        q_packed,
+        k_packed,
+        cu_q,
+        cu_k,
+        max(counts) if counts else 0,
+        scale=scale,
+        block_size=block_size,
+        p=p,
+        keep_ratio=None if keep_ratio < 0 else keep_ratio,
+        sink=sink,
+        last_q=last_q,
+        min_tokens=min_tokens,
+        impl=impl,
+    )
+    return selection.kept_idx, torch.tensor(selection.kept_counts, dtype=torch.int64)
+
+
+@score_select.register_fake
+def _(q, k, src_flat, counts_in, scale, block_size, p, keep_ratio, sink, last_q, min_tokens, impl):
+    kept = torch.library.get_ctx().new_dynamic_size()
+    return src_flat.new_empty(kept), counts_in.new_empty(counts_in.shape)
+
+
+def _cumsum0(counts: torch.Tensor) -> torch.Tensor:
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+
+
+def _last_tokens(src_flat: torch.Tensor, counts: list[int], take: list[int]) -> torch.Tensor:
+    """Flat indices of the last `take[r]` live tokens of every row, rows back to back."""
+    ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
+    pieces = [torch.arange(int(e) - t, int(e)) for e, t in zip(ends, take)]
+    rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    return src_flat.index_select(0, rows.to(src_flat.device))
+
+
+# --------------------------------------------------------------------------------------
+# gather / scatter along the (batch, token) axes
+# --------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::gather_tokens", mutates_args=())
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor, batch_dim: int, token_dim: int) -> torch.Tensor:
+    """Pack `x` to the tokens `idx` (flat over x's (batch, token) grid).
+
+    `batch_dim < 0` means x has no batch axis. When x's batch axis has size 1 (broadcast
+    over rows), `idx` is taken modulo the token count. The result has a batch axis of
+    size 1 and a token axis of size `len(idx)`, other axes unchanged.
+    """
+    seq = x.shape[token_dim]
+    if batch_dim < 0:
+        return x.index_select(token_dim, idx % seq)
+    moved = x.movedim((batch_dim, token_dim), (0, 1))
+    rows = moved.shape[0]
+    flat = moved.reshape((rows * seq,) + tuple(moved.shape[2:]))
+    picked = flat.index_select(0, idx if rows > 1 else idx % seq)
+    return picked.unsqueeze(0).movedim((0, 1), (batch_dim, token_dim)).contiguous()
+
+
+@gather_tokens.register_fake
+def _(x, idx, batch_dim, token_dim):
+    shape = list(x.shape)
+    if batch_dim >= 0:
+        shape[batch_dim] = 1
+    shape[token_dim] = idx.shape[0]
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op(f"{LIB}::scatter_tokens", mutates_args=())
+def scatter_tokens(base: torch.Tensor, x: torch.Tensor, idx: torch.Tensor, batch_dim: int, token_dim: int) -> torch.Tensor:
+    """Inverse of `gather_tokens`: a copy of dense `base` with the tokens `idx` taken from packed `x`."""
+    moved = base.movedim((batch_dim, token_dim), (0, 1))
+    rows, seq = moved.shape[0], moved.shape[1]
+    flat = moved.reshape((rows * seq,) + tuple(moved.shape[2:])).clone()
+    src = x.movedim((batch_dim, token_dim), (0, 1)).reshape((idx.shape[0],) + tuple(moved.shape[2:]))
+    flat.index_copy_(0, idx, src.to(flat.dtype))
+    return flat.reshape(moved.shape).movedim((0, 1), (batch_dim, token_dim)).contiguous()
+
+
+@scatter_tokens.register_fake
+def _(base, x, idx, batch_dim, token_dim):
+    return base.new_empty(base.shape)
+
+
+# --------------------------------------------------------------------------------------
+# attention with masks rebuilt from ORIGINAL positions
+# --------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::dense_attention", mutates_args=())
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    window: int,
+    scale: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Causal attention on dense `[B, H, N, d]` tensors.
+
+    Key j is visible to query i when `0 <= i - j < window` (window 0: unbounded) and
+    `key_valid[b, j]` (left padding). A query that sees no key (a pad token) attends to
+    itself so the row stays finite; such rows are never read.
+    """
+    n = q.shape[-2]
+    if key_valid is None and (window <= 0 or window >= n):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
+    pos = torch.arange(n, device=q.device)
+    mask = _position_mask(pos, pos, window)[None, None]
+    if key_valid is not None:
+        mask = mask & key_valid.bool()[:, None, None, :]
+        mask = mask | torch.eye(n, dtype=torch.bool, device=q.device)[None, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+@dense_attention.register_fake
+def _(q, k, v, key_valid, window, scale, enable_gqa):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+@torch.library.custom_op(f"{LIB}::packed_attention", mutates_args=())
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    window: int,
+    scale: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """Block-diagonal causal attention on packed `[1, H, T, d]` tensors.
+
+    Row r owns tokens `[cu[r], cu[r+1])` (`counts` host int64 `[R]`); `positions` int64
+    `[T]` are the ORIGINAL token positions. Key j is visible to query i of the same row when
+    `0 <= pos_i - pos_j < window` (window 0: unbounded), so sliding windows stay windows
+    over original positions after tokens were dropped.
+    """
+    outs = []
+    start = 0
+    for count in counts.tolist():
+        end = start + count
+        qr, kr, vr = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        if window <= 0:
+            # Positions increase along a row, so causal in positions == causal in index.
+            outs.append(F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=enable_gqa))
+        else:
+            pos = positions[start:end]
+            mask = _position_mask(pos, pos, window)[None, None]
+            outs.append(F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=scale, enable_gqa=enable_gqa))
+        start = end
+    return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
+
+
+@packed_attention.register_fake
+def _(q, k, v, positions, counts, window, scale, enable_gqa):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+def _position_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int) -> torch.Tensor:
+    diff = pos_q[:, None] - pos_k[None, :]
+    mask = diff >= 0
+    if window > 0:
+        mask = mask & (diff < window)
+    return mask

@@ -1,0 +1,136 @@
+"""Classify the attention sites of a dynamo graph, architecture-agnostically.
+
+Every `scaled_dot_product_attention` node is grouped by the decoder layer it was traced
+in (from `nn_module_stack`, the module list that holds the attention modules). Its mask
+argument is read structurally: the subgraph that builds the mask may only compare token
+indices (`kv <= q` makes it causal, `kv > q - W` adds a sliding window of W tokens) and
+look up the 2-D padding mask. Anything else makes the site "other" and it is left alone.
+Layers without SDPA are "linear" when they hold a recurrent or convolutional token mixer
+(conv1d, cumulative ops, or modules named like DeltaNet / Mamba / SSM / Conv), else
+"other". No per-model table is involved; `config.layer_types` is only used by tests to
+confirm the result.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from .fx_utils import ancestors, is_sdpa, layer_container, layer_index, layer_module_classes, target_name
+
+_COMPARISONS = {operator.le, operator.lt, operator.gt, operator.ge, torch.le, torch.lt, torch.gt, torch.ge}
+_MASK_SAFE_NAMES = (
+    "arange", "add", "sub", "le", "lt", "gt", "ge", "eq", "ne", "and_", "or_", "getitem",
+    "expand", "to", "new_ones", "unsqueeze", "cumsum", "diff", "sym_size", "bool", "float",
+    "view", "reshape", "ones", "full", "mul", "floordiv", "invert", "logical_and", "where",
+)
+_LINEAR_HINTS = ("deltanet", "mamba", "ssm", "conv", "linearattention", "rwkv", "gla", "retention", "lightning")
+
+
+@dataclass(frozen=True)
+class MaskInfo:
+    recognized: bool
+    causal: bool = False
+    window: int = 0  # 0: unbounded
+    padding: fx.Node | None = None  # the 2-D padding-mask placeholder, when the mask reads one
+    reason: str = ""
+
+
+@dataclass
+class LayerInfo:
+    index: int
+    kind: str  # "full", "sliding", "linear", "other"
+    sdpa: list[fx.Node] = field(default_factory=list)
+    masks: list[MaskInfo] = field(default_factory=list)
+    window: int = 0
+    detail: str = ""
+
+
+def analyse_mask(sdpa: fx.Node, padding_placeholders: set[fx.Node]) -> MaskInfo:
+    mask = sdpa.kwargs.get("attn_mask", sdpa.args[3] if len(sdpa.args) > 3 else None)
+    is_causal = bool(sdpa.kwargs.get("is_causal", sdpa.args[5] if len(sdpa.args) > 5 else False))
+    if mask is None:
+        if is_causal:
+            return MaskInfo(True, causal=True)
+        return MaskInfo(False, reason="no mask and is_causal=False (bidirectional attention)")
+    if not isinstance(mask, fx.Node):
+        return MaskInfo(False, reason=f"constant attn_mask {type(mask).__name__}")
+    nodes = ancestors(mask) | {mask}
+    causal = False
+    window = 0
+    padding = None
+    for node in nodes:
+        if node.op == "placeholder":
+            if node in padding_placeholders:
+                padding = node
+            continue
+        if node.op == "get_attr":
+            continue
+        name = target_name(node).rsplit(".", 1)[-1]
+        if node.op not in ("call_function", "call_method") or not any(name == s or name.startswith(s) for s in _MASK_SAFE_NAMES):
+            return MaskInfo(False, reason=f"mask built with {target_name(node)}")
+        if node.op == "call_function" and node.target in _COMPARISONS:
+            causal = True
+        if name == "sub" and len(node.args) == 2 and isinstance(node.args[1], int) and node.args[1] > 0:
+            if any(u.op == "call_function" and u.target in _COMPARISONS for u in node.users):
+                window = node.args[1] if window == 0 else min(window, node.args[1])
+    if not causal:
+        return MaskInfo(False, reason="mask has no causal comparison")
+    return MaskInfo(True, causal=True, window=window, padding=padding)
+
+
+def classify_layers(graph: fx.Graph, padding_placeholders: set[fx.Node]) -> tuple[str | None, dict[int, LayerInfo]]:
+    """Map each decoder-layer index seen in the graph to its attention kind."""
+    sdpa_nodes = [n for n in graph.nodes if is_sdpa(n)]
+    container = layer_container(sdpa_nodes) if sdpa_nodes else _container_without_sdpa(graph)
+    if container is None:
+        return None, {}
+    layers: dict[int, LayerInfo] = {}
+    classes: dict[int, set[str]] = {}
+    mixers: dict[int, set[str]] = {}
+    for node in graph.nodes:
+        idx = layer_index(node, container)
+        if idx is None:
+            continue
+        info = layers.setdefault(idx, LayerInfo(idx, "other"))
+        classes.setdefault(idx, set()).update(layer_module_classes(node, container))
+        name = target_name(node).lower()
+        if "conv" in name or "cumsum" in name or "cumprod" in name or "delta_rule" in name or "scan" in name:
+            mixers.setdefault(idx, set()).add(target_name(node))
+        if is_sdpa(node):
+            info.sdpa.append(node)
+            info.masks.append(analyse_mask(node, padding_placeholders))
+    for idx, info in layers.items():
+        if info.sdpa:
+            bad = [m for m in info.masks if not m.recognized]
+            if bad:
+                info.kind, info.detail = "other", bad[0].reason
+            elif any(m.window for m in info.masks):
+                info.kind, info.window = "sliding", max(m.window for m in info.masks)
+                info.detail = f"causal mask with a window of {info.window} tokens"
+            else:
+                info.kind, info.detail = "full", "causal attention over every earlier token"
+        else:
+            hinted = [c for c in classes.get(idx, ()) if any(h in c.lower() for h in _LINEAR_HINTS)]
+            if hinted or mixers.get(idx):
+                info.kind = "linear"
+                info.detail = "recurrent/convolutional token mixer: " + ", ".join(sorted(hinted or mixers[idx])[:3])
+            else:
+                info.detail = "no attention or recurrent token mixer recognised"
+    return container, dict(sorted(layers.items()))
+
+
+def _container_without_sdpa(graph: fx.Graph) -> str | None:
+    from .fx_utils import _LAYER_PATH, module_paths
+
+    counts: dict[str, int] = {}
+    for node in graph.nodes:
+        for path, _ in module_paths(node):
+            match = _LAYER_PATH.match(path)
+            if match:
+                counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+                break
+    return max(counts, key=counts.get) if counts else None

@@ -1,0 +1,127 @@
+"""Small FX predicates and helpers shared by the uniprefill passes."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+SDPA_TARGETS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
+_LAYER_PATH = re.compile(r"^(.*)\.(\d+)$")
+
+
+def example_value(node):
+    """The traced value of `node` (FakeTensor, SymInt, ...) or None."""
+    if not isinstance(node, fx.Node):
+        return node
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def is_sdpa(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in SDPA_TARGETS
+
+
+def find_op_nodes(graph: fx.Graph, targets) -> list[fx.Node]:
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
+
+
+def module_paths(node: fx.Node) -> list[tuple[str, type]]:
+    """(path, class) of the modules `node` was traced in, outermost first."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [(path, cls) for path, cls in stack.values()]
+
+
+def layer_container(sdpa_nodes: list[fx.Node]) -> str | None:
+    """The path of the module list that holds the decoder layers (e.g. "L['self'].model.layers")."""
+    prefixes = set()
+    for node in sdpa_nodes:
+        for path, _ in reversed(module_paths(node)):
+            match = _LAYER_PATH.match(path)
+            if match:
+                prefixes.add(match.group(1))
+                break
+    return prefixes.pop() if len(prefixes) == 1 else None
+
+
+def layer_index(node: fx.Node, container: str) -> int | None:
+    for path, _ in module_paths(node):
+        match = _LAYER_PATH.match(path)
+        if match and match.group(1) == container:
+            return int(match.group(2))
+    return None
+
+
+def layer_module_classes(node: fx.Node, container: str) -> list[str]:
+    """Class names of the modules inside the decoder layer that `node` belongs to."""
+    names = []
+    seen_layer = False
+    for path, cls in module_paths(node):
+        match = _LAYER_PATH.match(path)
+        if match and match.group(1) == container:
+            seen_layer = True
+            continue
+        if seen_layer:
+            names.append(getattr(cls, "__name__", str(cls)))
+    return names
+
+
+def ancestors(node: fx.Node, stop=lambda n: False) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        for inp in current.all_input_nodes:
+            if inp not in seen and not stop(inp):
+                seen.add(inp)
+                todo.append(inp)
+    return seen
+
+
+def depends_on(node: fx.Node, target: fx.Node) -> bool:
+    return target in ancestors(node)
+
+
+def target_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    name = getattr(target, "__name__", None) or str(target)
+    module = getattr(target, "__module__", None) or ""
+    return f"{module}.{name}" if module and not name.startswith(module) else name
+
+
+@dataclass(frozen=True)
+class TokenAxes:
+    """Which axes of a traced value are the batch and token axes of the prompt."""
+
+    batch: object  # sympy expr or int
+    seq: object  # sympy expr or int
+    static: bool
+
+    def size_expr(self, size):
+        if isinstance(size, torch.SymInt):
+            return size.node.expr
+        return int(size)
+
+    def token_dims(self, value) -> list[int]:
+        """Axes of size N (one for activations, two for [N, N] masks)."""
+        if not isinstance(value, torch.Tensor):
+            return []
+        return [i for i, s in enumerate(value.shape) if self.size_expr(s) == self.seq]
+
+    def flat_dims(self, value) -> list[int]:
+        """Axes of size B * N (batch and tokens flattened together), when B is not 1."""
+        if not isinstance(value, torch.Tensor) or self.batch == 1:
+            return []
+        flat = self.batch * self.seq
+        return [i for i, s in enumerate(value.shape) if self.size_expr(s) == flat]
+
+    def batch_dim(self, value, token_dim: int) -> int:
+        """0 when axis 0 is the batch axis (size B, or 1 broadcast) ahead of the token axis, else -1."""
+        if token_dim == 0 or value.dim() < 2:
+            return -1
+        first = self.size_expr(value.shape[0])
+        return 0 if first in (self.batch, 1) else -1

@@ -1,0 +1,569 @@
+"""The token-drop rewrite: score-and-select at drop points, everything after on kept tokens.
+
+Design. Every value of the graph lives in a *layout*: layout 0 is the dense (B, N) grid the
+model was traced with; each drop point creates a packed layout (batch axis 1, T kept
+tokens, rows back to back). The pass copies the graph node by node. A node's layout is the
+newest layout among its token-aligned inputs (a value is token-aligned when its traced shape
+has an axis whose size is the prompt-length symbol N, or B * N); older inputs are gathered
+into it once (`uniprefill::gather_tokens`, memoised), so position ids, cos/sin tables and
+padding masks computed at the top follow the residual stream. Shape arguments of packed
+nodes are rewritten symbolically (N -> T, B -> 1). Attention nodes are replaced by
+`uniprefill::dense_attention` / `packed_attention`, which rebuild causal, sliding-window
+and padding masks from ORIGINAL positions, so a sliding window after a drop is still a
+window over original positions, and the N x N mask of the traced graph is never built.
+
+At drop layer L the layer's own attention runs in full; right after its residual add the
+pass inserts `uniprefill::score_select` on that attention's (q, k) and gathers the residual
+stream to the kept tokens, so the MLP of layer L and everything later runs on them. Nodes
+outside the decoder stack that read a packed value (the final norm) get it scattered back
+into a dense *canvas* in which every dropped token holds the state it had when dropped.
+Under the "suspend" policy the residual stream entering each later drop layer is scattered
+back the same way, so dropped tokens re-enter and are scored again.
+
+What the pass cannot follow (an unknown op on packed values, a value with two token axes
+after a drop, a graph break inside the decoder stack, ...) raises `RewriteSkipped` with the
+reason; the backend then runs the graph unchanged (or raises under `strict`).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+from .. import ops  # noqa: F401  (registers the custom ops)
+from ..config import UniPrefillConfig
+from .classify import LayerInfo, classify_layers
+from .drop_points import resolve_drop_layers
+from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name
+
+U = torch.ops.uniprefill
+_ADDS = {operator.add, torch.add, operator.iadd}
+# Ops that mix information along the token axis in ways that are right for one row of
+# packed tokens but would leak across rows when several rows are packed together.
+_ROW_MIXERS = ("conv1d", "conv2d", "cumsum", "cumprod", "matmul", "bmm", "einsum", "baddbmm", "delta_rule", "scan")
+_SAFE_MODULES = ("torch", "operator", "builtins", "math", "_operator", "transformers")
+
+
+class RewriteSkipped(Exception):
+    """The graph cannot be rewritten safely; the message says why."""
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    kind: str
+    window: int
+    drop_point: bool
+    why: str
+
+    def __str__(self) -> str:
+        mark = "DROP" if self.drop_point else "    "
+        return f"layer {self.layer:3d}  {self.kind:8s} {mark}  {self.why}"
+
+
+@dataclass
+class RewriteResult:
+    graph_module: fx.GraphModule
+    layers: list[LayerReport]
+    drop_layers: tuple[int, ...]
+    counts: dict[str, int]
+    single_row_only: bool
+    single_row_reason: str = ""
+
+
+@dataclass
+class _Layout:
+    ident: int
+    parent: int | None
+    rel: fx.Node | None = None  # indices into the parent layout's token axis (flat for layout 0)
+    orig_flat: fx.Node | None = None  # flat b * N + t index of every token, into the dense grid
+    positions: fx.Node | None = None
+    counts: fx.Node | None = None  # host int64 [rows]
+    src_flat: fx.Node | None = None
+    size: fx.Node | None = None  # runtime int T
+    canvas: fx.Node | None = None  # dense residual in which dropped tokens hold their last state
+    canvas_old: fx.Node | None = None
+
+
+def _size(x: torch.Tensor, dim: int) -> int:
+    return x.shape[dim]
+
+
+def _live_tokens(padding, rows: int, seq: int, device_like: torch.Tensor):
+    """Flat indices and per-row counts of the real (non-pad) tokens of the dense grid."""
+    if padding is None:
+        flat = torch.arange(rows * seq, device=device_like.device)
+        return flat, torch.full((rows,), seq, dtype=torch.int64)
+    valid = padding.bool().reshape(-1)
+    counts = padding.bool().sum(1).cpu()  # one host copy
+    order = torch.argsort((~valid).to(torch.int8), stable=True)
+    return order[: int(counts.sum())], counts
+
+
+def _arange_like(size: int, ref: torch.Tensor) -> torch.Tensor:
+    return torch.arange(size, device=ref.device)
+
+
+def _record(recorder, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor) -> None:
+    if recorder is not None:
+        recorder.record(layer, counts_in, counts_out)
+
+
+def _begin(recorder, rows: int, seq: int) -> None:
+    if recorder is not None:
+        recorder.begin(rows, seq)
+
+
+@dataclass
+class TokenDropPass:
+    """Rewrites one dynamo graph; `run()` returns a `RewriteResult` or raises `RewriteSkipped`."""
+
+    gm: fx.GraphModule
+    config: UniPrefillConfig
+    recorder: object = None
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("drop_points", "gathers", "scatters", "dense_attention", "packed_attention", "shape_rewrites"), 0))
+
+    # ---------------------------------------------------------------- analysis
+    def analyse(self):
+        graph = self.gm.graph
+        self.tokens = self._find_tokens()
+        val = example_value(self.tokens)
+        static = not isinstance(val.shape[1], torch.SymInt)
+        self.axes = TokenAxes(_expr(val.shape[0]), _expr(val.shape[1]), static)
+        if static:
+            raise RewriteSkipped(
+                "static-shape trace: the prompt length is baked into the graph; compile with "
+                "dynamic=True (uniprefill.compile does) or let dynamo recompile with dynamic shapes"
+            )
+        self.padding = {
+            n for n in graph.nodes
+            if n.op == "placeholder" and n is not self.tokens and isinstance(example_value(n), torch.Tensor)
+            and example_value(n).dim() == 2 and [_expr(s) for s in example_value(n).shape] == [self.axes.batch, self.axes.seq]
+        }
+        self._check_requests()
+        self.container, self.layers = classify_layers(graph, self.padding)
+        if not self.layers:
+            raise RewriteSkipped("no decoder layers found (no module list of attention layers in the graph)")
+        present = sorted(self.layers)
+        if present != list(range(present[-1] + 1)):
+            raise RewriteSkipped(f"graph break inside the decoder stack: this graph holds layers {present}")
+        full = [i for i, info in self.layers.items() if info.kind == "full"]
+        if not full:
+            raise RewriteSkipped("no full-attention layer (SDPA with a causal mask) in this graph; "
+                                 "load the model with attn_implementation='sdpa'")
+        self.drop_layers = resolve_drop_layers(self.config.drop_layers, self.layers)
+        if not self.drop_layers:
+            raise RewriteSkipped(f"drop_layers={self.config.drop_layers!r} selects no layer of this model")
+        self.residual_adds = {layer: self._residual_add(layer) for layer in self.drop_layers}
+        self.reentry = {}
+        if self.config.policy == "suspend":
+            for layer in self.drop_layers[1:]:
+                self.reentry[self._layer_input(layer)] = layer
+        self.sym_nodes = {
+            example_value(n).node.expr: n for n in graph.nodes
+            if n.op == "placeholder" and isinstance(example_value(n), torch.SymInt)
+        }
+
+    def _find_tokens(self) -> fx.Node:
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and target_name(node).endswith("embedding"):
+                src = node.args[0]
+                if isinstance(src, fx.Node) and src.op == "placeholder":
+                    return src
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder" and "inputs_embeds" in node.name:
+                return node
+        raise RewriteSkipped("no token-id or inputs_embeds input found (the graph does not start at the embedding)")
+
+    def _check_requests(self) -> None:
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder" and "labels" in node.name:
+                raise RewriteSkipped("labels were given: a loss needs every position")
+            val = example_value(node)
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.requires_grad and torch.is_grad_enabled():
+                raise RewriteSkipped("gradients are enabled: run inference under torch.no_grad()")
+        outputs = self.gm.graph.output_node().args[0]
+        flat = []
+        map_aggregate(outputs, lambda a: flat.append(a) if isinstance(a, fx.Node) else None)
+        hidden = [n for n in flat if isinstance(example_value(n), torch.Tensor) and example_value(n).dim() == 3
+                  and len(self.axes.token_dims(example_value(n))) == 1 and example_value(n).is_floating_point()
+                  and "logits" not in n.name]
+        if len(hidden) > 1:
+            raise RewriteSkipped("output_hidden_states was requested: every layer's hidden states need every position")
+        if any(len(self.axes.token_dims(example_value(n))) >= 2 for n in flat):
+            raise RewriteSkipped("output_attentions was requested: attention maps need every position")
+
+    def _residual_add(self, layer: int) -> fx.Node:
+        info = self.layers[layer]
+        if len(info.sdpa) != 1:
+            raise RewriteSkipped(f"layer {layer} has {len(info.sdpa)} attention calls; expected one")
+        sdpa = info.sdpa[0]
+        nodes = list(self.gm.graph.nodes)
+        after = False
+        downstream = {sdpa}
+        for node in nodes:
+            if node is sdpa:
+                after = True
+                continue
+            if not after:
+                continue
+            if any(a in downstream for a in node.all_input_nodes):
+                downstream.add(node)
+            else:
+                continue
+            if layer_index(node, self.container) != layer:
+                break
+            if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2:
+                a, b = node.args
+                if isinstance(a, fx.Node) and isinstance(b, fx.Node) and ((a in downstream) != (b in downstream)):
+                    shapes = [_shape(example_value(x)) for x in (node, a, b)]
+                    if shapes[0] is not None and shapes[0] == shapes[1] == shapes[2] and \
+                            self.axes.token_dims(example_value(node)) == [1]:
+                        return node
+        raise RewriteSkipped(f"no residual add found after the attention of layer {layer}")
+
+    def _layer_input(self, layer: int) -> fx.Node:
+        producers = set()
+        for node in self.gm.graph.nodes:
+            if layer_index(node, self.container) != layer:
+                continue
+            for inp in node.all_input_nodes:
+                if layer_index(inp, self.container) == layer - 1 and self.axes.token_dims(example_value(inp)):
+                    producers.add(inp)
+        if len(producers) != 1:
+            raise RewriteSkipped(f"suspend policy: cannot identify the residual stream entering layer {layer}")
+        return producers.pop()
+
+    # ---------------------------------------------------------------- rewrite
+    def run(self) -> RewriteResult:
+        self.analyse()
+        old = self.gm.graph
+        new = fx.Graph()
+        self.new = new
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.layout_of: dict[fx.Node, int] = {}
+        self.layouts = [_Layout(0, None)]
+        self.memo: dict[tuple[fx.Node, int], fx.Node] = {}
+        self.single_row_reason = ""
+        drop_at = {node: layer for layer, node in self.residual_adds.items()}
+        sdpa_info = {n: (info, m) for info in self.layers.values() for n, m in zip(info.sdpa, info.masks)}
+        seen_first_drop = False
+        self.stream_layout = 0
+        last_layer_pos = max(i for i, n in enumerate(old.nodes) if layer_index(n, self.container) is not None)
+        self.after_stack = {n for i, n in enumerate(old.nodes) if i > last_layer_pos}
+        for node in old.nodes:
+            if node.op == "output":
+                self.new.output(map_aggregate(node.args[0], lambda a: self.env[a] if isinstance(a, fx.Node) else a))
+                continue
+            if node.op in ("placeholder", "get_attr"):
+                self.env[node] = new.node_copy(node, lambda a: self.env[a])
+                self.layout_of[node] = 0
+                continue
+            if node in sdpa_info:
+                self._copy_attention(node, *sdpa_info[node])
+            else:
+                self._copy_node(node, seen_first_drop)
+            if node in drop_at:
+                self._insert_drop(node, drop_at[node])
+                seen_first_drop = True
+            if node in self.reentry:
+                self._reenter(node)
+        new.eliminate_dead_code(is_impure_node=lambda n: n.op == "call_function" and n.target in (_begin, _record) or n.is_impure())
+        self.gm._uniprefill_recorder = self.recorder
+        gm = fx.GraphModule(self.gm, new)
+        gm.recompile()
+        reports = [
+            LayerReport(i, info.kind, info.window, i in self.drop_layers,
+                        ("drop point; " if i in self.drop_layers else "") + info.detail)
+            for i, info in self.layers.items()
+        ]
+        return RewriteResult(gm, reports, self.drop_layers, dict(self.counts),
+                             bool(self.single_row_reason), self.single_row_reason)
+
+    def _node_layout(self, node: fx.Node) -> int:
+        best = 0
+        for inp in node.all_input_nodes:
+            if self.layout_of.get(inp, 0) > best and self._token_aligned(inp):
+                best = self.layout_of[inp]
+        return best
+
+    def _token_aligned(self, node: fx.Node) -> bool:
+        val = example_value(node)
+        return bool(self.axes.token_dims(val) or self.axes.flat_dims(val))
+
+    def _copy_node(self, node: fx.Node, after_first_drop: bool) -> None:
+        j = self._node_layout(node)
+        if j > 0 and layer_index(node, self.container) is None and node in self.after_stack:
+            # Leaving the decoder stack: scatter packed values back into the dense canvas.
+            def to_dense(a):
+                if isinstance(a, fx.Node) and self.layout_of.get(a, 0) > 0 and self._token_aligned(a):
+                    return self._scatter_back(a, node)
+                return self._value_at(a, 0) if isinstance(a, fx.Node) else a
+            self.env[node] = self.new.node_copy(node, lambda a: to_dense(a))
+            self.layout_of[node] = 0
+            return
+        if j == 0 and self.stream_layout > 0 and layer_index(node, self.container) is not None and self._mentions_tokens(node):
+            # A creation op inside a layer on kept tokens (e.g. MoE index arithmetic): its
+            # sizes follow the residual stream.
+            j = self.stream_layout
+        if j > 0:
+            self._check_packed_op(node)
+        self.env[node] = self.new.node_copy(node, lambda a: self._arg_at(a, j))
+        self.layout_of[node] = j
+
+    def _mentions_tokens(self, node: fx.Node) -> bool:
+        token_syms = {self.axes.seq} | ({self.axes.batch} if not isinstance(self.axes.batch, int) else set())
+        found = []
+
+        def visit(a):
+            if isinstance(a, fx.Node):
+                val = example_value(a)
+                if isinstance(val, torch.SymInt) and sympy.sympify(val.node.expr).free_symbols & token_syms:
+                    found.append(a)
+            return a
+
+        map_aggregate((node.args, node.kwargs), visit)
+        return bool(found)
+
+    def _check_packed_op(self, node: fx.Node) -> None:
+        name = target_name(node)
+        if node.op == "call_module":
+            raise RewriteSkipped(f"opaque module call {node.target} on kept tokens")
+        if node.op == "call_function":
+            module = getattr(node.target, "__module__", "") or ""
+            is_op_overload = isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+            if is_op_overload:
+                namespace = node.target.namespace if hasattr(node.target, "namespace") else ""
+                if namespace not in ("aten", "prims", "transformers", "uniprefill"):
+                    raise RewriteSkipped(f"unknown custom op {name} runs on kept tokens (quantized or packed kernels are not followed)")
+            elif not module.split(".")[0] in _SAFE_MODULES:
+                raise RewriteSkipped(f"unknown function {name} runs on kept tokens")
+        lowered = name.lower()
+        if any(m in lowered for m in _ROW_MIXERS) and not self.single_row_reason:
+            self.single_row_reason = f"{name} mixes tokens after a drop point (e.g. linear attention or convolution)"
+
+    def _arg_at(self, arg, j: int):
+        def fn(a):
+            if isinstance(a, fx.Node):
+                val = example_value(a)
+                if j > 0 and isinstance(val, torch.SymInt):
+                    return self._emit_expr(val.node.expr, j)
+                return self._value_at(a, j)
+            return a
+        return map_aggregate(arg, fn)
+
+    def _value_at(self, node: fx.Node, j: int) -> fx.Node:
+        i = self.layout_of.get(node, 0)
+        if i == j or not self._token_aligned(node):
+            return self.env[node]
+        if i > j:
+            raise RewriteSkipped(f"{node.name} (kept tokens) is used by a node on all tokens")
+        key = (node, j)
+        if key in self.memo:
+            return self.memo[key]
+        val = example_value(node)
+        tds, fds = self.axes.token_dims(val), self.axes.flat_dims(val)
+        if len(tds) > 1:
+            raise RewriteSkipped(f"{node.name} has two token axes (an N x N mask) and is used after a drop point")
+        if tds:
+            td = tds[0]
+            bd = self.axes.batch_dim(val, td)
+        else:
+            td, bd = fds[0], -1
+        idx = self._indices_from(i, j)
+        out = self.new.call_function(U.gather_tokens.default, (self.env[node] if i == self.layout_of.get(node, 0) else self.env[node], idx, bd, td))
+        self.counts["gathers"] += 1
+        self.memo[key] = out
+        return out
+
+    def _indices_from(self, i: int, j: int) -> fx.Node:
+        """Indices that take layout i's token axis to layout j's."""
+        if i == 0:
+            return self.layouts[j].orig_flat
+        chain = []
+        cur = j
+        while cur != i:
+            if cur is None or cur == 0:
+                raise RewriteSkipped(f"a value of layout {i} is used in layout {j}, which does not descend from it")
+            chain.append(self.layouts[cur].rel)
+            cur = self.layouts[cur].parent
+        idx = chain[-1]
+        for rel in reversed(chain[:-1]):
+            idx = self.new.call_function(torch.index_select, (idx, 0, rel))
+        return idx
+
+    def _emit_expr(self, expr, j: int):
+        t_sym = sympy.Symbol("uniprefill_kept_tokens", integer=True, positive=True)
+        subs = {self.axes.seq: t_sym}
+        if not isinstance(self.axes.batch, int):
+            subs[self.axes.batch] = 1
+        new_expr = sympy.sympify(expr).subs(subs)
+        if new_expr != expr:
+            self.counts["shape_rewrites"] += 1
+        return self._emit(new_expr, {t_sym: self.layouts[j].size})
+
+    def _emit(self, expr, extra):
+        if expr.is_Integer:
+            return int(expr)
+        if expr.is_Symbol:
+            if expr in extra:
+                return extra[expr]
+            if expr in self.sym_nodes:
+                return self.env[self.sym_nodes[expr]]
+            raise RewriteSkipped(f"shape symbol {expr} has no graph input")
+        if isinstance(expr, sympy.Add):
+            terms = [self._emit(a, extra) for a in expr.args]
+            out = terms[0]
+            for t in terms[1:]:
+                out = self.new.call_function(operator.add, (out, t))
+            return out
+        if isinstance(expr, sympy.Mul):
+            terms = [self._emit(a, extra) for a in expr.args]
+            out = terms[0]
+            for t in terms[1:]:
+                out = self.new.call_function(operator.mul, (out, t))
+            return out
+        name = type(expr).__name__
+        if name in ("Mod", "PythonMod"):
+            a, b = (self._emit(x, extra) for x in expr.args)
+            return self.new.call_function(operator.mod, (a, b))
+        if name == "FloorDiv":
+            a, b = (self._emit(x, extra) for x in expr.args)
+            return self.new.call_function(operator.floordiv, (a, b))
+        raise RewriteSkipped(f"cannot rewrite the shape expression {expr}")
+
+    # ---------------------------------------------------------------- attention
+    def _copy_attention(self, node: fx.Node, info: LayerInfo, mask) -> None:
+        j = self._node_layout(node)
+        q, k, v = node.args[:3]
+        if not mask.recognized:
+            if j > 0:
+                raise RewriteSkipped(f"attention {node.name} after a drop point has a mask that is not understood: {mask.reason}")
+            self._copy_node(node, False)
+            return
+        scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
+        if scale is None:
+            scale = 1.0 / math.sqrt(example_value(q).shape[-1])
+        elif isinstance(scale, fx.Node):
+            scale = self.env[scale]
+        gqa = bool(node.kwargs.get("enable_gqa", False))
+        qn, kn, vn = (self._value_at(x, j) for x in (q, k, v))
+        if j == 0:
+            key_valid = self.env[mask.padding] if mask.padding is not None else None
+            out = self.new.call_function(U.dense_attention.default, (qn, kn, vn, key_valid, mask.window, scale, gqa))
+            self.counts["dense_attention"] += 1
+        else:
+            lay = self.layouts[j]
+            out = self.new.call_function(U.packed_attention.default, (qn, kn, vn, lay.positions, lay.counts, mask.window, scale, gqa))
+            self.counts["packed_attention"] += 1
+        out.meta = dict(node.meta)
+        self.env[node] = out
+        self.layout_of[node] = j
+
+    # ---------------------------------------------------------------- drop points
+    def _ensure_layout0(self) -> None:
+        lay = self.layouts[0]
+        if lay.src_flat is not None:
+            return
+        new = self.new
+        tokens = self.env[self.tokens]
+        rows = new.call_function(_size, (tokens, 0))
+        seq = new.call_function(_size, (tokens, 1))
+        self.recorder_node = new.get_attr("_uniprefill_recorder")
+        new.call_function(_begin, (self.recorder_node, rows, seq))
+        padding = self.env[next(iter(self.padding))] if len(self.padding) == 1 else None
+        live = new.call_function(_live_tokens, (padding, rows, seq, tokens))
+        lay.src_flat = new.call_function(operator.getitem, (live, 0))
+        lay.counts = new.call_function(operator.getitem, (live, 1))
+        lay.orig_flat = lay.src_flat
+        self.seq_node = seq
+
+    def _insert_drop(self, residual: fx.Node, layer: int) -> None:
+        self._ensure_layout0()
+        new, cfg = self.new, self.config
+        i = self.layout_of[residual]
+        parent = self.layouts[i]
+        sdpa = self.layers[layer].sdpa[0]
+        q = self.env[sdpa.args[0]] if self.layout_of.get(sdpa.args[0], 0) == i else self._value_at(sdpa.args[0], i)
+        k = self.env[sdpa.args[1]] if self.layout_of.get(sdpa.args[1], 0) == i else self._value_at(sdpa.args[1], i)
+        scale = sdpa.kwargs.get("scale")
+        scale = self.env[scale] if isinstance(scale, fx.Node) else (scale or 1.0 / math.sqrt(example_value(sdpa.args[0]).shape[-1]))
+        drop_index = self.drop_layers.index(layer)
+        ratio = cfg.keep_ratio_at(drop_index, len(self.drop_layers))
+        sel = new.call_function(U.score_select.default, (
+            q, k, parent.src_flat, parent.counts, scale, cfg.block_size, float(cfg.p),
+            -1.0 if ratio is None else float(ratio), cfg.sink, cfg.last_q, cfg.effective_min_tokens, _impl(cfg.impl)))
+        rel = new.call_function(operator.getitem, (sel, 0))
+        counts = new.call_function(operator.getitem, (sel, 1))
+        new.call_function(_record, (self.recorder_node, layer, parent.counts, counts))
+        lay = _Layout(len(self.layouts), i)
+        lay.rel = rel
+        lay.counts = counts
+        lay.orig_flat = new.call_function(torch.index_select, (parent.orig_flat, 0, rel))
+        lay.positions = new.call_function(operator.mod, (lay.orig_flat, self.seq_node))
+        lay.size = new.call_function(_size, (rel, 0))
+        lay.src_flat = new.call_function(_arange_like, (lay.size, rel))
+        cur = self.env[residual]
+        if i == 0:
+            lay.canvas = cur
+            gathered = new.call_function(U.gather_tokens.default, (cur, lay.orig_flat, 0, 1))
+        else:
+            lay.canvas = new.call_function(U.scatter_tokens.default, (parent.canvas, cur, parent.orig_flat, 0, 1))
+            self.counts["scatters"] += 1
+            gathered = new.call_function(U.gather_tokens.default, (cur, rel, 0, 1))
+        self.counts["gathers"] += 1
+        self.counts["drop_points"] += 1
+        self.layouts.append(lay)
+        self.env[residual] = gathered
+        self.layout_of[residual] = lay.ident
+        self.stream_layout = lay.ident
+
+    def _reenter(self, node: fx.Node) -> None:
+        """Suspend policy: scatter the stream entering a later drop layer back to all tokens."""
+        j = self.layout_of.get(node, 0)
+        if j == 0:
+            return
+        self.env[node] = self._scatter_node(node, j)
+        self.layout_of[node] = 0
+        self.stream_layout = 0
+
+    def _scatter_back(self, node: fx.Node, consumer: fx.Node) -> fx.Node:
+        key = (node, -1)
+        if key not in self.memo:
+            j = self.layout_of[node]
+            val = example_value(node)
+            canvas_val = example_value(self._canvas_source(j))
+            if [_expr(d) for d in val.shape] != [_expr(d) for d in canvas_val.shape]:
+                raise RewriteSkipped(f"{consumer.name} outside the decoder layers reads {node.name} "
+                                     f"{list(val.shape)}, which is not the residual stream {list(canvas_val.shape)}")
+            self.memo[key] = self._scatter_node(node, j)
+        return self.memo[key]
+
+    def _canvas_source(self, j: int) -> fx.Node:
+        return self.residual_adds[self.drop_layers[0]]
+
+    def _scatter_node(self, node: fx.Node, j: int) -> fx.Node:
+        lay = self.layouts[j]
+        self.counts["scatters"] += 1
+        return self.new.call_function(U.scatter_tokens.default, (lay.canvas, self.env[node], lay.orig_flat, 0, 1))
+
+
+def _shape(value):
+    if not isinstance(value, torch.Tensor):
+        return None
+    return [_expr(d) for d in value.shape]
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else int(size)
+
+
+def _impl(impl: str) -> str:
+    return impl

@@ -1,0 +1,76 @@
+"""Drop history: which tokens each drop point kept, for one forward call.
+
+Plain Python and tensors only (no Hugging Face types), so the vLLM integration can use the
+same structures. A `DropRecorder` belongs to one compiled model (no global state); the
+rewritten graph calls `begin` once per forward and `record` at every drop point with the
+per-row token counts (host tensors, so recording never synchronises the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class DropPoint:
+    layer: int
+    entering: tuple[int, ...]  # tokens per row entering the drop point
+    kept: tuple[int, ...]  # tokens per row kept
+
+    @property
+    def retention(self) -> float:
+        total = sum(self.entering)
+        return sum(self.kept) / total if total else 1.0
+
+
+@dataclass
+class DropHistory:
+    rows: int
+    seq_len: int
+    points: list[DropPoint] = field(default_factory=list)
+
+    @property
+    def overall_retention(self) -> float:
+        """Kept share at the last drop point, relative to the prompt's real tokens."""
+        if not self.points:
+            return 1.0
+        first = sum(self.points[0].entering)
+        return sum(self.points[-1].kept) / first if first else 1.0
+
+    def as_dict(self) -> dict:
+        return {
+            "rows": self.rows,
+            "seq_len": self.seq_len,
+            "overall_retention": self.overall_retention,
+            "drop_points": [
+                {"layer": p.layer, "entering": list(p.entering), "kept": list(p.kept), "retention": p.retention}
+                for p in self.points
+            ],
+        }
+
+    def __str__(self) -> str:
+        lines = [f"drop history: {self.rows} row(s) x {self.seq_len} tokens"]
+        for p in self.points:
+            lines.append(f"  layer {p.layer:3d}: kept {sum(p.kept):7d} / {sum(p.entering):7d}  ({p.retention:6.1%})")
+        return "\n".join(lines)
+
+
+class DropRecorder:
+    """Collects the drop history of the latest forward call of one compiled model."""
+
+    def __init__(self) -> None:
+        self._current: DropHistory | None = None
+        self.last: DropHistory | None = None
+
+    def begin(self, rows: int, seq_len: int) -> None:
+        self._current = DropHistory(int(rows), int(seq_len))
+        self.last = self._current
+
+    def record(self, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor) -> None:
+        if self._current is None:
+            raise RuntimeError("DropRecorder.record called before begin")
+        self._current.points.append(
+            DropPoint(layer, tuple(int(c) for c in counts_in.tolist()), tuple(int(c) for c in counts_out.tolist()))
+        )
