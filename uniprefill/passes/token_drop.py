@@ -110,9 +110,9 @@ def _arange_like(size: int, ref: torch.Tensor) -> torch.Tensor:
     return torch.arange(size, device=ref.device)
 
 
-def _record(recorder, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor) -> None:
+def _record(recorder, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor, kept_flat: torch.Tensor) -> None:
     if recorder is not None:
-        recorder.record(layer, counts_in, counts_out)
+        recorder.record(layer, counts_in, counts_out, kept_flat)
 
 
 def _begin(recorder, rows: int, seq: int) -> None:
@@ -502,11 +502,11 @@ class TokenDropPass:
             -1.0 if ratio is None else float(ratio), cfg.sink, cfg.last_q, cfg.effective_min_tokens, _impl(cfg.impl)))
         rel = new.call_function(operator.getitem, (sel, 0))
         counts = new.call_function(operator.getitem, (sel, 1))
-        new.call_function(_record, (self.recorder_node, layer, parent.counts, counts))
         lay = _Layout(len(self.layouts), i)
         lay.rel = rel
         lay.counts = counts
         lay.orig_flat = new.call_function(torch.index_select, (parent.orig_flat, 0, rel))
+        new.call_function(_record, (self.recorder_node, layer, parent.counts, counts, lay.orig_flat))
         lay.positions = new.call_function(operator.mod, (lay.orig_flat, self.seq_node))
         lay.size = new.call_function(_size, (rel, 0))
         lay.src_flat = new.call_function(_arange_like, (lay.size, rel))

@@ -18,6 +18,12 @@ class DropPoint:
     layer: int
     entering: tuple[int, ...]  # tokens per row entering the drop point
     kept: tuple[int, ...]  # tokens per row kept
+    kept_flat: torch.Tensor | None = None  # flat b * N + t index of every kept token (device)
+
+    def kept_positions(self, row: int, seq_len: int) -> torch.Tensor:
+        """Original token positions (column in the padded prompt) kept in `row`."""
+        flat = self.kept_flat
+        return flat[(flat // seq_len) == row] % seq_len
 
     @property
     def retention(self) -> float:
@@ -68,9 +74,8 @@ class DropRecorder:
         self._current = DropHistory(int(rows), int(seq_len))
         self.last = self._current
 
-    def record(self, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor) -> None:
+    def record(self, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor, kept_flat=None) -> None:
         if self._current is None:
             raise RuntimeError("DropRecorder.record called before begin")
-        self._current.points.append(
-            DropPoint(layer, tuple(int(c) for c in counts_in.tolist()), tuple(int(c) for c in counts_out.tolist()))
-        )
+        self._current.points.append(DropPoint(
+            layer, tuple(int(c) for c in counts_in.tolist()), tuple(int(c) for c in counts_out.tolist()), kept_flat))

@@ -1,0 +1,63 @@
+"""An independent, slow, obviously-correct eager reference of token dropping (tests only).
+
+It runs a Hugging Face Llama or Gemma-3 model sublayer by sublayer with plain calls to its
+modules: every layer runs on the current set of tokens, with RoPE at their ORIGINAL
+positions and a mask built from those positions (causal, and windowed for sliding layers);
+at a drop layer the attention runs on all current tokens, then the residual stream is cut
+to the given kept positions before the MLP. Only the indices are shared with the rewrite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _mask(pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    diff = pos[:, None] - pos[None, :]
+    allowed = diff >= 0
+    if window:
+        allowed &= diff < window
+    return allowed[None, None]
+
+
+def _rotary(model, h, pos, layer_type):
+    rot = model.model.rotary_emb
+    if getattr(model.config, "model_type", "") == "gemma3_text":
+        return rot(h, pos[None], layer_type)
+    return rot(h, pos[None])
+
+
+def reference_last_logits(model, ids: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Logits of the last token of a single-row prompt, with drops after layer L to `kept[L]`.
+
+    `kept[L]` holds ORIGINAL positions (sorted) kept at drop layer L (cumulative policy).
+    """
+    assert ids.shape[0] == 1
+    cfg = model.config
+    gemma = cfg.model_type == "gemma3_text"
+    h = model.model.embed_tokens(ids)
+    pos = torch.arange(ids.shape[1])
+    for idx, layer in enumerate(model.model.layers):
+        layer_type = cfg.layer_types[idx] if gemma else "full_attention"
+        window = cfg.sliding_window if layer_type == "sliding_attention" else None
+        cos_sin = _rotary(model, h, pos, layer_type)
+        attn_in = layer.input_layernorm(h)
+        attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=cos_sin,
+                                      attention_mask=_mask(pos, window))
+        if gemma:
+            attn_out = layer.post_attention_layernorm(attn_out)
+        h = h + attn_out
+        if idx in kept:
+            take = torch.searchsorted(pos, kept[idx])
+            assert torch.equal(pos[take], kept[idx]), "kept positions must be a subset of the live ones"
+            h, pos = h[:, take], kept[idx]
+        if gemma:
+            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        else:
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+    h = model.model.norm(h)
+    logits = model.lm_head(h[:, -1:])
+    if getattr(cfg, "final_logit_softcapping", None):
+        cap = cfg.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits[:, -1]

@@ -1,0 +1,238 @@
+"""The "uniprefill" torch.compile backend on tiny random-weight Hugging Face models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+
+import uniprefill
+from uniprefill import UniPrefillConfig
+
+from .eager_reference import reference_last_logits
+
+SMALL = dict(sink=16, last_q=16, block_size=16)
+ATOL = 1e-4
+
+
+def _llama(layers=4):
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _gemma3():
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                           max_position_embeddings=4096)
+    cfg.layer_types = ["sliding_attention", "full_attention", "sliding_attention",
+                       "full_attention", "sliding_attention", "sliding_attention"]
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+MODELS = {"llama": (_llama, (1, 2)), "gemma3": (_gemma3, (1, 3))}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _ids(rows=1, length=300, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (rows, length), generator=gen)
+
+
+@pytest.mark.parametrize("policy", ["cumulative", "suspend"])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_p1_equals_uncompiled_model(arch, policy):
+    build, drops = MODELS[arch]
+    model = build()
+    ids = _ids(2)
+    mask = torch.ones_like(ids)
+    mask[1, :29] = 0
+    compiled = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=drops, policy=policy, **SMALL))
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out[:, -1], ref[:, -1], atol=ATOL, rtol=0)
+    report = uniprefill.graph_reports(compiled)[-1]
+    assert report.rewritten, report.reason
+    assert report.counts["drop_points"] == len(drops)
+    history = uniprefill.last_drop_report(compiled)
+    assert [p.layer for p in history.points] == list(drops)
+    assert history.points[0].entering == (300, 271)
+    assert history.overall_retention == 1.0
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_dropping_matches_eager_reference(arch):
+    build, drops = MODELS[arch]
+    model = build()
+    ids = _ids(1, 333)
+    compiled = uniprefill.compile(model, UniPrefillConfig(keep_ratio=(0.6, 0.7), drop_layers=drops, **SMALL))
+    with torch.no_grad():
+        out = compiled(input_ids=ids, use_cache=False).logits[:, -1]
+        history = uniprefill.last_drop_report(compiled)
+        kept = {p.layer: p.kept_positions(0, 333) for p in history.points}
+        ref = reference_last_logits(model, ids, kept)
+        full = model(input_ids=ids, use_cache=False).logits[:, -1]
+    assert history.points[0].kept[0] < 0.7 * 333, "the drop must really drop tokens"
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    assert (out - full).abs().max() > 10 * ATOL, "dropping must change the answer of a random model"
+
+
+def test_sliding_window_is_over_original_positions():
+    model = _gemma3()
+    ids = _ids(1, 320)
+    # Drop at layer 1, then sliding layers 2, 4, 5 run on kept tokens with a 24-token window.
+    compiled = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.4, drop_layers=(1,), **SMALL))
+    with torch.no_grad():
+        out = compiled(input_ids=ids, use_cache=False).logits[:, -1]
+        kept = {1: uniprefill.last_drop_report(compiled).points[0].kept_positions(0, 320)}
+        ref = reference_last_logits(model, ids, kept)
+    gaps = kept[1][1:] - kept[1][:-1]
+    assert gaps.max() > 1, "some tokens must have been dropped inside the sequence"
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_batch_rows_equal_rows_run_alone(arch):
+    build, drops = MODELS[arch]
+    model = build()
+    ids = _ids(2, 310)
+    mask = torch.ones_like(ids)
+    mask[0, :45] = 0
+    compiled = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers=drops, **SMALL))
+    with torch.no_grad():
+        both = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -1]
+        counts = uniprefill.last_drop_report(compiled).points[0].kept
+        first = compiled(input_ids=ids[:1, 45:], use_cache=False).logits[:, -1]
+        second = compiled(input_ids=ids[1:], use_cache=False).logits[:, -1]
+    assert counts[0] != counts[1], "rows of different lengths keep different numbers of tokens"
+    torch.testing.assert_close(both[0], first[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(both[1], second[0], atol=ATOL, rtol=0)
+
+
+def test_rewrite_counts_and_one_graph_for_all_lengths():
+    model = _llama()
+    compiled = uniprefill.compile(model, UniPrefillConfig(p=0.9, drop_layers=(1, 2), **SMALL))
+    with torch.no_grad():
+        for length in (300, 411, 517):
+            compiled(input_ids=_ids(1, length), use_cache=False)
+            assert uniprefill.last_drop_report(compiled).seq_len == length
+    reports = uniprefill.graph_reports(compiled)
+    assert len(reports) == 1, "one dynamic-shape graph serves every length"
+    assert reports[0].counts["drop_points"] == 2
+    assert reports[0].counts["dense_attention"] == 2  # layers 0 and 1
+    assert reports[0].counts["packed_attention"] == 2  # layers 2 and 3
+    assert [r.kind for r in reports[0].layers] == ["full"] * 4
+    assert [r.drop_point for r in reports[0].layers] == [False, True, True, False]
+
+
+def test_layer_kinds_of_a_sliding_hybrid_and_auto_rule():
+    model = _gemma3()
+    compiled = uniprefill.compile(model, UniPrefillConfig(drop_layers="all", **SMALL))
+    with torch.no_grad():
+        compiled(input_ids=_ids(1, 300), use_cache=False)
+    report = uniprefill.graph_reports(compiled)[0]
+    kinds = [r.kind for r in report.layers]
+    expected = ["full" if t == "full_attention" else "sliding" for t in model.config.layer_types]
+    assert kinds == expected
+    assert all(r.window == 24 for r in report.layers if r.kind == "sliding")
+    assert report.drop_layers == (1, 3)
+
+
+def test_short_inputs_run_unchanged():
+    model = _llama()
+    compiled = uniprefill.compile(model, UniPrefillConfig(p=0.5, drop_layers=(1,), min_tokens=1000, **SMALL))
+    ids = _ids(1, 300)
+    with torch.no_grad():
+        out = compiled(input_ids=ids, use_cache=False).logits
+        ref = model(input_ids=ids, use_cache=False).logits
+    assert uniprefill.last_drop_report(compiled) is None
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_drop_layer_that_is_not_full_attention_raises():
+    model = _gemma3()
+    compiled = uniprefill.compile(model, UniPrefillConfig(drop_layers=(2,), **SMALL))
+    with pytest.raises(Exception, match="not full-attention"):
+        with torch.no_grad():
+            compiled(input_ids=_ids(1, 300), use_cache=False)
+
+
+def test_eager_attention_is_left_unchanged_with_a_reason():
+    model = _llama()
+    model.config._attn_implementation = "eager"
+    compiled = uniprefill.compile(model, UniPrefillConfig(p=0.5, **SMALL))
+    ids = _ids(1, 300)
+    with pytest.warns(UserWarning, match="unaccelerated"), torch.no_grad():
+        out = compiled(input_ids=ids, use_cache=False).logits
+    report = uniprefill.graph_reports(compiled)[0]
+    assert not report.rewritten and "no full-attention" in report.reason
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(input_ids=ids, use_cache=False).logits, atol=ATOL, rtol=0)
+    torch._dynamo.reset()
+    strict = uniprefill.compile(model, UniPrefillConfig(strict=True, **SMALL))
+    with pytest.raises(Exception, match="cannot rewrite"), torch.no_grad():
+        strict(input_ids=ids, use_cache=False)
+
+
+@torch.library.custom_op("uniprefill_test::opaque_linear", mutates_args=())
+def _opaque_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.t()
+
+
+@_opaque_linear.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[:-1] + (w.shape[0],))
+
+
+class _OpaqueLinear(torch.nn.Module):
+    """Stands in for a quantized / packed linear layer whose kernel the pass cannot inspect."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight = linear.weight
+
+    def forward(self, x):
+        return torch.ops.uniprefill_test.opaque_linear(x, self.weight)
+
+
+def test_unknown_kernel_after_a_drop_point_is_left_unchanged():
+    model = _llama()
+    model.model.layers[3].mlp.down_proj = _OpaqueLinear(model.model.layers[3].mlp.down_proj)
+    compiled = uniprefill.compile(model, UniPrefillConfig(p=0.5, drop_layers=(1,), **SMALL))
+    with pytest.warns(UserWarning, match="unknown custom op"), torch.no_grad():
+        compiled(input_ids=_ids(1, 300), use_cache=False)
+    report = uniprefill.graph_reports(compiled)[0]
+    assert not report.rewritten and "opaque_linear" in report.reason
+
+
+def test_backend_by_name_with_options():
+    model = _llama()
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": [1], **SMALL}, dynamic=True)
+    ids = _ids(1, 300)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids, use_cache=False).logits,
+                                   model(input_ids=ids, use_cache=False).logits, atol=ATOL, rtol=0)
+    torch._dynamo.reset()
+    bad = torch.compile(model, backend="uniprefill", options={"top_p": 0.9}, dynamic=True)
+    with pytest.raises(Exception, match="unknown uniprefill option"), torch.no_grad():
+        bad(input_ids=ids, use_cache=False)
+
+
+def test_output_hidden_states_runs_unaccelerated():
+    model = _llama()
+    compiled = uniprefill.compile(model, UniPrefillConfig(p=0.5, drop_layers=(1,), **SMALL))
+    with pytest.warns(UserWarning, match="output_hidden_states"), torch.no_grad():
+        compiled(input_ids=_ids(1, 300), use_cache=False, output_hidden_states=True)
