@@ -1,0 +1,94 @@
+"""UniPrefillConfig validation, the lean import, and the `kernels` name hazard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from uniprefill import UniPrefillConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_and_stable_hash():
+    cfg = UniPrefillConfig()
+    assert (cfg.p, cfg.block_size, cfg.last_q, cfg.sink, cfg.policy) == (0.99, 64, 128, 128, "cumulative")
+    assert cfg.stable_hash() == UniPrefillConfig().stable_hash()
+    assert cfg.stable_hash() != UniPrefillConfig(p=0.9).stable_hash()
+    assert UniPrefillConfig(min_tokens=10).effective_min_tokens == 256
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"p": 0.0}, r"p=0.0 is outside \(0.0, 1.0\]"),
+    ({"p": 1.5}, "outside"),
+    ({"p": float("nan")}, "must be a number"),
+    ({"block_size": 0}, "block_size=0 must be >= 1"),
+    ({"last_q": 2.5}, "must be an integer"),
+    ({"sink": -1}, ">= 0"),
+    ({"policy": "keep"}, "policy='keep'"),
+    ({"impl": "cuda"}, "impl='cuda'"),
+    ({"drop_layers": "some"}, "drop_layers"),
+    ({"drop_layers": [3, 3]}, "repeats"),
+    ({"drop_layers": []}, "names no layer"),
+    ({"keep_ratio": 0.0}, "keep_ratio"),
+    ({"keep_ratio": [0.5, 2.0]}, "keep_ratio"),
+    ({"strict": 1}, "True or False"),
+])
+def test_bad_values_raise_value_error(bad, match):
+    with pytest.raises(ValueError, match=match):
+        UniPrefillConfig(**bad)
+
+
+def test_options_reject_unknown_keys():
+    assert UniPrefillConfig.from_options({"p": 0.5}).p == 0.5
+    with pytest.raises(ValueError, match="unknown uniprefill option"):
+        UniPrefillConfig.from_options({"top_p": 0.5})
+
+
+def test_keep_ratio_per_drop_point():
+    cfg = UniPrefillConfig(keep_ratio=[0.5, 0.3])
+    assert cfg.keep_ratio_at(1, 2) == 0.3
+    with pytest.raises(ValueError, match="one per drop point"):
+        cfg.keep_ratio_at(0, 3)
+    assert UniPrefillConfig(keep_ratio=0.4).keep_ratio_at(2, 3) == 0.4
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_import_is_lean():
+    code = (
+        "import sys, uniprefill, torch\n"
+        "assert 'vllm' not in sys.modules, 'vllm imported'\n"
+        "assert 'transformers' not in sys.modules, 'transformers imported'\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
+        "print('lean')"
+    )
+    result = _python(code, ROOT)
+    assert result.returncode == 0 and "lean" in result.stdout, result.stderr
+
+
+def test_kernels_folder_does_not_trip_transformers_probe():
+    # `python -c` from the repository root puts the root on sys.path, so `kernels/` is
+    # importable there as a top-level module: transformers must still see no `kernels` package.
+    code = (
+        "import importlib.util\n"
+        "assert importlib.util.find_spec('kernels') is not None\n"
+        "from transformers.utils import import_utils\n"
+        "assert not import_utils.is_kernels_available(), 'transformers thinks kernels is installed'\n"
+        "import uniprefill.kernels.api\n"
+        "print('ok')"
+    )
+    result = _python(code, ROOT)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+def test_pytest_does_not_put_the_root_on_sys_path():
+    assert str(ROOT) not in [str(Path(p).resolve()) for p in sys.path if p], \
+        "run pytest with --import-mode=importlib (pyproject sets it)"
