@@ -27,6 +27,7 @@ _MASK_SAFE_NAMES = (
     "expand", "to", "new_ones", "unsqueeze", "cumsum", "diff", "sym_size", "bool", "float",
     "view", "reshape", "ones", "full", "mul", "floordiv", "invert", "logical_and", "where",
 )
+_MASK_SAFE = tuple(name.strip("_") for name in _MASK_SAFE_NAMES)
 _LINEAR_HINTS = ("deltanet", "mamba", "ssm", "conv", "linearattention", "rwkv", "gla", "retention", "lightning")
 
 
@@ -62,6 +63,7 @@ def analyse_mask(sdpa: fx.Node, padding_placeholders: set[fx.Node]) -> MaskInfo:
     causal = False
     window = 0
     padding = None
+    unknown = set()
     for node in nodes:
         if node.op == "placeholder":
             if node in padding_placeholders:
@@ -69,14 +71,17 @@ def analyse_mask(sdpa: fx.Node, padding_placeholders: set[fx.Node]) -> MaskInfo:
             continue
         if node.op == "get_attr":
             continue
-        name = target_name(node).rsplit(".", 1)[-1]
-        if node.op not in ("call_function", "call_method") or not any(name == s or name.startswith(s) for s in _MASK_SAFE_NAMES):
-            return MaskInfo(False, reason=f"mask built with {target_name(node)}")
+        name = target_name(node).rsplit(".", 1)[-1].strip("_")
+        if node.op not in ("call_function", "call_method") or not any(name == s or name.startswith(s) for s in _MASK_SAFE):
+            unknown.add(target_name(node))
+            continue
         if node.op == "call_function" and node.target in _COMPARISONS:
             causal = True
-        if name == "sub" and len(node.args) == 2 and isinstance(node.args[1], int) and node.args[1] > 0:
+        if name in ("sub", "isub") and len(node.args) == 2 and isinstance(node.args[1], int) and node.args[1] > 0:
             if any(u.op == "call_function" and u.target in _COMPARISONS for u in node.users):
                 window = node.args[1] if window == 0 else min(window, node.args[1])
+    if unknown:
+        return MaskInfo(False, reason=f"mask built with {', '.join(sorted(unknown))}")
     if not causal:
         return MaskInfo(False, reason="mask has no causal comparison")
     return MaskInfo(True, causal=True, window=window, padding=padding)

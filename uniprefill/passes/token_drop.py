@@ -156,8 +156,9 @@ class TokenDropPass:
             raise RewriteSkipped(f"graph break inside the decoder stack: this graph holds layers {present}")
         full = [i for i, info in self.layers.items() if info.kind == "full"]
         if not full:
+            kinds = "; ".join(f"{i}: {info.kind} ({info.detail})" for i, info in list(self.layers.items())[:4])
             raise RewriteSkipped("no full-attention layer (SDPA with a causal mask) in this graph; "
-                                 "load the model with attn_implementation='sdpa'")
+                                 f"load the model with attn_implementation='sdpa' (layers: {kinds})")
         self.drop_layers = resolve_drop_layers(self.config.drop_layers, self.layers)
         if not self.drop_layers:
             raise RewriteSkipped(f"drop_layers={self.config.drop_layers!r} selects no layer of this model")
