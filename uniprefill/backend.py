@@ -144,6 +144,9 @@ def compile(model: torch.nn.Module, config: UniPrefillConfig | None = None, **op
     if config is not None and options:
         raise ValueError("pass either a UniPrefillConfig or option keywords, not both")
     config = config or UniPrefillConfig.from_options(options)
+    from .compat import make_linear_attention_opaque
+
+    make_linear_attention_opaque(model)
     backend = UniPrefillBackend(config)
     compiled = torch.compile(model, backend=backend, dynamic=True)
     compiled._uniprefill_backend = backend

@@ -341,7 +341,8 @@ class TokenDropPass:
             module = getattr(node.target, "__module__", "") or ""
             is_op_overload = isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
             if is_op_overload:
-                namespace = node.target.namespace if hasattr(node.target, "namespace") else ""
+                schema = getattr(node.target, "_schema", None)
+                namespace = schema.name.split("::")[0] if schema is not None else str(node.target).split(".")[0]
                 if namespace not in ("aten", "prims", "transformers", "uniprefill"):
                     raise RewriteSkipped(f"unknown custom op {name} runs on kept tokens (quantized or packed kernels are not followed)")
             elif not module.split(".")[0] in _SAFE_MODULES:

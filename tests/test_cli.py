@@ -1,0 +1,129 @@
+"""The command line: argument errors fail at once; tiny end-to-end runs of every command."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from uniprefill.cli import main, parse_length
+from uniprefill.eval.haystack import NOISE_SENTENCES, word_pool
+from uniprefill.eval.systems import uniprefill_api
+from uniprefill.eval.toy import build_toy_llama, train_toy_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random Llama with its tokenizer, saved as a local model folder."""
+    path = tmp_path_factory.mktemp("toy")
+    corpus = [" ".join(NOISE_SENTENCES) * 50, " ".join(word_pool(2000)), "0123456789 " * 50]
+    train_toy_tokenizer(corpus, vocab_size=384).save_pretrained(path)
+    build_toy_llama(384, max_position_embeddings=4096).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def essay(tmp_path_factory):
+    words = word_pool(2000)
+    text = " ".join(" ".join(words[i:i + 10]).capitalize() + "." for i in range(0, 2000, 10))
+    path = tmp_path_factory.mktemp("hay") / "essays.json"
+    path.write_text(json.dumps({"text": text}))
+    return str(path)
+
+
+def _fails(argv, capsys, message):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--tasks", "niah_single_1,nope"], "unknown task 'nope'"),
+    (["eval", "--tasks", "qa_2"], "HotpotQA"),
+    (["eval", "--tasks", "niah_single_1", "--p", "1.5"], "p=1.5 is outside (0.0, 1.0]"),
+    (["eval", "--tasks", "niah_single_1", "--p", "0"], "p=0.0 is outside"),
+    (["eval", "--tasks", "niah_single_1", "--policy", "lazy"], "policy='lazy'"),
+    (["eval", "--tasks", "niah_single_1", "--shard", "2/2"], "shard '2/2'"),
+    (["eval", "--tasks", "niah_single_1", "--lengths", "4q"], "length '4q'"),
+    (["eval", "--tasks", "niah_single_1", "--model", "./no/such/model"], "does not exist"),
+    (["eval", "--tasks", "niah_single_2"], "need an essay haystack"),
+    (["bench", "--model", "/no/such/model"], "model path '/no/such/model' does not exist"),
+    (["bench", "--model", "x", "--drop-layers", "a,b"], "--drop-layers"),
+    (["demo", "--p", "0.9,0.95"], "one --p"),
+    (["demo", "--haystack", "/no/such/file.json"], "does not exist"),
+    (["eval", "--summary-only", "--out", "/no/such/results.jsonl"], "does not exist"),
+])
+def test_bad_arguments_fail_at_once(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("UNIPREFILL_HAYSTACK", raising=False)
+    _fails(argv, capsys, message)
+
+
+def test_length_above_max_positions(model_dir, capsys):
+    _fails(["eval", "--model", model_dir, "--tasks", "niah_single_1", "--lengths", "4k,8k"],
+           capsys, "[8192] above the model's max_position_embeddings=4096")
+    _fails(["bench", "--model", model_dir, "--lengths", "16k"], capsys,
+           "max_position_embeddings=4096")
+
+
+def test_parse_length():
+    assert parse_length("4k") == 4096 and parse_length("128K") == 131072
+    assert parse_length("3000") == 3000
+
+
+def test_eval_end_to_end_with_shards(model_dir, essay, tmp_path, capsys):
+    common = ["eval", "--model", model_dir, "--tasks", "niah_single_1,niah_single_2",
+              "--lengths", "600", "--samples", "2", "--haystack", essay, "--baseline-only",
+              "--quiet", "--n-boot", "200"]
+    for i in range(2):
+        assert main(common + ["--out", str(tmp_path / f"s{i}.jsonl"), "--shard", f"{i}/2"]) == 0
+    merged = tmp_path / "all.jsonl"
+    merged.write_text("".join((tmp_path / f"s{i}.jsonl").read_text() for i in range(2)))
+    capsys.readouterr()
+    assert main(["eval", "--summary-only", "--out", str(merged),
+                 "--plot", str(tmp_path / "pareto.png")]) == 0
+    table = capsys.readouterr().out
+    assert "niah_single_2" in table and "average" in table
+    lines = [json.loads(x) for x in merged.read_text().splitlines()]
+    assert len(lines) == 4 and {line["settings"]["shard"] for line in lines} == {"0/2", "1/2"}
+    summary = json.loads((tmp_path / "all.summary.json").read_text())
+    env = summary["environments"][0]
+    assert env["versions"]["transformers"] and env["device_name"] and env["date"]
+    assert {r["task"] for r in summary["rows"]} == {"niah_single_1", "niah_single_2", "average"}
+    assert (tmp_path / "pareto.png").exists()
+
+
+def test_bench_end_to_end(model_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", model_dir, "--lengths", "300", "--baseline", "eager",
+                 "--baseline-only", "--warmup", "0", "--repeats", "2", "--inputs", "random",
+                 "--out", str(out), "--plot", str(tmp_path / "b.png"), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["environment"]["versions"]["torch"] and data["settings"]["lengths"] == "300"
+    assert data["plan"]["repeats"] == 2 and len(data["results"]) == 1
+    assert len(data["results"][0]["ttft"]["times_s"]) == 2
+    assert "TTFT ms" in capsys.readouterr().out and (tmp_path / "b.png").exists()
+
+
+def test_demo_end_to_end(model_dir, essay, tmp_path, capsys, monkeypatch):
+    try:
+        uniprefill_api()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    monkeypatch.setenv("UNIPREFILL_HAYSTACK", essay)
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--model", model_dir, "--length", "700", "--warmup", "0",
+                 "--repeats", "1", "--p", "0.9", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "from UNIPREFILL_HAYSTACK" in text and "speedup:" in text
+    data = json.loads(out.read_text())
+    assert data["sample"]["task"] == "niah_single_2" and data["config"]["p"] == 0.9
+    assert set(data["results"]) == {"baseline", "uniprefill"}
+
+
+def test_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "uniprefill", "--help"], capture_output=True,
+                         text=True, cwd=Path(__file__).parent, timeout=120)
+    assert out.returncode == 0 and "demo" in out.stdout and "eval" in out.stdout

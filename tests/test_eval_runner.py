@@ -1,0 +1,185 @@
+"""Runner (resume, shards, records), systems and summaries on a tiny random model."""
+
+import json
+
+import pytest
+import torch
+
+from uniprefill.config import UniPrefillConfig
+from uniprefill.eval import systems as systems_mod
+from uniprefill.eval.haystack import NOISE_SENTENCES, word_pool
+from uniprefill.eval.runner import (
+    EvalPlan,
+    StopAtNewline,
+    cut_answer,
+    parse_shard,
+    read_records,
+    run_eval,
+    run_one,
+)
+from uniprefill.eval.summary import AVERAGE, format_table, plot_pareto, summarize
+from uniprefill.eval.systems import SystemSpec, baseline_spec, uniprefill_spec
+from uniprefill.eval.tasks import make_sample
+from uniprefill.eval.toy import build_toy_llama, train_toy_tokenizer
+
+TASKS = ("niah_single_1", "vt")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    corpus = [" ".join(NOISE_SENTENCES) * 50, " ".join(word_pool(2000)), "0123456789 VAR = " * 50]
+    return train_toy_tokenizer(corpus, vocab_size=384)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_toy_llama(384)
+
+
+def _run(model, tokenizer, path, systems=(baseline_spec(),), **kw):
+    plan = EvalPlan(TASKS, (600,), num_samples=2, seed=0)
+    return run_eval(model, tokenizer, list(systems), plan, path, model_name="toy",
+                    progress=False, **kw)
+
+
+def test_records_and_resume(model, tokenizer, tmp_path):
+    out = tmp_path / "r.jsonl"
+    first = _run(model, tokenizer, out)
+    assert len(first) == 4 and len(read_records(out)) == 4
+    rec = first[0]
+    for field in ("ttft_s", "prediction", "score", "answers", "num_tokens", "env", "key",
+                  "drop_report", "first_token", "depth"):
+        assert field in rec
+    assert rec["generation"] == "done" and 0.0 <= rec["score"] <= 1.0
+    assert rec["env"]["versions"]["torch"] and rec["env"]["date"]
+    assert _run(model, tokenizer, out) == []  # everything done: nothing reruns
+    # A run killed mid-line leaves a torn line: it is skipped and its item redone.
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])
+    with pytest.warns(UserWarning, match="unreadable line"):
+        again = _run(model, tokenizer, out)
+    assert len(again) == 1 and again[0]["key"] == json.loads(lines[3])["key"]
+
+
+def test_shards_partition_prompts_and_keep_systems_together(model, tokenizer, tmp_path):
+    systems = [baseline_spec(), baseline_spec(compiled=True)]
+    parts = [_run(model, tokenizer, tmp_path / f"s{i}.jsonl", systems, shard=(i, 2),
+                  compile_backend="eager", generate=False) for i in range(2)]
+    prompts = [{(r["task"], r["index"]) for r in part} for part in parts]
+    assert prompts[0].isdisjoint(prompts[1])
+    assert prompts[0] | prompts[1] == {(t, i) for t in TASKS for i in range(2)}
+    for part in parts:
+        for prompt in {(r["task"], r["index"]) for r in part}:
+            assert {r["system"] for r in part if (r["task"], r["index"]) == prompt} == \
+                {"baseline", "baseline-compiled"}
+    assert all(r["generation"] == "skipped" for part in parts for r in part)
+
+
+def test_parse_shard():
+    assert parse_shard("1/4") == (1, 4)
+    for bad in ("4/4", "x", "1/0", "-1/2"):
+        with pytest.raises(ValueError):
+            parse_shard(bad)
+
+
+def test_stop_at_newline_and_cut(tokenizer):
+    prompt = tokenizer("Q:", return_tensors="pt")["input_ids"]
+    n = prompt.shape[1]
+    stop = StopAtNewline(tokenizer, n)
+    leading = torch.cat([prompt, tokenizer("\n 123", return_tensors="pt",
+                                           add_special_tokens=False)["input_ids"]], 1)
+    assert not stop(leading, None).item()  # a newline before any text does not stop
+    done = torch.cat([leading, tokenizer(" x\n", return_tensors="pt",
+                                         add_special_tokens=False)["input_ids"]], 1)
+    assert stop(done, None).item()
+    assert cut_answer("\n 1234567.\nOne of", True) == "1234567."
+    assert cut_answer(" a\nb", False) == "a b"
+
+
+class _Scripted:
+    """A stand-in system whose greedy output is fixed text."""
+
+    def __init__(self, tokenizer, text, spec=baseline_spec()):
+        self.spec, self.tokenizer, self.text = spec, tokenizer, text
+        self.generation_pending = None
+
+    def prefill(self, ids, mask):
+        return torch.zeros(ids.shape[0], 384)
+
+    def drop_report(self):
+        return None
+
+    def generate(self, ids, mask, **kw):
+        return torch.tensor([self.tokenizer(self.text, add_special_tokens=False)["input_ids"]])
+
+
+def test_run_one_scores_the_generated_answer(tokenizer):
+    sample = make_sample("niah_single_1", tokenizer, 600, 0)
+    right = run_one(_Scripted(tokenizer, f" {sample.answers[0]}.\nQuestion"), sample, tokenizer,
+                    torch.device("cpu"), warmup=0)
+    wrong = run_one(_Scripted(tokenizer, " 42.\n" + sample.answers[0]), sample, tokenizer,
+                    torch.device("cpu"), warmup=0)
+    assert right["score"] == 1.0 and right["prediction"] == f"{sample.answers[0]}."
+    assert wrong["score"] == 0.0  # text after the newline does not count
+
+
+def test_generation_pending_is_recorded_not_borrowed(tokenizer):
+    sample = make_sample("niah_single_1", tokenizer, 600, 0)
+    method = _Scripted(tokenizer, "unused", uniprefill_spec(UniPrefillConfig(p=0.9)))
+    method.generation_pending = "no generate() yet"
+    rec = run_one(method, sample, tokenizer, torch.device("cpu"), warmup=0)
+    assert rec["generation"] == "pending" and rec["score"] is None
+    assert rec["generation_error"] == "no generate() yet" and rec["role"] == "method"
+
+
+def test_uniprefill_system_on_the_tiny_model(model, tokenizer, tmp_path):
+    try:
+        systems_mod.uniprefill_api()
+    except RuntimeError as err:
+        pytest.skip(str(err))
+    spec = uniprefill_spec(UniPrefillConfig(p=0.9, block_size=16, last_q=32, sink=32))
+    records = _run(model, tokenizer, tmp_path / "u.jsonl", [baseline_spec(), spec])
+    method = [r for r in records if r["role"] == "method"]
+    assert len(method) == 4
+    for r in method:
+        assert r["generation"] in ("done", "pending")
+        points = systems_mod.drop_points(r["drop_report"])
+        assert points and 0 < r["overall_retention"] <= 1
+        assert all(p["kept"][0] <= p["entering"][0] for p in points)
+    rows = summarize(read_records(tmp_path / "u.jsonl"), n_boot=200)
+    assert any(r["system"] == spec.name and r["speedup"] is not None for r in rows)
+
+
+def _record(system, role, task, index, score, ttft, label=None, p=None):
+    spec = SystemSpec(system, label or system,
+                      UniPrefillConfig(p=p) if p is not None else None)
+    return {
+        "model": "m", "length": 4096, "task": task, "index": index, "seed": 0,
+        "haystack": "noise", "system": system, "system_label": spec.label, "role": role,
+        "system_spec": spec.as_dict(), "score": score, "ttft_s": ttft,
+        "generation": "done" if score is not None else "pending", "overall_retention":
+        0.5 if role == "method" else None,
+    }
+
+
+def test_summary_pairs_prompts_and_uses_the_faster_baseline(tmp_path):
+    records = []
+    for task in ("niah_single_1", "vt"):
+        for i in range(40):
+            records.append(_record("baseline", "baseline", task, i, float(i % 2), 1.0))
+            records.append(_record("baseline-compiled", "baseline", task, i, float(i % 2), 0.8))
+            records.append(_record("uniprefill-a", "method", task, i, 1.0, 0.4, p=0.9))
+            records.append(_record("uniprefill-b", "method", task, i, None, 0.5, p=0.95))
+    rows = summarize(records, n_boot=500)
+    by = {(r["task"], r["system"]): r for r in rows}
+    a = by[("vt", "uniprefill-a")]
+    assert a["score"] == 100.0 and a["delta"] == pytest.approx(50.0)
+    assert 0 < a["ci_low"] < 50 < a["ci_high"]
+    assert a["speedup"] == pytest.approx(0.8 / 0.4)  # against the faster (compiled) baseline
+    assert by[("vt", "baseline-compiled")]["speedup"] == 1.0
+    assert by[("vt", "uniprefill-b")]["score"] is None
+    assert by[(AVERAGE, "uniprefill-a")]["n"] == 80
+    table = format_table(rows)
+    assert "pending" in table and "+50.0" in table
+    plot_pareto(rows, str(tmp_path / "pareto.png"))
+    assert (tmp_path / "pareto.png").stat().st_size > 1000

@@ -1,0 +1,54 @@
+"""What a result was measured with: versions, device, git commit and date."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+from importlib import metadata
+from typing import Any
+
+import torch
+
+_PACKAGES = ("torch", "transformers", "triton", "uniprefill")
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions, read from package metadata (nothing is imported)."""
+    out: dict[str, str | None] = {}
+    for name in _PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({os.cpu_count()} CPUs)"
+
+
+def git_commit() -> str | None:
+    """HEAD of the repository holding this package, if it is a git checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def environment_info(device: torch.device) -> dict[str, Any]:
+    return {
+        "versions": package_versions(),
+        "device": str(device),
+        "device_name": device_name(device),
+        "git_commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+    }

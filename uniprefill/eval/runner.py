@@ -1,0 +1,251 @@
+"""Run task samples through systems; one JSON line per (system, task, length, sample).
+
+Resumable: results are appended to a JSON-lines file as they finish, and a restart skips
+every (model, system, task, length, index, seed, haystack) already there. Shardable: the
+prompts (task, length, index) are put in a fixed order and shard i/k takes every k-th; all
+systems of a prompt run in the same shard, so baseline and method TTFTs of one prompt come
+from the same device.
+
+Per prompt and system: `warmup` untimed prefills, `repeats` timed ones (TTFT = their
+median, device-synced), the drop report of the last prefill, then greedy generation
+(stopping at a newline after some text when the task says so) and the task's score.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from uniprefill.bench.environment import environment_info
+from uniprefill.bench.timing import measure
+
+from .haystack import load_essay_haystack
+from .scoring import clean_prediction, score
+from .systems import System, SystemSpec
+from .tasks import Sample, check_task, make_sample, needs_essay
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """Which prompts to run.
+
+    Attributes:
+        tasks: task names.
+        lengths: target lengths in tokens.
+        num_samples: samples per (task, length).
+        seed: seed of the samples.
+        haystack: essay file for the essay tasks (None if no essay task is asked).
+        max_new_tokens: answer budget for every task; each task's default when None.
+    """
+
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    num_samples: int
+    seed: int = 0
+    haystack: str | None = None
+    max_new_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for task in self.tasks:
+            check_task(task)
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples={self.num_samples} must be >= 1")
+        essay_tasks = [t for t in self.tasks if needs_essay(t)]
+        if essay_tasks and self.haystack is None:
+            raise ValueError(f"tasks {essay_tasks} need an essay haystack file")
+
+    def prompts(self) -> list[tuple[str, int, int]]:
+        """(task, length, index) in the fixed order that shards split."""
+        return [(t, n, i) for n in self.lengths for t in self.tasks
+                for i in range(self.num_samples)]
+
+    def haystack_name(self, task: str) -> str:
+        spec = check_task(task)
+        return os.path.basename(self.haystack) if spec.haystack == "essay" else spec.haystack
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """"i/k" -> (i, k) with 0 <= i < k."""
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"shard {text!r} must look like i/k, e.g. 0/4") from None
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"shard {text!r}: need 0 <= i < k")
+    return index, count
+
+
+def record_key(record: dict[str, Any]) -> tuple:
+    return tuple(record[k] for k in
+                 ("model", "system", "task", "length", "index", "seed", "haystack"))
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a results file; a torn last line (a killed run) is skipped."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                warnings.warn(f"{path}:{number}: unreadable line skipped", stacklevel=2)
+    return records
+
+
+class StopAtNewline:
+    """A `StoppingCriteria`: stop once the new text has a newline after non-blank text."""
+
+    def __init__(self, tokenizer, prompt_len: int):
+        self.tokenizer, self.prompt_len = tokenizer, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:],
+                                            skip_special_tokens=True)
+        done = ["\n" in text.lstrip() for text in texts]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+def cut_answer(text: str, stop_at_newline: bool) -> str:
+    text = text.lstrip()
+    if stop_at_newline:
+        text = text.split("\n", 1)[0]
+    return clean_prediction(text)
+
+
+def run_eval(
+    model,
+    tokenizer,
+    systems: Sequence[SystemSpec],
+    plan: EvalPlan,
+    out_path: str | os.PathLike,
+    *,
+    model_name: str,
+    shard: tuple[int, int] = (0, 1),
+    warmup: int = 1,
+    repeats: int = 1,
+    generate: bool = True,
+    progress: bool = True,
+    compile_backend: str = "inductor",
+    settings: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Run this shard's unfinished work items; append and return their records.
+
+    Args:
+        model, tokenizer: the model under test (already on its device) and its tokenizer.
+        systems: the systems to compare; the same prompts go through each.
+        model_name: recorded with every line and part of the resume key.
+        shard: (i, k): run every k-th prompt starting at the i-th.
+        warmup, repeats: untimed and timed prefills per prompt and system.
+        generate: whether to generate and score, or only time the prefill.
+        settings: extra settings recorded with every line (e.g. the command line).
+    """
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    done = {record_key(r) for r in read_records(out_path)}
+    index, count = shard
+    work = []
+    for task, length, i in plan.prompts()[index::count]:
+        for spec in systems:
+            key = (model_name, spec.name, task, length, i, plan.seed, plan.haystack_name(task))
+            if key not in done:
+                work.append((task, length, i, spec, key))
+    env = environment_info(device)
+    essay = load_essay_haystack(plan.haystack) if plan.haystack else None
+    bound: dict[str, System] = {}
+    samples: dict[tuple[str, int, int], Sample] = {}
+    new_records = []
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    with open(out_path, "a", encoding="utf-8") as out, \
+            tqdm(total=len(work), disable=not progress, desc="eval") as bar:
+        for task, length, i, spec, key in work:
+            bar.set_postfix_str(f"{spec.label} {task} {length}")
+            sample = samples.get((task, length, i))
+            if sample is None:
+                samples.clear()  # one prompt at a time: all of its systems run together
+                sample = samples[(task, length, i)] = make_sample(
+                    task, tokenizer, length, i, seed=plan.seed, haystack=essay,
+                    max_new_tokens=plan.max_new_tokens)
+            if spec.name not in bound:
+                bound[spec.name] = System(spec, model, compile_backend=compile_backend)
+            record = run_one(bound[spec.name], sample, tokenizer, device,
+                             warmup=warmup, repeats=repeats, generate=generate)
+            record.update(key=list(key), model=model_name, env=env, settings=settings or {},
+                          date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                              timespec="seconds"))
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            new_records.append(record)
+            bar.update(1)
+    return new_records
+
+
+def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
+            warmup: int = 1, repeats: int = 1, generate: bool = True) -> dict[str, Any]:
+    """Time, report and (optionally) generate one sample with one system."""
+    enc = tokenizer(sample.prompt, return_tensors="pt")
+    ids = enc["input_ids"].to(device)
+    mask = enc["attention_mask"].to(device)
+    stats, logits = measure(lambda: system.prefill(ids, mask), device,
+                            warmup=warmup, repeats=repeats)
+    report = system.drop_report()
+    first_id = int(logits[0].argmax())
+    record: dict[str, Any] = {
+        "system": system.spec.name,
+        "system_label": system.spec.label,
+        "system_spec": system.spec.as_dict(),
+        "role": "baseline" if system.spec.is_baseline else "method",
+        **{k: v for k, v in sample.to_dict().items() if k != "prompt"},
+        "prompt_tokens": int(ids.shape[1]),
+        "ttft_s": stats.median_s,
+        "ttft": stats.as_dict(),
+        "first_token_id": first_id,
+        "first_token": tokenizer.decode([first_id]),
+        "drop_report": report,
+        "overall_retention": report["overall_retention"] if report else None,
+        "prediction": None,
+        "score": None,
+        "generation": "skipped",
+    }
+    if not generate:
+        return record
+    pending = system.generation_pending
+    if pending is not None:
+        record.update(generation="pending", generation_error=pending)
+        return record
+    try:
+        with torch.no_grad():
+            new_ids = system.generate(
+                ids, mask, max_new_tokens=sample.max_new_tokens,
+                stopping_criteria=([StopAtNewline(tokenizer, ids.shape[1])]
+                                   if sample.stop_at_newline else []),
+                pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                else tokenizer.eos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+    except Exception as err:  # noqa: BLE001 - the method's generate may not be ready yet
+        if system.spec.is_baseline:
+            raise
+        record.update(generation="pending", generation_error=f"{type(err).__name__}: {err}")
+        return record
+    text = tokenizer.decode(new_ids[0], skip_special_tokens=True)
+    prediction = cut_answer(text, sample.stop_at_newline)
+    record.update(
+        prediction=prediction,
+        raw_output=text,
+        score=score(sample.task, prediction, sample.answers),
+        generation="done",
+        first_generated_matches_prefill=bool(new_ids.shape[1] and int(new_ids[0, 0]) == first_id),
+    )
+    return record

@@ -1,0 +1,168 @@
+"""Summaries of evaluation records: per task, length and system, against the baseline.
+
+Scores are averaged in points; a method's difference to the baseline comes with a paired
+bootstrap CI over the prompts both ran. Where a results file holds two baselines (eager
+and compiled), the faster one at that task and length is the reference, so TTFT speedups
+are never flattered by a slow baseline. The "average" rows pool every task of a length,
+as RULER's average does when each task has the same number of samples.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .scoring import paired_bootstrap_ci
+
+AVERAGE = "average"
+
+
+def _prompt_key(r: dict[str, Any]) -> tuple:
+    return (r["task"], r["index"], r["seed"], r["haystack"])
+
+
+def summarize(records: Iterable[dict[str, Any]], *, n_boot: int = 10000, seed: int = 0
+              ) -> list[dict[str, Any]]:
+    """One row per (model, length, task, system) and per (model, length, system) average."""
+    cells: dict[tuple, dict[str, dict[tuple, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for r in records:
+        cells[(r["model"], r["length"], r["task"])][r["system"]][_prompt_key(r)] = r
+    rows = []
+    pooled: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for (model, length, task), systems in sorted(cells.items()):
+        base_name = _fastest_baseline(systems)
+        base = systems.get(base_name, {}) if base_name else {}
+        for name, by_prompt in sorted(systems.items(), key=lambda kv: _order(kv[1])):
+            pairs = [(base[k], r) for k, r in by_prompt.items() if k in base]
+            pool = pooled[(model, length, name)]
+            pool["records"].extend(by_prompt.values())
+            pool["pairs"].extend(pairs)
+            rows.append(_row(model, length, task, name, list(by_prompt.values()), pairs,
+                             n_boot, seed, is_reference=name == base_name))
+    for (model, length, name), pool in sorted(pooled.items()):
+        tasks = {r["task"] for r in pool["records"]}
+        if len(tasks) > 1:
+            rows.append(_row(model, length, AVERAGE, name, pool["records"], pool["pairs"],
+                             n_boot, seed, is_reference=None))
+    return rows
+
+
+def _order(by_prompt: dict) -> tuple:
+    first = next(iter(by_prompt.values()))
+    return (first["role"] != "baseline", first["system_label"])
+
+
+def _fastest_baseline(systems: dict[str, dict]) -> str | None:
+    baselines = [(statistics.median(r["ttft_s"] for r in recs.values()), name)
+                 for name, recs in systems.items()
+                 if next(iter(recs.values()))["role"] == "baseline"]
+    return min(baselines)[1] if baselines else None
+
+
+def _row(model, length, task, name, recs, pairs, n_boot, seed, is_reference) -> dict[str, Any]:
+    first = recs[0]
+    scored = [r["score"] for r in recs if r["score"] is not None]
+    spec = first.get("system_spec") or {}
+    config = spec.get("config") or {}
+    row: dict[str, Any] = {
+        "model": model, "length": length, "task": task, "system": name,
+        "label": first["system_label"], "role": first["role"],
+        "p": config.get("p"), "policy": config.get("policy"),
+        "n": len(recs), "n_scored": len(scored),
+        "score": 100 * statistics.fmean(scored) if scored else None,
+        "generation_pending": sum(r["generation"] == "pending" for r in recs),
+        "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in recs),
+        "retention": _mean([r.get("overall_retention") for r in recs]),
+        "delta": None, "ci_low": None, "ci_high": None, "speedup": None, "n_paired": 0,
+    }
+    if first["role"] == "baseline" or not pairs:
+        if is_reference:
+            row["speedup"] = 1.0
+        return row
+    row["n_paired"] = len(pairs)
+    row["speedup"] = (statistics.median(b["ttft_s"] for b, _ in pairs)
+                      / statistics.median(m["ttft_s"] for _, m in pairs))
+    scored_pairs = [(b["score"], m["score"]) for b, m in pairs
+                    if b["score"] is not None and m["score"] is not None]
+    if scored_pairs:
+        base, meth = zip(*scored_pairs)
+        row["delta"], row["ci_low"], row["ci_high"] = paired_bootstrap_ci(
+            base, meth, n_boot=n_boot, seed=seed)
+    return row
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A fixed-width table of `summarize` rows."""
+    header = ("length", "task", "system", "n", "score", "delta [95% CI]", "TTFT ms",
+              "speedup", "retention")
+    lines = []
+    for r in rows:
+        if r["score"] is not None:
+            score = f"{r['score']:.1f}"
+        else:
+            score = "pending" if r["generation_pending"] else "-"
+        delta = (f"{r['delta']:+.1f} [{r['ci_low']:+.1f}, {r['ci_high']:+.1f}]"
+                 if r["delta"] is not None else "")
+        lines.append((
+            str(r["length"]), r["task"], r["label"], str(r["n"]), score, delta,
+            f"{r['ttft_ms']:.1f}",
+            f"{r['speedup']:.2f}x" if r["speedup"] is not None else "",
+            f"{r['retention']:.3f}" if r["retention"] is not None else "",
+        ))
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+              for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*line) for line in lines]
+    return "\n".join(out)
+
+
+def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
+    """Accuracy (average over tasks) vs TTFT speedup, one curve per (length, policy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    has_average = any(r["task"] == AVERAGE for r in rows)
+    chosen = [r for r in rows if (r["task"] == AVERAGE) == has_average]
+    plotted = 0
+    for length in sorted({r["length"] for r in chosen}):
+        at_length = [r for r in chosen if r["length"] == length]
+        base = [r for r in at_length if r["role"] == "baseline" and r["score"] is not None]
+        base_point = (1.0, base[0]["score"]) if base else None
+        for policy in sorted({r["policy"] for r in at_length if r["policy"]}):
+            points = sorted((r["speedup"], r["score"], r["p"]) for r in at_length
+                            if r["policy"] == policy and r["score"] is not None
+                            and r["speedup"] is not None)
+            if not points:
+                continue
+            xs = [x for x, _, _ in points] + ([base_point[0]] if base_point else [])
+            ys = [y for _, y, _ in points] + ([base_point[1]] if base_point else [])
+            order = sorted(range(len(xs)), key=xs.__getitem__)
+            ax.plot([xs[i] for i in order], [ys[i] for i in order], marker="o",
+                    label=f"{length} tokens, {policy}")
+            for x, y, p in points:
+                ax.annotate(f"p={p:g}", (x, y), fontsize=7, xytext=(3, 3),
+                            textcoords="offset points")
+            plotted += 1
+    if not plotted:
+        ax.text(0.5, 0.5, "no scored method results (generation pending?)",
+                ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("TTFT speedup over baseline (x)")
+    ax.set_ylabel("score (points, average over tasks)")
+    ax.set_title("Accuracy vs prefill speedup")
+    ax.grid(alpha=0.3)
+    if plotted:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,159 @@
+"""The systems an evaluation compares: the plain model, and the model under uniprefill.
+
+A `SystemSpec` names a system and holds its settings; `System` is the spec bound to a model,
+ready to prefill (what TTFT measures) and to generate greedily. The uniprefill system is
+`uniprefill.compile(model, config)`; generation goes through `compiled.generate`, and when
+that is missing or would just run the original model, the system says so
+(`generation_pending`) instead of quietly scoring the unaccelerated model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from uniprefill.config import UniPrefillConfig
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """What runs the prompts.
+
+    Attributes:
+        name: stable key of the system in result files ("baseline", "baseline-compiled",
+            "uniprefill-<config hash>").
+        label: short readable description for tables and plots.
+        config: the uniprefill settings, or None for the plain model.
+        compiled: for the plain model, whether it runs under `torch.compile`.
+    """
+
+    name: str
+    label: str
+    config: UniPrefillConfig | None = None
+    compiled: bool = False
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.config is None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "label": self.label,
+            "config": self.config.to_dict() if self.config is not None else None,
+            "compiled": self.compiled,
+        }
+
+
+def baseline_spec(compiled: bool = False) -> SystemSpec:
+    name = "baseline-compiled" if compiled else "baseline"
+    return SystemSpec(name, name, None, compiled)
+
+
+def uniprefill_spec(config: UniPrefillConfig) -> SystemSpec:
+    drop = config.drop_layers if isinstance(config.drop_layers, str) else ",".join(
+        map(str, config.drop_layers))
+    label = f"uniprefill p={config.p:g} {config.policy} drop={drop}"
+    if config.keep_ratio is not None:
+        label += f" keep={','.join(f'{r:g}' for r in config.keep_ratio)}"
+    return SystemSpec(f"uniprefill-{config.stable_hash()}", label, config, True)
+
+
+def uniprefill_api():
+    """The `uniprefill` module, or `RuntimeError` if `compile` is not there yet."""
+    import uniprefill
+
+    missing = [n for n in ("compile", "last_drop_report") if not hasattr(uniprefill, n)]
+    if missing:
+        raise RuntimeError(f"uniprefill.{' and uniprefill.'.join(missing)} not available yet")
+    return uniprefill
+
+
+class System:
+    """A `SystemSpec` bound to a model."""
+
+    def __init__(self, spec: SystemSpec, model, *, compile_backend: str = "inductor"):
+        self.spec = spec
+        self.model = model
+        if spec.config is not None:
+            self._api = uniprefill_api()
+            self.fn = self._api.compile(model, spec.config)
+        elif spec.compiled:
+            self._api = None
+            self.fn = torch.compile(model, backend=compile_backend)
+        else:
+            self._api = None
+            self.fn = model
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits of the last position, [batch, vocab]: the work that TTFT measures."""
+        out = self.fn(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1
+        )
+        return out.logits[:, -1]
+
+    def drop_report(self) -> dict[str, Any] | None:
+        """The drop report of the last prefill (`as_dict()` plus `overall_retention`)."""
+        if self._api is None:
+            return None
+        report = self._api.last_drop_report(self.fn)
+        if report is None:
+            return None
+        data = _jsonable(report.as_dict())
+        if not isinstance(data, dict):
+            data = {"drop_points": data}
+        data["overall_retention"] = float(report.overall_retention)
+        return data
+
+    @property
+    def generation_pending(self) -> str | None:
+        """Why this system cannot generate yet, or None if it can."""
+        if self.spec.config is None:
+            return None
+        generate = getattr(self.fn, "generate", None)
+        if generate is None:
+            return "the compiled model has no generate() yet"
+        original = getattr(self.fn, "_orig_mod", None)
+        if original is not None and getattr(generate, "__self__", None) is original:
+            return "compiled.generate() is the original model's generate(): not accelerated"
+        return None
+
+    def generate(self, input_ids, attention_mask, *, max_new_tokens: int, stopping_criteria,
+                 pad_token_id: int | None, eos_token_id: int | None) -> torch.Tensor:
+        """Greedy continuation ids, [batch, new tokens]."""
+        from transformers import GenerationConfig
+
+        target = self.model if self.spec.config is None else self.fn
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+        )
+        out = target.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+            stopping_criteria=stopping_criteria,
+        )
+        return out[:, input_ids.shape[1]:]
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _jsonable(dataclasses.asdict(value))
+    return value
+
+
+def drop_points(report: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The per-drop-point entries of a `System.drop_report()`, in layer order."""
+    if not report:
+        return []
+    points = report.get("drop_points") or []
+    points = [p for p in points if isinstance(p, dict) and "layer" in p]
+    return sorted(points, key=lambda p: p["layer"])
