@@ -64,7 +64,7 @@ class UniPrefillBackend:
 
     def __init__(self, config: UniPrefillConfig | None = None) -> None:
         self.config = config or UniPrefillConfig()
-        self.recorder = DropRecorder()
+        self.recorder = DropRecorder(self.config.policy)
         self.graphs: list[GraphReport] = []
         self._warned: set[str] = set()
 
@@ -103,6 +103,10 @@ class UniPrefillBackend:
             if result.single_row_only and tokens.shape[0] > 1:
                 self._warn(f"uniprefill: a batch of {tokens.shape[0]} rows runs unaccelerated: {result.single_row_reason}")
                 return original(*args)
+            if result.returns_cache and tokens.shape[0] > 1:
+                self._warn("uniprefill: a batch of several rows that fills a cache runs unaccelerated "
+                           "(decoding after a dropped prefill supports one row)")
+                return original(*args)
             return rewritten(*args)
 
         return run
@@ -115,6 +119,11 @@ class UniPrefillBackend:
     @property
     def last_history(self) -> DropHistory | None:
         return self.recorder.last
+
+    def layer_windows(self) -> dict[int, int]:
+        """Sliding window of every layer of the latest rewritten graph (0: unbounded)."""
+        prefill = next((g for g in reversed(self.graphs) if g.rewritten and g.layers), None)
+        return {r.layer: r.window for r in prefill.layers} if prefill else {}
 
 
 def _tokens_position(gm: fx.GraphModule) -> int:
@@ -136,25 +145,25 @@ def uniprefill_backend(gm: fx.GraphModule, example_inputs, options=None, mode=No
 
 
 def compile(model: torch.nn.Module, config: UniPrefillConfig | None = None, **options):
-    """`torch.compile` the model with the uniprefill backend and dynamic shapes.
+    """Compile `model` with the uniprefill backend (dynamic shapes: one graph for every length).
 
-    Pass either a `UniPrefillConfig` or its fields as keywords. The returned module keeps
-    the backend as `._uniprefill_backend`.
+    Pass either a `UniPrefillConfig` or its fields as keywords. Returns a
+    `uniprefill.runtime.generation.UniPrefillModel`: calling it runs prefills through the
+    compiled graph; its `generate()` decodes against the compacted caches.
     """
     if config is not None and options:
         raise ValueError("pass either a UniPrefillConfig or option keywords, not both")
     config = config or UniPrefillConfig.from_options(options)
     from .compat import make_linear_attention_opaque
+    from .runtime.generation import UniPrefillModel
 
     make_linear_attention_opaque(model)
     backend = UniPrefillBackend(config)
-    compiled = torch.compile(model, backend=backend, dynamic=True)
-    compiled._uniprefill_backend = backend
-    return compiled
+    return UniPrefillModel(model, backend)
 
 
 def _backend_of(compiled) -> UniPrefillBackend:
-    backend = getattr(compiled, "_uniprefill_backend", None)
+    backend = getattr(compiled, "backend", None)
     if backend is None:
         raise ValueError("this model was not compiled with uniprefill.compile(...)")
     return backend

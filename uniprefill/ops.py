@@ -75,6 +75,7 @@ def score_select(
         last_q=last_q,
         min_tokens=min_tokens,
         impl=impl,
+        host_cu_seqlens=(_host_cumsum(q_counts), _host_cumsum(counts)),
     )
     return selection.kept_idx, torch.tensor(selection.kept_counts, dtype=torch.int64)
 
@@ -83,6 +84,13 @@ def score_select(
 def _(q, k, src_flat, counts_in, scale, block_size, p, keep_ratio, sink, last_q, min_tokens, impl):
     kept = torch.library.get_ctx().new_dynamic_size()
     return src_flat.new_empty(kept), counts_in.new_empty(counts_in.shape)
+
+
+def _host_cumsum(counts: list[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
 
 
 def _cumsum0(counts: torch.Tensor) -> torch.Tensor:
@@ -223,3 +231,29 @@ def _position_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int) -> tor
     if window > 0:
         mask = mask & (diff < window)
     return mask
+
+
+@torch.library.custom_op(f"{LIB}::decode_attention", mutates_args=())
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_position: int,
+    window: int,
+    scale: float,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """One decode query `[1, H, 1, d]` against a (possibly compacted) cache `[1, Hk, K, d]`.
+
+    `key_positions` int64 `[K]` are the ORIGINAL positions of the cached keys; key j is
+    visible when `0 <= query_position - key_positions[j] < window` (window 0: unbounded).
+    """
+    pos_q = torch.tensor([query_position], device=key_positions.device)
+    mask = _position_mask(pos_q, key_positions, window).to(q.device)[None, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+@decode_attention.register_fake
+def _(q, k, v, key_positions, query_position, window, scale, enable_gqa):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))

@@ -26,6 +26,7 @@ _MASK_SAFE_NAMES = (
     "arange", "add", "sub", "le", "lt", "gt", "ge", "eq", "ne", "and_", "or_", "getitem",
     "expand", "to", "new_ones", "unsqueeze", "cumsum", "diff", "sym_size", "bool", "float",
     "view", "reshape", "ones", "full", "mul", "floordiv", "invert", "logical_and", "where",
+    "sym_max", "sym_min", "maximum", "minimum", "clamp",
 )
 _MASK_SAFE = tuple(name.strip("_") for name in _MASK_SAFE_NAMES)
 _LINEAR_HINTS = ("deltanet", "mamba", "ssm", "conv", "linearattention", "rwkv", "gla", "retention", "lightning")

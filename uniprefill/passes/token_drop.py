@@ -75,6 +75,7 @@ class RewriteResult:
     counts: dict[str, int]
     single_row_only: bool
     single_row_reason: str = ""
+    returns_cache: bool = False
 
 
 @dataclass
@@ -142,9 +143,10 @@ class TokenDropPass:
                 "static-shape trace: the prompt length is baked into the graph; compile with "
                 "dynamic=True (uniprefill.compile does) or let dynamo recompile with dynamic shapes"
             )
+        # The 2-D padding mask: the `attention_mask` argument (position ids have the same shape).
         self.padding = {
             n for n in graph.nodes
-            if n.op == "placeholder" and n is not self.tokens and isinstance(example_value(n), torch.Tensor)
+            if n.op == "placeholder" and "attention_mask" in n.name and isinstance(example_value(n), torch.Tensor)
             and example_value(n).dim() == 2 and [_expr(s) for s in example_value(n).shape] == [self.axes.batch, self.axes.seq]
         }
         self._check_requests()
@@ -276,7 +278,7 @@ class TokenDropPass:
                 seen_first_drop = True
             if node in self.reentry:
                 self._reenter(node)
-        new.eliminate_dead_code(is_impure_node=lambda n: n.op == "call_function" and n.target in (_begin, _record) or n.is_impure())
+        new.eliminate_dead_code(is_impure_node=_keep_node)
         self.gm._uniprefill_recorder = self.recorder
         gm = fx.GraphModule(self.gm, new)
         gm.recompile()
@@ -286,7 +288,14 @@ class TokenDropPass:
             for i, info in self.layers.items()
         ]
         return RewriteResult(gm, reports, self.drop_layers, dict(self.counts),
-                             bool(self.single_row_reason), self.single_row_reason)
+                             bool(self.single_row_reason), self.single_row_reason, self._returns_cache())
+
+    def _returns_cache(self) -> bool:
+        """Whether the graph hands key/value tensors out (a cache is being filled)."""
+        flat = []
+        map_aggregate(self.gm.graph.output_node().args[0], lambda a: flat.append(a) if isinstance(a, fx.Node) else None)
+        return any(isinstance(example_value(n), torch.Tensor) and example_value(n).dim() == 4
+                   and self.axes.token_dims(example_value(n)) == [2] for n in flat)
 
     def _node_layout(self, node: fx.Node) -> int:
         best = 0
@@ -347,9 +356,37 @@ class TokenDropPass:
                     raise RewriteSkipped(f"unknown custom op {name} runs on kept tokens (quantized or packed kernels are not followed)")
             elif not module.split(".")[0] in _SAFE_MODULES:
                 raise RewriteSkipped(f"unknown function {name} runs on kept tokens")
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            axis = self._int_index_on_token_axis(node.args[0], node.args[1])
+            if axis is not None:
+                raise RewriteSkipped(
+                    f"{node.name} reads one token position (axis {axis}) of {node.args[0].name}: a Python loop "
+                    "unrolled over the prompt, which cannot run on a different number of kept tokens")
         lowered = name.lower()
         if any(m in lowered for m in _ROW_MIXERS) and not self.single_row_reason:
             self.single_row_reason = f"{name} mixes tokens after a drop point (e.g. linear attention or convolution)"
+
+    def _int_index_on_token_axis(self, source: fx.Node, index) -> int | None:
+        """The token axis that `source[index]` indexes with a plain integer, if any."""
+        val = example_value(source)
+        token_axes = set(self.axes.token_dims(val)) if isinstance(val, torch.Tensor) else set()
+        if not token_axes:
+            return None
+        items = index if isinstance(index, tuple) else (index,)
+        if any(i is Ellipsis for i in items):
+            cut = items.index(Ellipsis)
+            head, tail = items[:cut], items[cut + 1:]
+            positions = list(enumerate(head)) + [(val.dim() - len(tail) + k, t) for k, t in enumerate(tail)]
+        else:
+            positions = list(enumerate(items))
+        axis = 0
+        for pos, item in positions:
+            if item is None:
+                continue
+            if isinstance(item, int) and not isinstance(item, bool) and pos - _nones_before(positions, pos) in token_axes:
+                return pos
+            axis += 1
+        return None
 
     def _arg_at(self, arg, j: int):
         def fn(a):
@@ -555,6 +592,17 @@ class TokenDropPass:
         lay = self.layouts[j]
         self.counts["scatters"] += 1
         return self.new.call_function(U.scatter_tokens.default, (lay.canvas, self.env[node], lay.orig_flat, 0, 1))
+
+
+def _nones_before(positions, pos: int) -> int:
+    return sum(1 for p, item in positions if p < pos and item is None)
+
+
+def _keep_node(node: fx.Node) -> bool:
+    """Nodes dead-code elimination must keep: our recorders, and functorch's vmap-level bookkeeping."""
+    if node.op == "call_function" and (node.target in (_begin, _record) or "nesting" in target_name(node)):
+        return True
+    return node.is_impure()
 
 
 def _shape(value):

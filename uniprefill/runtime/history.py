@@ -36,6 +36,35 @@ class DropHistory:
     rows: int
     seq_len: int
     points: list[DropPoint] = field(default_factory=list)
+    policy: str = "cumulative"
+    decoded: int = 0  # tokens decoded after this prefill
+
+    def layer_positions(self, layer: int, row: int = 0) -> torch.Tensor:
+        """ORIGINAL prompt positions whose key/value the cache of `layer` holds after the prefill.
+
+        A layer runs on the tokens kept by the last drop point before it; a drop layer's own
+        attention runs before its drop. Under "suspend", a later drop layer runs on all tokens.
+        """
+        earlier = [p for p in self.points if p.layer < layer]
+        is_drop = any(p.layer == layer for p in self.points)
+        if not earlier or (self.policy == "suspend" and is_drop):
+            return torch.arange(self.seq_len)
+        return earlier[-1].kept_positions(row, self.seq_len).cpu()
+
+    def key_positions(self, layer: int, cached: int) -> torch.Tensor:
+        """Positions of the `cached` keys a decode step of `layer` attends to (row 0).
+
+        The cache holds the layer's prompt positions, then one entry per decoded token; a
+        sliding-window cache keeps only the most recent entries, hence the last `cached`.
+        """
+        base = self.layer_positions(layer)
+        full = torch.cat([base, torch.arange(self.seq_len, self.seq_len + self.decoded)])
+        if cached > full.numel():
+            raise RuntimeError(
+                f"layer {layer} holds {cached} cached keys but the drop history of the last prefill "
+                f"accounts for {full.numel()}: this cache does not belong to that prefill"
+            )
+        return full[full.numel() - cached:]
 
     @property
     def overall_retention(self) -> float:
@@ -66,12 +95,13 @@ class DropHistory:
 class DropRecorder:
     """Collects the drop history of the latest forward call of one compiled model."""
 
-    def __init__(self) -> None:
+    def __init__(self, policy: str = "cumulative") -> None:
+        self.policy = policy
         self._current: DropHistory | None = None
         self.last: DropHistory | None = None
 
     def begin(self, rows: int, seq_len: int) -> None:
-        self._current = DropHistory(int(rows), int(seq_len))
+        self._current = DropHistory(int(rows), int(seq_len), policy=self.policy)
         self.last = self._current
 
     def record(self, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor, kept_flat=None) -> None:

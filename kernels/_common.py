@@ -1,0 +1,41 @@
+"""Small helpers shared by the kernel modules; importing this module does not import Triton.
+
+TRITON_INTERPRET, the one environment variable this package reads, is read here. Triton
+itself decides between compiling and interpreting when `triton.jit` decorates a function,
+and it decorates its own `triton.language` helpers when it is first imported, so the
+variable must be set before anything in the process imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def interpret_enabled() -> bool:
+    """True when TRITON_INTERPRET asks Triton to run kernels on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`; a small stand-in for the CPU interpreter."""
+    if device.type != "cuda":
+        return 4
+    return _multiprocessor_count(device.index if device.index is not None else 0)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

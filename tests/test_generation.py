@@ -1,0 +1,115 @@
+"""Generation after a dropped prefill (runtime issue): UniPrefillModel.generate and decode steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import DynamicCache
+
+import uniprefill
+from uniprefill import UniPrefillConfig
+
+from .eager_reference import reference_last_logits
+from .test_backend import MODELS, SMALL, _ids
+
+NEW_TOKENS = 5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("policy", ["cumulative", "suspend"])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_p1_generation_equals_uncompiled(arch, policy):
+    build, drops = MODELS[arch]
+    model = build()
+    ids = _ids(1, 300)
+    fast = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=drops, policy=policy, **SMALL))
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = fast.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(out, ref)
+    history = uniprefill.last_drop_report(fast)
+    assert history.decoded == NEW_TOKENS - 1 and [p.layer for p in history.points] == list(drops)
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_generation_after_drop_matches_recompute_reference(arch):
+    """Greedy tokens equal a from-scratch recompute in which every layer sees the same kept
+    prompt tokens plus all generated tokens (equivalent to decoding on compacted caches)."""
+    build, drops = MODELS[arch]
+    model = build()
+    ids = _ids(1, 337)
+    fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.4, drop_layers=drops, **SMALL))
+    with torch.no_grad():
+        out = fast.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        history = uniprefill.last_drop_report(fast)
+        kept = {p.layer: p.kept_positions(0, 337) for p in history.points}
+        seq = ids
+        for _ in range(NEW_TOKENS):
+            n = seq.shape[1]
+            extended = {layer: torch.cat([pos, torch.arange(337, n)]) for layer, pos in kept.items()}
+            nxt = reference_last_logits(model, seq, extended).argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert history.points[0].kept[0] < 0.5 * 337
+    assert torch.equal(out, seq)
+
+
+def test_cache_lengths_follow_the_history():
+    build, drops = MODELS["gemma3"]
+    model = build()
+    ids = _ids(1, 320)
+    fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers=drops, **SMALL))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        fast(input_ids=ids, cache=cache, use_cache=True)
+    history = uniprefill.last_drop_report(fast)
+    window = model.config.sliding_window
+    for layer, cache_layer in enumerate(cache.layers):
+        held = history.layer_positions(layer).numel()
+        if model.config.layer_types[layer] == "sliding_attention":
+            held = min(held, window - 1)
+        assert cache_layer.keys.shape[-2] == held, f"layer {layer}"
+    assert cache.layers[-1].keys.shape[-2] < cache.layers[0].keys.shape[-2] or window - 1 < 320
+
+
+def _prefill(arch="llama", length=300):
+    build, drops = MODELS[arch]
+    model = build()
+    fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers=drops, **SMALL))
+    ids = _ids(1, length)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = fast(input_ids=ids, cache=cache, use_cache=True)
+    return model, fast, cache, out.logits[:, -1:].argmax(-1)
+
+
+def test_corrupted_history_raises():
+    model, fast, cache, tok = _prefill()
+    history = uniprefill.last_drop_report(fast)
+    point = history.points[0]
+    history.points[0] = dataclasses.replace(point, kept_flat=point.kept_flat[1:])
+    with pytest.raises(RuntimeError, match="does not belong"), torch.no_grad():
+        fast(input_ids=tok, cache=cache, use_cache=True)
+
+
+def test_cache_of_another_prompt_raises():
+    model, fast, cache, tok = _prefill()
+    other = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=_ids(1, 300, seed=5), cache=other, use_cache=True)
+        with pytest.raises(RuntimeError, match="does not belong"):
+            fast(input_ids=tok, cache=other, use_cache=True)
+
+
+def test_multi_token_continuation_raises():
+    model, fast, cache, tok = _prefill()
+    with pytest.raises(NotImplementedError, match="one-token"), torch.no_grad():
+        fast(input_ids=torch.cat([tok, tok], dim=1), cache=cache, use_cache=True)

@@ -1,0 +1,51 @@
+"""The one module of uniprefill that reads (or sets) environment variables.
+
+Every variable uniprefill looks at is listed here, and nowhere else reads `os.environ`.
+
+Read:
+    UNIPREFILL_CACHE_DIR: root folder of uniprefill's caches (converted model folders).
+        Default: `~/.cache/uniprefill`.
+    UNIPREFILL_GEMMA_DIR: folder holding the plain Hugging Face copy of Gemma-3-270M that
+        `uniprefill.models.gemma` converts from the GGUF once and loads afterwards.
+        Default: `<UNIPREFILL_CACHE_DIR>/gemma-3-270m`.
+    UNIPREFILL_SMOLLM2_DIR: likewise for SmolLM2-135M (`uniprefill.models.smollm2`).
+        Default: `<UNIPREFILL_CACHE_DIR>/smollm2-135m`.
+
+Set, never read:
+    HF_HUB_OFFLINE: `force_hub_offline()` sets it to "1" before a model is loaded, so that
+        nothing is fetched from a model hub at run time. The loaders also pass
+        `local_files_only=True`, which holds even when `huggingface_hub` was imported (and
+        read the variable) earlier.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "smollm2_dir"]
+
+
+def _path_from_env(name: str, default: Path) -> Path:
+    value = os.environ.get(name, "").strip()
+    return Path(value).expanduser() if value else default
+
+
+def cache_dir() -> Path:
+    """Root of uniprefill's caches (`UNIPREFILL_CACHE_DIR`, default `~/.cache/uniprefill`)."""
+    return _path_from_env("UNIPREFILL_CACHE_DIR", Path.home() / ".cache" / "uniprefill")
+
+
+def gemma_dir() -> Path:
+    """Folder of the converted Gemma-3-270M (`UNIPREFILL_GEMMA_DIR`)."""
+    return _path_from_env("UNIPREFILL_GEMMA_DIR", cache_dir() / "gemma-3-270m")
+
+
+def smollm2_dir() -> Path:
+    """Folder of the converted SmolLM2-135M (`UNIPREFILL_SMOLLM2_DIR`)."""
+    return _path_from_env("UNIPREFILL_SMOLLM2_DIR", cache_dir() / "smollm2-135m")
+
+
+def force_hub_offline() -> None:
+    """Forbid model-hub downloads for this process (sets `HF_HUB_OFFLINE=1`)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"

@@ -1,0 +1,64 @@
+"""What each decoder layer of a model mixes tokens with: "full", "sliding" or "linear".
+
+uniprefill drops tokens only at full-attention layers; the other kinds decide what a later
+layer must do with the kept tokens. The kind is read from the config alone, so it can be
+known before a model is built:
+
+- `config.layer_types` when the architecture has it (Gemma 3, Qwen3-Next, Qwen3.5, LFM2,
+  GraniteMoeHybrid, OLMo 3, Cohere 2, GPT-OSS, ...; Jamba derives it from its periods).
+  "full_attention" (legacy "attention") is "full"; "sliding_attention" is "sliding";
+  "linear_attention" and the legacy "mamba" and "conv" are "linear": every recurrent or
+  convolutional mixer whose state runs along the sequence (Gated DeltaNet, Mamba 1/2, LFM2's
+  short convolution). transformers itself files these three under "linear_attention".
+- otherwise every layer is "sliding" if the config turns on a sliding window for all layers
+  (Mistral-style `sliding_window`, honouring Qwen2-style `use_sliding_window`), else "full".
+
+Layer types this module does not know (chunked attention, parallel attention+SSM "hybrid"
+layers, ...) raise `ValueError` rather than being guessed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["LAYER_KINDS", "layer_kinds"]
+
+LAYER_KINDS = ("full", "sliding", "linear")
+
+_KIND_OF_LAYER_TYPE = {
+    "full_attention": "full",
+    "attention": "full",
+    "sliding_attention": "sliding",
+    "linear_attention": "linear",
+    "mamba": "linear",
+    "conv": "linear",
+}
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """One of `LAYER_KINDS` per decoder layer of `config` (a transformers config)."""
+    config = _text_config(config)
+    num_layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(
+            config, "use_sliding_window", True
+        )
+        return ["sliding" if sliding else "full"] * num_layers
+    layer_types = list(layer_types)
+    if len(layer_types) != num_layers:
+        raise ValueError(
+            f"config.layer_types has {len(layer_types)} entries for {num_layers} hidden layers"
+        )
+    unknown = sorted({t for t in layer_types if t not in _KIND_OF_LAYER_TYPE})
+    if unknown:
+        raise ValueError(
+            f"layer types {unknown} of {type(config).__name__} have no known kind; "
+            f"known: {sorted(_KIND_OF_LAYER_TYPE)}"
+        )
+    return [_KIND_OF_LAYER_TYPE[t] for t in layer_types]
