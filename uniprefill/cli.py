@@ -80,8 +80,10 @@ def _configs(args) -> list:
 def _haystack(args) -> tuple[str | None, str]:
     """(path, where it came from), checked to exist."""
     path, source = args.haystack, "--haystack"
-    if path is None and os.environ.get("UNIPREFILL_HAYSTACK"):
-        path, source = os.environ["UNIPREFILL_HAYSTACK"], "UNIPREFILL_HAYSTACK"
+    from .env import haystack_path
+
+    if path is None and haystack_path():
+        path, source = haystack_path(), "UNIPREFILL_HAYSTACK"
     if path is not None and not os.path.isfile(path):
         raise UsageError(f"haystack file {path!r} (from {source}) does not exist")
     return path, source

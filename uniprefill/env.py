@@ -11,6 +11,12 @@ Read:
     UNIPREFILL_SMOLLM2_DIR: likewise for SmolLM2-135M (`uniprefill.models.smollm2`).
         Default: `<UNIPREFILL_CACHE_DIR>/smollm2-135m`.
 
+    UNIPREFILL_HAYSTACK: essay haystack file for `uniprefill demo/eval` when --haystack is not
+        given (`haystack_path()`).
+    TRITON_INTERPRET: Triton's own switch ("1": run Triton kernels in its CPU interpreter);
+        `uniprefill.kernels` reads it (kernels/_common.py) to allow Triton on CPU tensors.
+        tests/conftest.py sets it when there is no CUDA device.
+
 Set, never read:
     HF_HUB_OFFLINE: `force_hub_offline()` sets it to "1" before a model is loaded, so that
         nothing is fetched from a model hub at run time. The loaders also pass
@@ -23,7 +29,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "smollm2_dir"]
+__all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "haystack_path", "smollm2_dir"]
 
 
 def _path_from_env(name: str, default: Path) -> Path:
@@ -49,3 +55,9 @@ def smollm2_dir() -> Path:
 def force_hub_offline() -> None:
     """Forbid model-hub downloads for this process (sets `HF_HUB_OFFLINE=1`)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def haystack_path() -> str | None:
+    """UNIPREFILL_HAYSTACK, or None when unset or empty."""
+    value = os.environ.get("UNIPREFILL_HAYSTACK", "").strip()
+    return value or None
