@@ -1,0 +1,244 @@
+"""The vLLM side of uniprefill: the `vllm.general_plugins` entry point and the backend vLLM compiles with.
+
+Switching uniprefill on (written against vLLM 0.26.0; docs/vllm.md says what is verified):
+
+    LLM(model, compilation_config={
+        "mode": 2,  # DYNAMO_TRACE_ONCE; 1 (STOCK_TORCH_COMPILE) also works
+        "backend": "uniprefill.vllm_plugin.vllm_backend",
+        "inductor_compile_config": {"uniprefill": {"p": 0.99, "drop_layers": [7, 11, 15, 19, 23, 27]}},
+    })
+
+Why this channel, read in vLLM 0.26.0's source (`CompilationConfig.init_backend`,
+`compilation/wrapper.py`, `v1/worker/gpu_model_runner.py`):
+
+* Modes 1 and 2 hand the WHOLE backbone graph to `compilation_config.backend`; mode 3
+  (the default) splits it at attention ops and compiles the pieces with Inductor or the
+  platform's compiler, so it never calls a custom backend with the whole graph.
+* In modes 1 and 2 vLLM passes `torch.compile` options only to "inductor" (its
+  `inductor_compile_config`), so the dynamo backend name "uniprefill" (the Hugging Face
+  backend of `torch_dynamo_backends`) would receive no settings. A backend string that is
+  not a registered dynamo name is resolved as `module.attribute`, during model loading,
+  while vLLM's current-config context is set: the one moment a backend can see the
+  `VllmConfig`. `vllm_backend` is therefore built on attribute access (the module
+  `__getattr__` below), bound to that config and validated there, so a bad setting fails
+  engine construction with a `ValueError` naming it.
+* `CompilationConfig` forbids unknown fields; `inductor_compile_config` is its one free-form
+  dict (and part of vLLM's config hash), so the settings travel under its key "uniprefill".
+  Under mode 3 that key reaches Inductor, which rejects it ("torch._inductor.config.uniprefill
+  does not exist"): loud, never silent.
+
+`register()` runs in every vLLM process, for every vLLM user who has uniprefill installed:
+it must stay idempotent, cheap and harmless. vLLM 0.26.0 needs no registration (the backend
+is found by qualname), so it only records that the plugin was loaded. Nothing here imports
+vLLM at module level; `import uniprefill` never imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import UniPrefillConfig
+
+logger = logging.getLogger("uniprefill.vllm")
+
+CONFIG_KEY = "uniprefill"
+BACKEND_QUALNAME = "uniprefill.vllm_plugin.vllm_backend"
+SUPPORTED_MODES = {1: "STOCK_TORCH_COMPILE", 2: "DYNAMO_TRACE_ONCE"}
+# Read in source (not yet run on a GPU): the channel above. Other versions are untested.
+VERIFIED_VLLM_VERSIONS = ("0.26.0",)
+
+_loaded = False
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: idempotent, imports nothing."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    logger.debug("uniprefill vLLM plugin loaded; enable it with compilation_config.backend=%r", BACKEND_QUALNAME)
+
+
+def plugin_loaded() -> bool:
+    return _loaded
+
+
+# ----------------------------------------------------------------------------- config parsing
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def config_from_compilation_config(compilation_config: Any) -> UniPrefillConfig | None:
+    """The `UniPrefillConfig` under `inductor_compile_config["uniprefill"]`, or None if absent.
+
+    Accepts vLLM's `CompilationConfig` or the plain dict a user passes to `LLM(...)`.
+    Unknown options and out-of-range values raise `ValueError` naming where they were found.
+    """
+    inductor = _get(compilation_config, "inductor_compile_config") or {}
+    if not isinstance(inductor, Mapping):
+        raise ValueError(f"compilation_config.inductor_compile_config: expected a dict, got {type(inductor).__name__}")
+    if CONFIG_KEY not in inductor:
+        return None
+    options = inductor[CONFIG_KEY]
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"compilation_config.inductor_compile_config[{CONFIG_KEY!r}]: expected a dict of "
+                         f"UniPrefillConfig fields, got {type(options).__name__} {options!r}")
+    try:
+        return UniPrefillConfig.from_options(options)
+    except ValueError as exc:
+        raise ValueError(f"compilation_config.inductor_compile_config[{CONFIG_KEY!r}]: {exc}") from None
+
+
+def _mode_number(mode: Any) -> int | None:
+    if mode is None:
+        return None
+    if isinstance(mode, str):
+        names = {v: k for k, v in SUPPORTED_MODES.items()} | {"NONE": 0, "VLLM_COMPILE": 3}
+        return names.get(mode.upper(), int(mode) if mode.isdigit() else -1)
+    return int(mode)
+
+
+@dataclass
+class VllmCheck:
+    """What `check_vllm_config` found: errors stop the engine, notes are logged."""
+
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def raise_if_errors(self) -> None:
+        if self.errors:
+            raise ValueError("uniprefill cannot run with this vLLM configuration:\n  - " + "\n  - ".join(self.errors))
+
+
+def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_compile: bool | None = None) -> VllmCheck:
+    """Check the parts of a `VllmConfig` (or a duck-typed fake) uniprefill depends on.
+
+    aot_compile: vLLM's `envs.VLLM_USE_AOT_COMPILE` (on by default with torch >= 2.10).
+    """
+    check = VllmCheck()
+    cc = _get(vllm_config, "compilation_config")
+    mode = _mode_number(_get(cc, "mode"))
+    if mode not in SUPPORTED_MODES:
+        check.errors.append(
+            f"compilation_config.mode={_get(cc, 'mode')!r}: expected 1 (STOCK_TORCH_COMPILE) or 2 "
+            "(DYNAMO_TRACE_ONCE); mode 3 splits the graph at attention ops and never hands a custom "
+            "backend the whole model")
+    if mode == 2 and aot_compile:
+        check.errors.append(
+            "compilation_config.mode=2 with VLLM_USE_AOT_COMPILE=1 (vLLM's default on torch >= 2.10): dynamo's "
+            "AOT compile needs a serialisable compiled function and uniprefill's backend returns a plain "
+            "callable; set VLLM_USE_AOT_COMPILE=0 or use mode 1")
+    backend = _get(cc, "backend")
+    if backend != BACKEND_QUALNAME:
+        check.errors.append(f"compilation_config.backend={backend!r}: expected {BACKEND_QUALNAME!r}")
+    parallel = _get(vllm_config, "parallel_config")
+    if (_get(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        check.errors.append("pipeline_parallel_size > 1 is not supported (drop layers may sit on another rank)")
+    if _get(vllm_config, "speculative_config") is not None:
+        check.errors.append("speculative decoding is not supported yet")
+    if (_get(parallel, "tensor_parallel_size", 1) or 1) > 1:
+        check.notes.append("tensor_parallel_size > 1: the rank-consistent selection is planned, not yet verified")
+    if _get(_get(vllm_config, "cache_config"), "enable_prefix_caching", False):
+        check.notes.append("prefix caching: requests with cached context run unaccelerated")
+    if _get(_get(vllm_config, "scheduler_config"), "enable_chunked_prefill", False):
+        check.notes.append("chunked prefill: prompts split over several steps run unaccelerated")
+    if vllm_version is not None and vllm_version.split("+")[0] not in VERIFIED_VLLM_VERSIONS:
+        check.notes.append(f"vLLM {vllm_version} is untested; the channel was read in {list(VERIFIED_VLLM_VERSIONS)}")
+    return check
+
+
+# ----------------------------------------------------------------------------- the backend
+@dataclass
+class VllmGraphReport:
+    """What the backend did with one graph vLLM handed over."""
+
+    rewritten: bool
+    reason: str
+    attention_ops: int  # unified_attention* calls (one per attention layer)
+    kv_cache_updates: int
+    gdn_ops: int
+    placeholders: int
+
+
+class VllmTokenDropBackend:
+    """The dynamo backend vLLM calls with the whole backbone graph, bound to one config.
+
+    The vLLM graph adapter of the token-drop pass (flat `[num_tokens, hidden]` states,
+    attention ops identified by layer name, metadata from `uniprefill.runtime.vllm_metadata`)
+    is not built yet: every graph runs unaccelerated (plain FX, no Inductor) with the reason
+    logged and kept in `graphs`, or raises under `strict=True`. Never a wrong answer.
+    """
+
+    def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None) -> None:
+        self.config = config
+        self.check = check or VllmCheck()
+        self.graphs: list[VllmGraphReport] = []
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any, vllm_version: str | None = None,
+                         aot_compile: bool | None = None) -> "VllmTokenDropBackend":
+        config = config_from_compilation_config(_get(vllm_config, "compilation_config"))
+        if config is None:
+            raise ValueError(f"compilation_config.backend is {BACKEND_QUALNAME!r} but compilation_config."
+                             f"inductor_compile_config has no {CONFIG_KEY!r} entry; give one (an empty dict "
+                             "takes the defaults)")
+        check = check_vllm_config(vllm_config, vllm_version, aot_compile)
+        check.raise_if_errors()
+        for note in check.notes:
+            logger.info("uniprefill: %s", note)
+        return cls(config, check)
+
+    def __call__(self, gm, example_inputs):
+        names = [_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
+        report = VllmGraphReport(
+            rewritten=False,
+            reason="the vLLM graph adapter of the token-drop pass is not built yet (planned: docs/vllm.md)",
+            attention_ops=sum("unified_attention" in n for n in names),
+            kv_cache_updates=sum("unified_kv_cache_update" in n for n in names),
+            gdn_ops=sum("gdn_attention" in n for n in names),
+            placeholders=sum(1 for n in gm.graph.nodes if n.op == "placeholder"),
+        )
+        self.graphs.append(report)
+        if self.config.strict:
+            raise RuntimeError(f"uniprefill cannot rewrite this vLLM graph: {report.reason}")
+        message = f"uniprefill: running the vLLM graph unaccelerated: {report.reason}"
+        logger.warning("%s (%d attention ops)", message, report.attention_ops)
+        warnings.warn(message, stacklevel=2)
+        return gm.forward
+
+
+def _target_name(node) -> str:
+    target = node.target
+    return getattr(target, "__name__", None) or str(target)
+
+
+def _vllm_backend_from_current_config() -> VllmTokenDropBackend:
+    try:
+        import vllm
+        from vllm.config import get_current_vllm_config
+    except ImportError as exc:
+        raise ImportError(f"{BACKEND_QUALNAME} is vLLM's backend and needs vllm installed") from exc
+    try:
+        from vllm import envs
+
+        aot_compile = bool(envs.VLLM_USE_AOT_COMPILE)
+    except (ImportError, AttributeError):  # a vLLM without AOT compile
+        aot_compile = None
+    return VllmTokenDropBackend.from_vllm_config(get_current_vllm_config(), getattr(vllm, "__version__", None),
+                                                 aot_compile)
+
+
+def __getattr__(name: str):
+    # vLLM resolves compilation_config.backend with getattr(module, "vllm_backend") while its
+    # config context is set; build a fresh backend bound to that config (no module state).
+    if name == "vllm_backend":
+        return _vllm_backend_from_current_config()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
