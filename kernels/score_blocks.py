@@ -56,6 +56,16 @@ class ScoreTiles:
     tokens_stages: int = 2
     chunk: int | None = None  # keys per pass-1 program; None picks one that fills the GPU
 
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> "ScoreTiles":
+        """The defaults, with row/key tiles shrunk for heads wider than 128 so that the
+        shared-memory tiles stay within one SM's budget (Gemma-3 has head_dim 256)."""
+        shrink = max(1, -(-head_dim // 128))
+        if shrink == 1:
+            return cls()
+        return cls(stats_block_m=max(16, 128 // shrink), stats_block_n=max(16, 128 // shrink),
+                   tokens_block_m=max(16, 64 // shrink), tokens_block_n=64)
+
 
 @triton.jit
 def _softmax_stats_kernel(
@@ -277,7 +287,7 @@ def score_blocks_fwd(
     tiles: ScoreTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Host wrapper: allocate, size the grids from `layout`, launch the four kernels."""
-    tiles = tiles or ScoreTiles()
+    tiles = tiles or ScoreTiles.for_head_dim(q.shape[-1])
     cu_blocks = block_offsets(cu_seqlens_k, block_size)
     block_scores = torch.empty(layout.num_blocks(block_size), dtype=torch.float32, device=q.device)
     if layout.max_seqlen_k == 0:

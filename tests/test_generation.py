@@ -113,3 +113,36 @@ def test_multi_token_continuation_raises():
     model, fast, cache, tok = _prefill()
     with pytest.raises(NotImplementedError, match="one-token"), torch.no_grad():
         fast(input_ids=torch.cat([tok, tok], dim=1), cache=cache, use_cache=True)
+
+
+def test_many_compiled_models_in_one_process_all_drop(monkeypatch):
+    """Compiled models share dynamo's cache of transformers' code objects; past dynamo's
+    recompile limit a model would run eagerly and, worse, leave the previous model's drop
+    history behind. Prefills raise the limit, and every prefill starts a fresh history."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    build, drops = MODELS["llama"]
+    model = build()
+    ids = _ids(1, 300)
+    retentions = []
+    for ratio in (0.5, 0.3, 0.7):
+        fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=ratio, drop_layers=drops, **SMALL))
+        with torch.no_grad():
+            fast(input_ids=ids, use_cache=False)
+        history = uniprefill.last_drop_report(fast)
+        assert history is not None and [p.layer for p in history.points] == list(drops)
+        retentions.append(history.points[0].retention)
+    assert retentions[0] < 0.6 and retentions[1] < retentions[0] < retentions[2]
+
+
+def test_a_prefill_that_never_reaches_the_graph_leaves_no_stale_history():
+    build, drops = MODELS["llama"]
+    model = build()
+    ids = _ids(1, 300)
+    fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers=drops, **SMALL))
+    with torch.no_grad():
+        fast(input_ids=ids, use_cache=False)
+        assert uniprefill.last_drop_report(fast).points
+        with torch.compiler.set_stance("force_eager"):
+            with pytest.warns(UserWarning, match="ran outside the compiled graph"):
+                fast(input_ids=ids, use_cache=False)
+    assert uniprefill.last_drop_report(fast) is None

@@ -91,6 +91,7 @@ SCORE_CASES = [
     ("short-than-window", [3, 6, 40], 8, 2, 1, 64, 16),
     ("single-long", [300], 32, 4, 1, 48, 64),
     ("block-size-1", [19, 7], 4, 2, 2, 16, 1),
+    ("gemma3-head-dim-256", [90, 33], 8, 4, 1, 256, 16),
 ]
 
 
@@ -121,6 +122,20 @@ def test_triton_scores_with_small_tiles(case):
     out, _ = score_blocks_fwd(q, k, cu_q, cu_k, layout, block_size=block, scale=d**-0.5, tiles=tiles)
     ref, _ = api.score_blocks(q, k, cu_q, cu_k, max_len, block_size=block, scale=d**-0.5, impl="torch")
     assert rel_err(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_default_tiles_shrink_for_wide_heads():
+    """Heads wider than 128 (Gemma-3: 256) get smaller row/key tiles; the shared-memory tiles
+    of the defaults overflowed an H200 SM at head_dim 256 (Triton OutOfResources)."""
+    from uniprefill.kernels.score_blocks import ScoreTiles
+
+    assert ScoreTiles.for_head_dim(64) == ScoreTiles() == ScoreTiles.for_head_dim(128)
+    wide = ScoreTiles.for_head_dim(256)
+    base = ScoreTiles()
+    # bytes of one q tile + one k tile (bf16) must not grow with the head
+    assert wide.stats_block_m * 256 <= base.stats_block_m * 128
+    assert wide.stats_block_n * 256 <= base.stats_block_n * 128
+    assert wide.tokens_block_m * 256 <= base.tokens_block_m * 128
 
 
 @pytest.mark.parametrize("case", SCORE_CASES[:4], ids=[c[0] for c in SCORE_CASES[:4]])

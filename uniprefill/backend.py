@@ -67,6 +67,7 @@ class UniPrefillBackend:
         self.recorder = DropRecorder(self.config.policy)
         self.graphs: list[GraphReport] = []
         self._warned: set[str] = set()
+        self.graph_calls = 0  # calls that reached a graph this backend compiled (rewritten or not)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
         from .passes.token_drop import RewriteSkipped, TokenDropPass
@@ -81,13 +82,20 @@ class UniPrefillBackend:
             if self.config.strict:
                 raise RuntimeError(f"uniprefill cannot rewrite this graph: {reason}") from exc
             self._warn(f"uniprefill: running a graph unaccelerated: {reason}")
-            return gm.forward
+            return self._counted(gm.forward)
         report = GraphReport(True, "", result.layers, result.drop_layers, result.counts,
                              result.single_row_only, result.single_row_reason)
         self.graphs.append(report)
         if self.config.debug:
             logger.info("uniprefill: graph after rewrite\n%s", result.graph_module.print_readable(print_output=False))
         return self._guarded(gm, result)
+
+    def _counted(self, forward):
+        def run(*args):
+            self.graph_calls += 1
+            return forward(*args)
+
+        return run
 
     def _guarded(self, original: fx.GraphModule, result):
         """Run the rewrite, except for inputs it must not see (short prompts, several rows it can't pack)."""
@@ -98,6 +106,7 @@ class UniPrefillBackend:
         def run(*args):
             tokens = args[tokens_pos]
             self.recorder.last = None
+            self.graph_calls += 1
             if tokens.shape[1] < min_tokens:
                 return original(*args)
             if result.single_row_only and tokens.shape[0] > 1:

@@ -27,6 +27,12 @@ import torch
 from .history import DropHistory
 
 ATTENTION_NAME = "uniprefill_decode"
+# Every compiled model adds entries to dynamo's cache of the SAME code objects (transformers'
+# forward and its decorators), so the ninth model compiled in one process would pass dynamo's
+# default recompile_limit (8) and silently run eagerly. Prefill calls raise the limits to at
+# least these values, for the duration of the call only.
+RECOMPILE_LIMIT = 64
+ACCUMULATED_RECOMPILE_LIMIT = 1024
 
 
 def _decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -102,10 +108,25 @@ class UniPrefillModel(torch.nn.Module):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         history = self.history
         dropped = history is not None and history.points
-        if ids is not None and dropped and cache is not None and _cache_length(cache) > 0 \
-                and ids.shape[1] < self.backend.config.effective_min_tokens:
-            return self._decode(history, (cache, ids), *args, **kwargs)
-        out = self._compiled_forward(*args, **kwargs)
+        continuing = cache is not None and _cache_length(cache) > 0
+        if ids is not None and continuing and ids.shape[1] < self.backend.config.effective_min_tokens:
+            if dropped:
+                return self._decode(history, (cache, ids), *args, **kwargs)
+            # a short continuation of an undropped prefill: nothing to drop, run it eagerly
+            return type(self.model).forward(self.model, *args, **kwargs)
+        # a prefill: forget the previous history first, so a call that never reaches the
+        # compiled graph (dynamo falling back to eager) cannot leave a stale one behind
+        self.backend.recorder.last = None
+        calls = self.backend.graph_calls
+        limits = torch._dynamo.config
+        with limits.patch(recompile_limit=max(limits.recompile_limit, RECOMPILE_LIMIT),
+                          accumulated_recompile_limit=max(limits.accumulated_recompile_limit,
+                                                          ACCUMULATED_RECOMPILE_LIMIT)):
+            out = self._compiled_forward(*args, **kwargs)
+        if self.backend.graph_calls == calls and ids is not None \
+                and ids.shape[1] >= self.backend.config.effective_min_tokens:
+            self.backend._warn("uniprefill: a prefill ran outside the compiled graph (torch.compile fell back "
+                               "to eager, e.g. at its recompile limit): it ran unaccelerated")
         history = self.history
         cache_out = getattr(out, "past_key_values", None)
         object.__setattr__(self, "_cache_id", id(cache_out) if history is not None and history.points else None)
