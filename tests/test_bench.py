@@ -1,5 +1,7 @@
 """TTFT measurement, the sweep, and the analytic FLOP model."""
 
+import json
+
 import pytest
 import torch
 from transformers import Gemma3TextConfig, LlamaConfig, Qwen3NextConfig
@@ -139,3 +141,23 @@ def test_random_inputs_are_seeded():
     a = make_inputs("random", 64, 2, vocab_size=100, device="cpu", seed=1)
     b = make_inputs("random", 64, 2, vocab_size=100, device="cpu", seed=1)
     assert torch.equal(a[0], b[0]) and a[0].shape == (2, 64) and bool(a[1].all())
+
+
+def test_decode_benchmark_on_a_tiny_preset(tmp_path):
+    """benchmarks/bench_decode.py end to end: the compacted cache is smaller, decode runs."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "decode.json"
+    assert bench.main(["--model", "tiny-llama", "--device", "cpu", "--length", "600", "--new-tokens", "3",
+                       "--keep-ratio", "0.4", "--drop-layers", "all", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    base, fast = record["results"]
+    assert base["system"] == "baseline" and len(base["tokens"]) == 4 == len(fast["tokens"])
+    assert fast["history"]["drop_points"] and fast["kv_cache_bytes"] < base["kv_cache_bytes"]
+    assert fast["kv_cache_ratio"] == fast["kv_cache_bytes"] / base["kv_cache_bytes"]
+    assert record["prompt_tokens"] == 600 and fast["decode_tokens_per_s"] > 0

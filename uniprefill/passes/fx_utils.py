@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -111,6 +112,20 @@ class TokenAxes:
         if not isinstance(value, torch.Tensor):
             return []
         return [i for i, s in enumerate(value.shape) if self.size_expr(s) == self.seq]
+
+    def derived_dims(self, value) -> list[int]:
+        """Axes whose size is another expression of N (e.g. N + 3 after a padded convolution,
+        N rounded up to a chunk multiple): such values follow the tokens but cannot be gathered."""
+        if not isinstance(value, torch.Tensor) or isinstance(self.seq, int):
+            return []
+        out = []
+        for i, s in enumerate(value.shape):
+            expr = self.size_expr(s)
+            if isinstance(expr, int) or expr == self.seq or (self.batch != 1 and expr == self.batch * self.seq):
+                continue
+            if self.seq in sympy.sympify(expr).free_symbols:
+                out.append(i)
+        return out
 
     def flat_dims(self, value) -> list[int]:
         """Axes of size B * N (batch and tokens flattened together), when B is not 1."""

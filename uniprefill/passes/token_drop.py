@@ -300,9 +300,16 @@ class TokenDropPass:
     def _node_layout(self, node: fx.Node) -> int:
         best = 0
         for inp in node.all_input_nodes:
-            if self.layout_of.get(inp, 0) > best and self._token_aligned(inp):
+            if self.layout_of.get(inp, 0) > best and self._follows_tokens(example_value(inp)):
                 best = self.layout_of[inp]
         return best
+
+    def _follows_tokens(self, val) -> bool:
+        """Whether a value's sizes follow the token count: a token axis, an axis such as N + 3,
+        or, for ops with several outputs (topk, split), any of its outputs."""
+        if isinstance(val, (tuple, list)):
+            return any(self._follows_tokens(v) for v in val)
+        return bool(self.axes.token_dims(val) or self.axes.flat_dims(val) or self.axes.derived_dims(val))
 
     def _token_aligned(self, node: fx.Node) -> bool:
         val = example_value(node)
@@ -599,10 +606,26 @@ def _nones_before(positions, pos: int) -> int:
 
 
 def _keep_node(node: fx.Node) -> bool:
-    """Nodes dead-code elimination must keep: our recorders, and functorch's vmap-level bookkeeping."""
+    """Nodes dead-code elimination must keep: our recorders, functorch's vmap-level bookkeeping,
+    and in-place writes (dynamo records `state.copy_(new)` of a cache's recurrent or conv state
+    as a `call_method` without users, which `Node.is_impure` does not count as impure)."""
     if node.op == "call_function" and (node.target in (_begin, _record) or "nesting" in target_name(node)):
         return True
+    if _writes_in_place(node):
+        return True
     return node.is_impure()
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function":
+        if node.target is operator.setitem:
+            return True
+        name = getattr(node.target, "__name__", "")
+    else:
+        return False
+    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
 
 
 def _shape(value):

@@ -1,0 +1,158 @@
+"""Decode after a dropped prefill: tokens/s and KV-cache memory, baseline vs uniprefill.
+
+For each system (the uncompiled model, then uniprefill at each `--p` or `--keep-ratio`), one
+prefill of the prompt fills a fresh `DynamicCache`; then `--new-tokens` greedy one-token
+decode steps run against that cache, each timed (CUDA events on CUDA, wall clock elsewhere).
+Reported per system: median decode step time and tokens/s, the bytes held by the cache
+after the prefill (every tensor of every cache layer: keys, values, recurrent states),
+retention per drop point, and how many greedy tokens agree with the baseline's.
+
+The prompt is a needle-in-a-haystack sample (`niah_single_2` with `--haystack`, else
+`niah_single_1`) for a model with a tokenizer, or random token ids for a random-weight
+preset (use `--keep-ratio` there: random weights give no meaningful attention pattern).
+
+Systems run one after the other in one process, so their ratios are side by side; absolute
+times mean something only on the GPU.
+
+Usage:
+  python benchmarks/bench_decode.py --model gemma-3-270m --length 32768 --new-tokens 64 \\
+      --p 0.99,0.9 --haystack PaulGrahamEssays.json --out decode.json
+  python benchmarks/bench_decode.py --model llama-3.1-8b --length 32768 --keep-ratio 0.5,0.3 --out decode-llama.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+import uniprefill
+from uniprefill import UniPrefillConfig
+from uniprefill.bench.environment import environment_info
+from uniprefill.bench.models import DTYPES, check_lengths, load_model
+from uniprefill.bench.timing import synchronize, timed_call
+
+
+def cache_bytes(cache) -> int:
+    """Bytes of every tensor held by the layers of a transformers cache."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        for value in vars(layer).values():
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    if total == 0:
+        raise ValueError(f"cannot measure a cache of type {type(cache).__name__} (no tensor-holding layers)")
+    return total
+
+
+def prompt_ids(loaded, length: int, haystack: str | None, seed: int, device) -> tuple[torch.Tensor, dict]:
+    if loaded.tokenizer is not None:
+        from uniprefill.eval.tasks import make_sample
+
+        task = "niah_single_2" if haystack else "niah_single_1"
+        text = open(haystack, encoding="utf-8").read() if haystack else None
+        sample = make_sample(task, loaded.tokenizer, length, 1, seed=seed, haystack=text)
+        ids = loaded.tokenizer(sample.prompt, return_tensors="pt").input_ids
+        return ids.to(device), {"task": task, "answers": list(sample.answers)}
+    vocab = loaded.model.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (1, length), generator=gen).to(device), {"task": "random ids"}
+
+
+def run_system(fn, ids: torch.Tensor, new_tokens: int, device) -> dict:
+    from transformers import DynamicCache
+
+    config = getattr(fn, "config", None)
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        out, prefill_s = timed_call(lambda: fn(input_ids=ids, past_key_values=cache, use_cache=True,
+                                               logits_to_keep=1), device)
+        kv = cache_bytes(out.past_key_values)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        tokens, steps = [int(token)], []
+        for _ in range(new_tokens):
+            out, seconds = timed_call(lambda: fn(input_ids=token, past_key_values=cache, use_cache=True), device)
+            steps.append(seconds)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+    timed_steps = steps[1:] if len(steps) > 2 else steps  # the first step may compile / warm up
+    median = statistics.median(timed_steps)
+    return {"prefill_s": prefill_s, "kv_cache_bytes": kv, "decode_step_median_s": median,
+            "decode_step_min_s": min(timed_steps), "decode_tokens_per_s": 1.0 / median,
+            "steps_timed": len(timed_steps), "tokens": tokens}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="gemma-3-270m")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    parser.add_argument("--length", type=int, default=8192)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--p", default=None, help="comma-separated p values")
+    parser.add_argument("--keep-ratio", default=None, help="comma-separated forced retentions")
+    parser.add_argument("--drop-layers", default="all")
+    parser.add_argument("--haystack", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if (args.p is None) == (args.keep_ratio is None):
+        parser.error("give exactly one of --p and --keep-ratio")
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2")
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    drop_layers = args.drop_layers if args.drop_layers in ("all", "auto") else \
+        tuple(int(x) for x in args.drop_layers.split(","))
+    knob = "p" if args.p is not None else "keep_ratio"
+    values = [float(v) for v in (args.p or args.keep_ratio).split(",")]
+    configs = [UniPrefillConfig(**{knob: v}, drop_layers=drop_layers) for v in values]
+
+    loaded = load_model(args.model, dtype=dtype, device=device)
+    check_lengths(loaded.model.config, [args.length + args.new_tokens])
+    ids, prompt = prompt_ids(loaded, args.length, args.haystack, args.seed, device)
+    print(f"{args.model}: prompt of {ids.shape[1]} tokens ({prompt['task']}), {args.new_tokens} decode steps",
+          file=sys.stderr)
+
+    results = []
+    base = run_system(loaded.model, ids, args.new_tokens, device)
+    results.append({"system": "baseline", **base})
+    print(f"baseline: {base['decode_tokens_per_s']:.1f} tok/s, KV {base['kv_cache_bytes'] / 2**20:.1f} MiB",
+          file=sys.stderr)
+    for config in configs:
+        fast = uniprefill.compile(loaded.model, config)
+        run = run_system(fast, ids, args.new_tokens, device)
+        history = uniprefill.last_drop_report(fast)
+        agree = sum(a == b for a, b in zip(run["tokens"], base["tokens"]))
+        results.append({
+            "system": f"uniprefill {knob}={getattr(config, knob)}", "config": {knob: getattr(config, knob)},
+            **run, "history": history.as_dict() if history else None,
+            "decode_speedup": base["decode_step_median_s"] / run["decode_step_median_s"],
+            "kv_cache_ratio": run["kv_cache_bytes"] / base["kv_cache_bytes"],
+            "tokens_agreeing_with_baseline": agree,
+        })
+        r = results[-1]
+        print(f"{r['system']}: {r['decode_tokens_per_s']:.1f} tok/s ({r['decode_speedup']:.2f}x), "
+              f"KV {r['kv_cache_bytes'] / 2**20:.1f} MiB ({r['kv_cache_ratio']:.2f}x), "
+              f"retention {history.overall_retention if history else 1.0:.3f}, "
+              f"{agree}/{len(base['tokens'])} tokens as baseline", file=sys.stderr)
+        del fast
+        synchronize(device)
+
+    record = {"command": "python benchmarks/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,
+              "prompt_tokens": int(ids.shape[1]), "prompt": prompt, "new_tokens": args.new_tokens,
+              "drop_layers": args.drop_layers, "dtype": str(dtype), "environment": environment_info(device),
+              "results": results}
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
