@@ -236,3 +236,13 @@ def test_output_hidden_states_runs_unaccelerated():
     compiled = uniprefill.compile(model, UniPrefillConfig(p=0.5, drop_layers=(1,), **SMALL))
     with pytest.warns(UserWarning, match="output_hidden_states"), torch.no_grad():
         compiled(input_ids=_ids(1, 300), use_cache=False, output_hidden_states=True)
+
+
+def test_gather_tokens_refuses_a_value_of_another_layout():
+    """A packed value mislabelled as dense must raise, not have its indices wrapped around."""
+    x = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
+    idx = torch.tensor([0, 4, 5, 9])  # flat b * N + t over a 2 x 5 grid
+    out = torch.ops.uniprefill.gather_tokens(x, idx, 0, 1, 5)
+    assert torch.equal(out[0], x.reshape(10, 3)[idx])
+    with pytest.raises(RuntimeError, match="mislabelled"):
+        torch.ops.uniprefill.gather_tokens(x[:, :3], idx, 0, 1, 5)

@@ -115,22 +115,22 @@ def test_multi_token_continuation_raises():
         fast(input_ids=torch.cat([tok, tok], dim=1), cache=cache, use_cache=True)
 
 
-def test_many_compiled_models_in_one_process_all_drop(monkeypatch):
+def test_many_compiled_models_in_one_process_all_drop():
     """Compiled models share dynamo's cache of transformers' code objects; past dynamo's
     recompile limit a model would run eagerly and, worse, leave the previous model's drop
     history behind. Prefills raise the limit, and every prefill starts a fresh history."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     build, drops = MODELS["llama"]
     model = build()
     ids = _ids(1, 300)
     retentions = []
-    for ratio in (0.5, 0.3, 0.7):
-        fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=ratio, drop_layers=drops, **SMALL))
-        with torch.no_grad():
-            fast(input_ids=ids, use_cache=False)
-        history = uniprefill.last_drop_report(fast)
-        assert history is not None and [p.layer for p in history.points] == list(drops)
-        retentions.append(history.points[0].retention)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for ratio in (0.5, 0.3, 0.7):
+            fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=ratio, drop_layers=drops, **SMALL))
+            with torch.no_grad():
+                fast(input_ids=ids, use_cache=False)
+            history = uniprefill.last_drop_report(fast)
+            assert history is not None and [p.layer for p in history.points] == list(drops)
+            retentions.append(history.points[0].retention)
     assert retentions[0] < 0.6 and retentions[1] < retentions[0] < retentions[2]
 
 

@@ -109,14 +109,21 @@ def _last_tokens(src_flat: torch.Tensor, counts: list[int], take: list[int]) -> 
 # gather / scatter along the (batch, token) axes
 # --------------------------------------------------------------------------------------
 @torch.library.custom_op(f"{LIB}::gather_tokens", mutates_args=())
-def gather_tokens(x: torch.Tensor, idx: torch.Tensor, batch_dim: int, token_dim: int) -> torch.Tensor:
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor, batch_dim: int, token_dim: int, tokens: int) -> torch.Tensor:
     """Pack `x` to the tokens `idx` (flat over x's (batch, token) grid).
 
     `batch_dim < 0` means x has no batch axis. When x's batch axis has size 1 (broadcast
     over rows), `idx` is taken modulo the token count. The result has a batch axis of
-    size 1 and a token axis of size `len(idx)`, other axes unchanged.
+    size 1 and a token axis of size `len(idx)`, other axes unchanged. `tokens` is the token
+    count of the layout `idx` indexes into: a token axis of another size means the graph
+    rewrite took an already packed value for a dense one, and raises instead of wrapping
+    the indices around it.
     """
     seq = x.shape[token_dim]
+    if seq != tokens:
+        raise RuntimeError(
+            f"uniprefill::gather_tokens: token axis {token_dim} of a {tuple(x.shape)} value has {seq} tokens, "
+            f"its layout has {tokens}: the rewrite mislabelled this value (please report the model)")
     if batch_dim < 0:
         return x.index_select(token_dim, idx % seq)
     moved = x.movedim((batch_dim, token_dim), (0, 1))
@@ -127,7 +134,7 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor, batch_dim: int, token_dim:
 
 
 @gather_tokens.register_fake
-def _(x, idx, batch_dim, token_dim):
+def _(x, idx, batch_dim, token_dim, tokens):
     shape = list(x.shape)
     if batch_dim >= 0:
         shape[batch_dim] = 1

@@ -424,7 +424,8 @@ class TokenDropPass:
         else:
             td, bd = fds[0], -1
         idx = self._indices_from(i, j)
-        out = self.new.call_function(U.gather_tokens.default, (self.env[node] if i == self.layout_of.get(node, 0) else self.env[node], idx, bd, td))
+        tokens = self.layouts[i].size if (tds or i > 0) else self.flat_tokens_node  # flat axis: B * N
+        out = self.new.call_function(U.gather_tokens.default, (self.env[node], idx, bd, td, tokens))
         self.counts["gathers"] += 1
         self.memo[key] = out
         return out
@@ -529,7 +530,9 @@ class TokenDropPass:
         lay.src_flat = new.call_function(operator.getitem, (live, 0))
         lay.counts = new.call_function(operator.getitem, (live, 1))
         lay.orig_flat = lay.src_flat
+        lay.size = seq
         self.seq_node = seq
+        self.flat_tokens_node = new.call_function(operator.mul, (rows, seq))
 
     def _insert_drop(self, residual: fx.Node, layer: int) -> None:
         self._ensure_layout0()
@@ -559,11 +562,11 @@ class TokenDropPass:
         cur = self.env[residual]
         if i == 0:
             lay.canvas = cur
-            gathered = new.call_function(U.gather_tokens.default, (cur, lay.orig_flat, 0, 1))
+            gathered = new.call_function(U.gather_tokens.default, (cur, lay.orig_flat, 0, 1, self.seq_node))
         else:
             lay.canvas = new.call_function(U.scatter_tokens.default, (parent.canvas, cur, parent.orig_flat, 0, 1))
             self.counts["scatters"] += 1
-            gathered = new.call_function(U.gather_tokens.default, (cur, rel, 0, 1))
+            gathered = new.call_function(U.gather_tokens.default, (cur, rel, 0, 1, parent.size))
         self.counts["gathers"] += 1
         self.counts["drop_points"] += 1
         self.layouts.append(lay)
