@@ -240,6 +240,8 @@ def test_output_hidden_states_runs_unaccelerated():
 
 def test_gather_tokens_refuses_a_value_of_another_layout():
     """A packed value mislabelled as dense must raise, not have its indices wrapped around."""
+    import uniprefill.ops  # noqa: F401  (registers the custom ops)
+
     x = torch.arange(2 * 5 * 3, dtype=torch.float32).reshape(2, 5, 3)
     idx = torch.tensor([0, 4, 5, 9])  # flat b * N + t over a 2 x 5 grid
     out = torch.ops.uniprefill.gather_tokens(x, idx, 0, 1, 5)
