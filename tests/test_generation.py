@@ -146,3 +146,79 @@ def test_a_prefill_that_never_reaches_the_graph_leaves_no_stale_history():
             with pytest.warns(UserWarning, match="ran outside the compiled graph"):
                 fast(input_ids=ids, use_cache=False)
     assert uniprefill.last_drop_report(fast) is None
+
+
+def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(r.numel() for r in rows)
+    ids = torch.zeros((len(rows), length), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, length - r.numel():] = r
+        mask[i, length - r.numel():] = 1
+    return ids, mask
+
+
+def _prompts(vocab: int):
+    gen = torch.Generator().manual_seed(11)
+    # no pad-id tokens inside a prompt: generate() would infer holes in the mask from them
+    return [torch.randint(3, vocab, (n,), generator=gen) for n in (337, 290)]
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_left_padded_batch_generation_after_drop_equals_each_row_alone(arch):
+    build, drops = MODELS[arch]
+    model = build()
+    prompts = _prompts(model.config.vocab_size)
+    ids, mask = _left_padded(prompts)
+    fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.4, drop_layers=drops, **SMALL))
+    with torch.no_grad():
+        out = fast.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        histories = fast.row_histories
+        alone = [fast.generate(input_ids=p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
+                               max_new_tokens=NEW_TOKENS, do_sample=False)[0, p.numel():] for p in prompts]
+    assert [h.seq_len for h in histories] == [p.numel() for p in prompts]
+    assert all(h.points and h.points[0].kept[0] < 0.5 * h.seq_len for h in histories)
+    assert all(h.decoded == NEW_TOKENS - 1 for h in histories)
+    for row, tokens in enumerate(alone):
+        assert torch.equal(out[row, ids.shape[1]:], tokens), f"row {row}"
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_left_padded_batch_generation_at_p1_equals_uncompiled(arch):
+    build, drops = MODELS[arch]
+    model = build()
+    ids, mask = _left_padded(_prompts(model.config.vocab_size))
+    fast = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=drops, **SMALL))
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = fast.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(out, ref)
+
+
+def test_batch_that_is_not_left_padded_raises():
+    build, drops = MODELS["llama"]
+    model = build()
+    ids = _ids(2, 300)
+    mask = torch.ones_like(ids)
+    mask[1, -10:] = 0  # right padding
+    fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.4, drop_layers=drops, **SMALL))
+    with torch.no_grad(), pytest.raises(ValueError, match="left padding"):
+        fast(input_ids=ids, attention_mask=mask, use_cache=True)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_sampling_at_p1_equals_uncompiled(arch, rows):
+    """Sampling goes through the same forward: at p = 1, with the same seed, the same draws."""
+    build, drops = MODELS[arch]
+    model = build()
+    ids, mask = _left_padded(_prompts(model.config.vocab_size)[:rows])
+    fast = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=drops, **SMALL))
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=20, temperature=1.5)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        ref = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        torch.manual_seed(7)
+        out = fast.generate(input_ids=ids, attention_mask=mask, **settings)
+    assert torch.equal(out, ref)
+    assert uniprefill.last_drop_report(fast).points  # it really ran through the drop points

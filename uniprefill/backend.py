@@ -113,8 +113,8 @@ class UniPrefillBackend:
                 self._warn(f"uniprefill: a batch of {tokens.shape[0]} rows runs unaccelerated: {result.single_row_reason}")
                 return original(*args)
             if result.returns_cache and tokens.shape[0] > 1:
-                self._warn("uniprefill: a batch of several rows that fills a cache runs unaccelerated "
-                           "(decoding after a dropped prefill supports one row)")
+                self._warn("uniprefill: a batch of several rows that fills a cache runs unaccelerated here; "
+                           "uniprefill.compile(...) prefills and decodes such batches row by row")
                 return original(*args)
             return rewritten(*args)
 

@@ -10,9 +10,12 @@ layers the keys whose original position lies inside the window. New tokens get t
 positions (prompt length + step) from transformers' own cache bookkeeping, which counts the
 first layer, a layer no drop point precedes.
 
-`generate()` routes transformers' generation loop through the same forward. A cache that
-does not belong to the last dropped prefill, a multi-token continuation or a batch of
-several rows after a drop raises instead of decoding garbage.
+`generate()` routes transformers' generation loop through the same forward (greedy and
+sampling alike). A left-padded batch of several rows that fills a cache is prefilled and
+decoded row by row, each row with its own cache and history (`runtime.batched`;
+`row_histories` holds them). A cache that does not belong to the last dropped prefill, a
+multi-token continuation or a batch that is not left-padded raises instead of decoding
+garbage.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import types
 
 import torch
 
+from .batched import Row, RowCaches, left_pad_counts, stack_rows
 from .history import DropHistory
 
 ATTENTION_NAME = "uniprefill_decode"
@@ -92,6 +96,8 @@ class UniPrefillModel(torch.nn.Module):
         bound = types.MethodType(type(model).forward, model)
         object.__setattr__(self, "_compiled_forward", torch.compile(bound, backend=backend, dynamic=True))
         object.__setattr__(self, "_cache_id", None)
+        # after a batch prefilled row by row (see runtime.batched): each row's DropHistory
+        object.__setattr__(self, "row_histories", None)
 
     def __getattr__(self, name: str):
         try:
@@ -106,6 +112,10 @@ class UniPrefillModel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, RowCaches):
+            return self._decode_rows(cache, ids, args, kwargs)
+        if self._fills_rows(ids, cache, args, kwargs):
+            return self._prefill_rows(ids, kwargs)
         history = self.history
         dropped = history is not None and history.points
         continuing = cache is not None and _cache_length(cache) > 0
@@ -114,9 +124,13 @@ class UniPrefillModel(torch.nn.Module):
                 return self._decode(history, (cache, ids), *args, **kwargs)
             # a short continuation of an undropped prefill: nothing to drop, run it eagerly
             return type(self.model).forward(self.model, *args, **kwargs)
-        # a prefill: forget the previous history first, so a call that never reaches the
-        # compiled graph (dynamo falling back to eager) cannot leave a stale one behind
+        return self._prefill(ids, *args, **kwargs)
+
+    def _prefill(self, ids, *args, **kwargs):
+        # forget the previous history first, so a call that never reaches the compiled
+        # graph (dynamo falling back to eager) cannot leave a stale one behind
         self.backend.recorder.last = None
+        object.__setattr__(self, "row_histories", None)
         calls = self.backend.graph_calls
         limits = torch._dynamo.config
         with limits.patch(recompile_limit=max(limits.recompile_limit, RECOMPILE_LIMIT),
@@ -132,14 +146,75 @@ class UniPrefillModel(torch.nn.Module):
         object.__setattr__(self, "_cache_id", id(cache_out) if history is not None and history.points else None)
         return out
 
+    def _fills_rows(self, ids, cache, args, kwargs) -> bool:
+        """A batch of several rows whose prefill fills a cache: prefill it row by row."""
+        if ids is None or args or ids.dim() != 2 or ids.shape[0] < 2:
+            return False
+        if cache is not None and _cache_length(cache) > 0:
+            return False
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(self.model.config, "use_cache", True)
+        return bool(use_cache) or cache is not None
+
+    def _row_kwargs(self, kwargs) -> tuple[str, dict]:
+        unsupported = sorted(set(kwargs) - _ROW_KWARGS)
+        if unsupported:
+            raise NotImplementedError(
+                f"a batch of several rows that fills a cache is run row by row; these arguments are not "
+                f"supported there: {unsupported}")
+        cache_key = "cache" if "cache" in kwargs else "past_key_values"
+        common = {"use_cache": True}
+        if kwargs.get("logits_to_keep") is not None:
+            common["logits_to_keep"] = kwargs["logits_to_keep"]
+        return cache_key, common
+
+    def _prefill_rows(self, ids, kwargs):
+        from transformers import DynamicCache
+
+        cache_key, common = self._row_kwargs(kwargs)
+        rows, length = ids.shape
+        pads = left_pad_counts(kwargs.get("attention_mask"), rows, length)
+        outs, states = [], []
+        for r in range(rows):
+            cache = DynamicCache(config=self.model.config)
+            out = self._prefill(ids[r:r + 1, pads[r]:], input_ids=ids[r:r + 1, pads[r]:], **{cache_key: cache},
+                                **common)
+            history = self.history
+            states.append(Row(cache, history if history is not None and history.points else None, pads[r]))
+            outs.append(out)
+        caches = RowCaches(states, length)
+        object.__setattr__(self, "_cache_id", None)
+        object.__setattr__(self, "row_histories", [row.history for row in states])
+        return stack_rows(outs, pads, length, _output_cache_key(outs[0]), caches)
+
+    def _decode_rows(self, caches: RowCaches, ids, args, kwargs):
+        if args or ids is None or ids.shape != (len(caches.rows), 1):
+            raise NotImplementedError(
+                f"a batch prefilled row by row continues with one-token steps of all its {len(caches.rows)} rows "
+                f"as keyword arguments (got input_ids of shape {None if ids is None else tuple(ids.shape)})")
+        cache_key, common = self._row_kwargs(kwargs)
+        outs = []
+        for r, row in enumerate(caches.rows):
+            step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common}
+            if row.history is None:
+                outs.append(type(self.model).forward(self.model, **step))
+            else:
+                outs.append(self._decode_step(row.history, ids[r:r + 1], **step))
+        caches.steps += 1
+        return stack_rows(outs, [0] * len(outs), 1, _output_cache_key(outs[0]), caches)
+
     def _decode(self, history: DropHistory, cache_and_ids, *args, **kwargs):
         cache, ids = cache_and_ids
         if id(cache) != self._cache_id:
             raise RuntimeError("this cache does not belong to the last dropped prefill of this model; "
                                "start a new prompt with a fresh cache")
+        return self._decode_step(history, ids, *args, **kwargs)
+
+    def _decode_step(self, history: DropHistory, ids, *args, **kwargs):
         if ids.shape[0] != 1 or ids.shape[1] != 1:
             raise NotImplementedError(
-                f"after a dropped prefill only one-token decode steps of one row are supported (got {tuple(ids.shape)})")
+                f"after a dropped prefill only one-token decode steps are supported (got {tuple(ids.shape)})")
         _register_attention()
         history.decoded += 1
         windows = self.backend.layer_windows()
@@ -160,6 +235,16 @@ class UniPrefillModel(torch.nn.Module):
             return type(model).generate(model, *args, **kwargs)
         finally:
             del model.forward
+
+
+# keyword arguments a row-by-row batch understands; generation's own bookkeeping
+# (positions, cache positions, the padded mask) is rebuilt per row from the row's cache
+_ROW_KWARGS = frozenset({"input_ids", "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
+                         "cache_position", "position_ids", "return_dict"})
+
+
+def _output_cache_key(out) -> str:
+    return "cache" if "cache" in out else "past_key_values"
 
 
 def _cache_length(cache) -> int:
