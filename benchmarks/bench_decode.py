@@ -54,8 +54,7 @@ def prompt_ids(loaded, length: int, haystack: str | None, seed: int, device) -> 
         from uniprefill.eval.tasks import make_sample
 
         task = "niah_single_2" if haystack else "niah_single_1"
-        text = open(haystack, encoding="utf-8").read() if haystack else None
-        sample = make_sample(task, loaded.tokenizer, length, 1, seed=seed, haystack=text)
+        sample = make_sample(task, loaded.tokenizer, length, 1, seed=seed, haystack=haystack)
         ids = loaded.tokenizer(sample.prompt, return_tensors="pt").input_ids
         return ids.to(device), {"task": task, "answers": list(sample.answers)}
     vocab = loaded.model.config.get_text_config().vocab_size

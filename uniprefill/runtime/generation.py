@@ -26,6 +26,7 @@ import math
 import types
 
 import torch
+import torch.nn.functional as F
 
 from .batched import Row, RowCaches, left_pad_counts, stack_rows
 from .history import DropHistory
@@ -53,11 +54,17 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
         raise RuntimeError(
             f"layer {layer} holds {cached} cached keys but the last dropped prefill predicts {expected}: "
             "this cache does not belong to that prefill")
-    positions = history.key_positions(layer, cached).to(key.device)
-    query_position = history.seq_len + history.decoded - 1
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     gqa = query.shape[1] != key.shape[1]
-    out = torch.ops.uniprefill.decode_attention(query, key, value, positions, query_position, window, scale, gqa)
+    query_position = history.seq_len + history.decoded - 1
+    positions = history.key_positions(layer, cached)
+    if window == 0 or query_position - int(positions[0]) < window:
+        # every cached key is visible (one query at the newest position; a full layer, or a
+        # window that covers the oldest cached key): no mask, as the baseline's SDPA does
+        out = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
+    else:
+        out = torch.ops.uniprefill.decode_attention(query, key, value, positions.to(key.device), query_position,
+                                                    window, scale, gqa)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -38,6 +38,7 @@ class DropHistory:
     points: list[DropPoint] = field(default_factory=list)
     policy: str = "cumulative"
     decoded: int = 0  # tokens decoded after this prefill
+    _positions: dict = field(default_factory=dict, repr=False, compare=False)  # memo of layer_positions
 
     def layer_positions(self, layer: int, row: int = 0) -> torch.Tensor:
         """ORIGINAL prompt positions whose key/value the cache of `layer` holds after the prefill.
@@ -45,11 +46,15 @@ class DropHistory:
         A layer runs on the tokens kept by the last drop point before it; a drop layer's own
         attention runs before its drop. Under "suspend", a later drop layer runs on all tokens.
         """
-        earlier = [p for p in self.points if p.layer < layer]
-        is_drop = any(p.layer == layer for p in self.points)
-        if not earlier or (self.policy == "suspend" and is_drop):
-            return torch.arange(self.seq_len)
-        return earlier[-1].kept_positions(row, self.seq_len).cpu()
+        key = (layer, row, len(self.points))
+        if key not in self._positions:
+            earlier = [p for p in self.points if p.layer < layer]
+            is_drop = any(p.layer == layer for p in self.points)
+            if not earlier or (self.policy == "suspend" and is_drop):
+                self._positions[key] = torch.arange(self.seq_len)
+            else:
+                self._positions[key] = earlier[-1].kept_positions(row, self.seq_len).cpu()
+        return self._positions[key]
 
     def key_positions(self, layer: int, cached: int) -> torch.Tensor:
         """Positions of the `cached` keys a decode step of `layer` attends to (row 0).
