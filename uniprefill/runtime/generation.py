@@ -57,7 +57,7 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     gqa = query.shape[1] != key.shape[1]
     query_position = history.seq_len + history.decoded - 1
-    positions = history.key_positions(layer, cached)
+    positions = history.key_positions(layer, cached) if window else None
     if window == 0 or query_position - int(positions[0]) < window:
         # every cached key is visible (one query at the newest position; a full layer, or a
         # window that covers the oldest cached key): no mask, as the baseline's SDPA does
