@@ -248,3 +248,26 @@ def test_gather_tokens_refuses_a_value_of_another_layout():
     assert torch.equal(out[0], x.reshape(10, 3)[idx])
     with pytest.raises(RuntimeError, match="mislabelled"):
         torch.ops.uniprefill.gather_tokens(x[:, :3], idx, 0, 1, 5)
+
+
+@pytest.mark.parametrize("request_kind", ["labels-same-tensor", "labels-copy", "gradients"])
+def test_requests_that_need_every_position_run_unaccelerated_or_raise_under_strict(request_kind):
+    """`labels=input_ids` reaches dynamo as ONE input (the token ids), so the pass must
+    recognise the loss itself; a silently dropped loss was the bug this test pins."""
+    model = _llama()
+    ids = _ids(1, 300)
+    kwargs = dict(input_ids=ids, use_cache=False)
+    if request_kind.startswith("labels"):
+        kwargs["labels"] = ids if request_kind == "labels-same-tensor" else ids.clone()
+    reason = "gradients are enabled" if request_kind == "gradients" else "labels were given"
+    with torch.set_grad_enabled(request_kind == "gradients"):
+        lenient = uniprefill.compile(model, UniPrefillConfig(p=0.5, drop_layers=(1,), **SMALL))
+        with pytest.warns(UserWarning, match=reason):
+            out = lenient(**kwargs)
+        assert uniprefill.last_drop_report(lenient) is None
+        if request_kind.startswith("labels"):
+            torch.testing.assert_close(out.loss, model(**kwargs).loss)
+        torch._dynamo.reset()
+        strict = uniprefill.compile(model, UniPrefillConfig(p=0.5, drop_layers=(1,), strict=True, **SMALL))
+        with pytest.raises(Exception, match=reason):
+            strict(**kwargs)

@@ -189,6 +189,11 @@ class TokenDropPass:
         for node in self.gm.graph.nodes:
             if node.op == "placeholder" and "labels" in node.name:
                 raise RewriteSkipped("labels were given: a loss needs every position")
+            # `labels=input_ids` (the usual idiom) reaches the graph as the token input itself:
+            # dynamo passes one tensor once, so look for the loss instead of its input
+            if node.op in ("call_function", "call_method") and any(
+                    loss in target_name(node) for loss in ("cross_entropy", "nll_loss")):
+                raise RewriteSkipped("labels were given (the graph computes a loss): a loss needs every position")
             val = example_value(node)
             if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.requires_grad and torch.is_grad_enabled():
                 raise RewriteSkipped("gradients are enabled: run inference under torch.no_grad()")

@@ -157,6 +157,8 @@ class UniPrefillModel(torch.nn.Module):
         """A batch of several rows whose prefill fills a cache: prefill it row by row."""
         if ids is None or args or ids.dim() != 2 or ids.shape[0] < 2:
             return False
+        if set(kwargs) - _ROW_KWARGS:  # e.g. labels, output_hidden_states: the compiled path explains
+            return False
         if cache is not None and _cache_length(cache) > 0:
             return False
         use_cache = kwargs.get("use_cache")
@@ -170,6 +172,9 @@ class UniPrefillModel(torch.nn.Module):
             raise NotImplementedError(
                 f"a batch of several rows that fills a cache is run row by row; these arguments are not "
                 f"supported there: {unsupported}")
+        if kwargs.get("return_dict") is False:
+            raise NotImplementedError("a batch of several rows that fills a cache returns a ModelOutput "
+                                      "(return_dict=False is not supported there)")
         cache_key = "cache" if "cache" in kwargs else "past_key_values"
         common = {"use_cache": True}
         if kwargs.get("logits_to_keep") is not None:
