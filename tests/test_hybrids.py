@@ -22,13 +22,18 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
-def test_hybrid_kinds_parity_and_drop(name):
+def _hybrid(name: str, lowest_id: int):
+    """The preset with seeded random weights, its layer kinds, its first full layer, a 300-token prompt."""
     torch.manual_seed(0)
     model = build_random_model(name, torch.float32, "cpu")
     kinds = layer_kinds(model.config)
-    first_full = kinds.index("full")
-    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(lowest_id, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(3))
+    return model, kinds, kinds.index("full"), ids
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_kinds_parity_and_drop(name):
+    model, kinds, first_full, ids = _hybrid(name, lowest_id=0)
     with torch.no_grad():
         ref = model(input_ids=ids, use_cache=False).logits[:, -1]
         exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(first_full,), **SMALL))
@@ -69,11 +74,7 @@ def test_hybrid_generation_and_the_states_a_prefill_leaves(name):
     exactly the kept tokens."""
     from transformers import DynamicCache
 
-    torch.manual_seed(0)
-    model = build_random_model(name, torch.float32, "cpu")
-    kinds = layer_kinds(model.config)
-    first_full = kinds.index("full")
-    ids = torch.randint(3, model.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(3))
+    model, kinds, first_full, ids = _hybrid(name, lowest_id=3)
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=4, do_sample=False)
         exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(first_full,), **SMALL))
