@@ -26,7 +26,6 @@ from .history import DropHistory
 class Row:
     cache: object  # a transformers cache holding this row's tokens only
     history: DropHistory | None  # None: the row was too short to drop (its cache is complete)
-    pad: int  # left-pad tokens stripped from this row
 
 
 def _base_cache_class():

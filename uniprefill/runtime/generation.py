@@ -190,10 +190,10 @@ class UniPrefillModel(torch.nn.Module):
         outs, states = [], []
         for r in range(rows):
             cache = DynamicCache(config=self.model.config)
-            out = self._prefill(ids[r:r + 1, pads[r]:], input_ids=ids[r:r + 1, pads[r]:], **{cache_key: cache},
-                                **common)
+            row_ids = ids[r:r + 1, pads[r]:]
+            out = self._prefill(row_ids, input_ids=row_ids, **{cache_key: cache}, **common)
             history = self.history
-            states.append(Row(cache, history if history is not None and history.points else None, pads[r]))
+            states.append(Row(cache, history if history is not None and history.points else None))
             outs.append(out)
         caches = RowCaches(states, length)
         object.__setattr__(self, "_cache_id", None)
