@@ -62,8 +62,10 @@ def prompt_ids(loaded, length: int, haystack: str | None, seed: int, device) -> 
     return torch.randint(3, vocab, (1, length), generator=gen).to(device), {"task": "random ids"}
 
 
-def run_system(fn, ids: torch.Tensor, new_tokens: int, device) -> dict:
+def run_system(fn, ids: torch.Tensor, new_tokens: int, device, decode_sdpa: str = "default") -> dict:
     from transformers import DynamicCache
+
+    from uniprefill.bench.sdpa import decode_sdpa as sdpa_choice
 
     config = getattr(fn, "config", None)
     cache = DynamicCache(config=config)
@@ -74,7 +76,9 @@ def run_system(fn, ids: torch.Tensor, new_tokens: int, device) -> dict:
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         tokens, steps = [int(token)], []
         for _ in range(new_tokens):
-            out, seconds = timed_call(lambda: fn(input_ids=token, past_key_values=cache, use_cache=True), device)
+            with sdpa_choice(decode_sdpa):
+                out, seconds = timed_call(lambda: fn(input_ids=token, past_key_values=cache, use_cache=True),
+                                          device)
             steps.append(seconds)
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(int(token))
@@ -97,8 +101,17 @@ def main(argv=None) -> int:
     parser.add_argument("--drop-layers", default="all")
     parser.add_argument("--haystack", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decode-sdpa", default="default",
+                        help="SDPA kernels of the decode steps: default, no-cudnn, or both as "
+                             "'default,no-cudnn' (each a full side-by-side run)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    from uniprefill.bench.sdpa import check_choice
+
+    try:
+        choices = [check_choice(c) for c in args.decode_sdpa.split(",")]
+    except ValueError as err:
+        parser.error(str(err))
     if (args.p is None) == (args.keep_ratio is None):
         parser.error("give exactly one of --p and --keep-ratio")
     if args.new_tokens < 2:
@@ -118,29 +131,31 @@ def main(argv=None) -> int:
           file=sys.stderr)
 
     results = []
-    base = run_system(loaded.model, ids, args.new_tokens, device)
-    results.append({"system": "baseline", **base})
-    print(f"baseline: {base['decode_tokens_per_s']:.1f} tok/s, KV {base['kv_cache_bytes'] / 2**20:.1f} MiB",
-          file=sys.stderr)
-    for config in configs:
-        fast = uniprefill.compile(loaded.model, config)
-        run = run_system(fast, ids, args.new_tokens, device)
-        history = uniprefill.last_drop_report(fast)
-        agree = sum(a == b for a, b in zip(run["tokens"], base["tokens"]))
-        results.append({
-            "system": f"uniprefill {knob}={getattr(config, knob)}", "config": {knob: getattr(config, knob)},
-            **run, "history": history.as_dict() if history else None,
-            "decode_speedup": base["decode_step_median_s"] / run["decode_step_median_s"],
-            "kv_cache_ratio": run["kv_cache_bytes"] / base["kv_cache_bytes"],
-            "tokens_agreeing_with_baseline": agree,
-        })
-        r = results[-1]
-        print(f"{r['system']}: {r['decode_tokens_per_s']:.1f} tok/s ({r['decode_speedup']:.2f}x), "
-              f"KV {r['kv_cache_bytes'] / 2**20:.1f} MiB ({r['kv_cache_ratio']:.2f}x), "
-              f"retention {history.overall_retention if history else 1.0:.3f}, "
-              f"{agree}/{len(base['tokens'])} tokens as baseline", file=sys.stderr)
-        del fast
-        synchronize(device)
+    for choice in choices:
+        base = run_system(loaded.model, ids, args.new_tokens, device, choice)
+        results.append({"system": "baseline", "decode_sdpa": choice, **base})
+        print(f"[decode SDPA {choice}] baseline: {base['decode_tokens_per_s']:.1f} tok/s, "
+              f"KV {base['kv_cache_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
+        for config in configs:
+            fast = uniprefill.compile(loaded.model, config)
+            run = run_system(fast, ids, args.new_tokens, device, choice)
+            history = uniprefill.last_drop_report(fast)
+            agree = sum(a == b for a, b in zip(run["tokens"], base["tokens"]))
+            results.append({
+                "system": f"uniprefill {knob}={getattr(config, knob)}", "decode_sdpa": choice,
+                "config": {knob: getattr(config, knob)},
+                **run, "history": history.as_dict() if history else None,
+                "decode_speedup": base["decode_step_median_s"] / run["decode_step_median_s"],
+                "kv_cache_ratio": run["kv_cache_bytes"] / base["kv_cache_bytes"],
+                "tokens_agreeing_with_baseline": agree,
+            })
+            r = results[-1]
+            print(f"[decode SDPA {choice}] {r['system']}: {r['decode_tokens_per_s']:.1f} tok/s "
+                  f"({r['decode_speedup']:.2f}x), KV {r['kv_cache_bytes'] / 2**20:.1f} MiB "
+                  f"({r['kv_cache_ratio']:.2f}x), retention {history.overall_retention if history else 1.0:.3f}, "
+                  f"{agree}/{len(base['tokens'])} tokens as baseline", file=sys.stderr)
+            del fast
+            synchronize(device)
 
     record = {"command": "python benchmarks/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,

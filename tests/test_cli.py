@@ -95,6 +95,42 @@ def test_eval_end_to_end_with_shards(model_dir, essay, tmp_path, capsys):
     assert (tmp_path / "pareto.png").exists()
 
 
+def test_eval_in_stages_as_the_gpu_script_runs_it(model_dir, essay, tmp_path, capsys):
+    """Timed prompts first, untimed ones in shards, two drop sets, a gzip'd merge."""
+    import gzip
+
+    common = ["eval", "--model", model_dir, "--tasks", "niah_single_1,niah_single_2",
+              "--lengths", "600", "--samples", "3", "--haystack", essay, "--quiet",
+              "--n-boot", "200", "--p", "0.5,0.9", "--drop-layers", "all; 1", "--timed-samples", "1",
+              "--decode-sdpa", "no-cudnn"]
+    assert main(common + ["--part", "timed", "--out", str(tmp_path / "timed.jsonl")]) == 0
+    for i in range(2):
+        assert main(common + ["--part", "untimed", "--shard", f"{i}/2",
+                              "--out", str(tmp_path / f"u{i}.jsonl")]) == 0
+    text = "".join((tmp_path / name).read_text() for name in ("timed.jsonl", "u0.jsonl", "u1.jsonl"))
+    records = [json.loads(x) for x in text.splitlines()]
+    assert len(records) == 2 * 3 * 5  # tasks x samples x (baseline + 2 p x 2 drop sets)
+    assert {r["index"] for r in records if r["timed"]} == {0}
+    assert {str(r["system_spec"]["config"]["drop_layers"]) for r in records
+            if r["role"] == "method"} == {"all", "[1]"}
+    merged = tmp_path / "all.jsonl.gz"
+    with gzip.open(merged, "wt", encoding="utf-8") as f:
+        f.write(text)
+    capsys.readouterr()
+    assert main(["eval", "--summary-only", "--out", str(merged), "--summary", str(tmp_path / "s.json"),
+                 "--plot", str(tmp_path / "pareto.png")]) == 0
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    methods = [r for r in rows if r["role"] == "method" and r["task"] == "average"]
+    assert len(methods) == 4 and all(r["n"] == 6 and r["n_timed"] == 2 for r in methods)
+    assert all(r["speedup"] and r["ideal_speedup"] for r in methods)
+    assert len({r["drop_layers"] for r in methods}) == 2
+
+
+def test_several_drop_sets_and_bad_ones(capsys):
+    _fails(["eval", "--tasks", "niah_single_1", "--drop-layers", "all;x"], capsys, "--drop-layers 'x'")
+    _fails(["eval", "--tasks", "niah_single_1", "--drop-layers", " ; "], capsys, "names no drop set")
+
+
 def test_bench_end_to_end(model_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["bench", "--model", model_dir, "--lengths", "300", "--baseline", "eager",

@@ -11,6 +11,7 @@ from uniprefill.eval.haystack import NOISE_SENTENCES, word_pool
 from uniprefill.eval.runner import (
     EvalPlan,
     StopAtNewline,
+    StopWhenAnswered,
     cut_answer,
     parse_shard,
     read_records,
@@ -109,6 +110,9 @@ class _Scripted:
     def drop_report(self):
         return None
 
+    def ideal_speedup(self, report, seq_len):
+        return None
+
     def generate(self, ids, mask, **kw):
         return torch.tensor([self.tokenizer(self.text, add_special_tokens=False)["input_ids"]])
 
@@ -184,3 +188,80 @@ def test_summary_pairs_prompts_and_uses_the_faster_baseline(tmp_path):
     assert "pending" in table and "+50.0" in table
     plot_pareto(rows, str(tmp_path / "pareto.png"))
     assert (tmp_path / "pareto.png").stat().st_size > 1000
+
+
+def test_stop_when_answered_only_once_every_reference_is_there(tokenizer):
+    sample = make_sample("niah_single_1", tokenizer, 600, 0)
+    prompt = tokenizer("Q:", return_tensors="pt")["input_ids"]
+    stop = StopWhenAnswered(tokenizer, prompt.shape[1], sample)
+    answer = sample.answers[0]
+
+    def ids(text):
+        new = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        return torch.cat([prompt, new], 1)
+
+    assert not stop(ids(" " + answer[:-1]), None).item()
+    assert stop(ids(" " + answer), None).item()
+    assert not stop(ids(" 1\n" + answer), None).item()  # after the newline: not the answer
+    # the score of any longer text is the same: references are looked up, text only grows
+    assert run_one(_Scripted(tokenizer, f" {answer} and more"), sample, tokenizer,
+                   torch.device("cpu"), warmup=0)["score"] == 1.0
+
+
+def test_timed_subset_and_parts(model, tokenizer, tmp_path):
+    spec = uniprefill_spec(UniPrefillConfig(p=0.9, block_size=16, last_q=32, sink=32))
+    out = tmp_path / "t.jsonl"
+    untimed = _run(model, tokenizer, out, [baseline_spec(), spec], timed_samples=1,
+                   part="untimed", decode_sdpa="no-cudnn")
+    assert {r["index"] for r in untimed} == {1} and len(untimed) == 4
+    for r in untimed:
+        assert r["timed"] is False and r["ttft_s"] is None and r["score"] is not None
+        assert r["new_tokens"] >= 1 and r["generate_wall_s"] > 0
+        assert r["decode_sdpa"] == "no-cudnn" and r["generation"] == "done"
+    method = [r for r in untimed if r["role"] == "method"]
+    # the generation's own prefill reports what was dropped, and its FLOP-model ideal
+    assert all(0 < r["overall_retention"] <= 1 and r["ideal_speedup"] > 1 for r in method)
+    rows = summarize(read_records(out), n_boot=100)
+    assert all(r["speedup"] is None and r["ttft_ms"] is None for r in rows if r["role"] == "method")
+    timed = _run(model, tokenizer, out, [baseline_spec(), spec], timed_samples=1, part="timed")
+    assert {r["index"] for r in timed} == {0} and all(r["ttft_s"] > 0 for r in timed)
+    assert _run(model, tokenizer, out, [baseline_spec(), spec], timed_samples=1) == []
+    rows = summarize(read_records(out), n_boot=100)
+    row = next(r for r in rows if r["system"] == spec.name and r["task"] == "vt")
+    assert row["n"] == 2 and row["n_timed"] == 1 and row["n_paired"] == 2
+    timed_method = next(r for r in timed if r["role"] == "method" and r["task"] == "vt")
+    assert row["ideal_speedup"] == pytest.approx(timed_method["ideal_speedup"])
+    assert row["speedup_vs_ideal"] == pytest.approx(row["speedup"] / row["ideal_speedup"])
+    with pytest.raises(ValueError, match="part"):
+        _run(model, tokenizer, out, [baseline_spec()], part="some")
+
+
+def test_ideal_speedup_is_the_flop_ratio_of_the_report(model):
+    from uniprefill.bench.flops import flop_ratio
+
+    spec = uniprefill_spec(UniPrefillConfig(p=0.9, drop_layers=(1,), block_size=16, last_q=32))
+    system = systems_mod.System(spec, model)
+    report = {"overall_retention": 0.25,
+              "drop_points": [{"layer": 1, "entering": [600], "kept": [150], "retention": 0.25}]}
+    assert system.ideal_speedup(report, 600) == pytest.approx(
+        flop_ratio(model.config, 600, [0.25], [1], last_q=32))
+    assert system.ideal_speedup({"drop_points": []}, 600) == 1.0
+    assert systems_mod.System(baseline_spec(), model).ideal_speedup(report, 600) is None
+
+
+def test_decode_sdpa_applies_to_one_token_calls_only():
+    from uniprefill.bench.sdpa import for_decode_steps
+
+    seen = []
+
+    def forward(input_ids=None):
+        seen.append((input_ids.shape[1], torch.backends.cuda.cudnn_sdp_enabled()))
+
+    wrapped = for_decode_steps(forward, "no-cudnn")
+    wrapped(input_ids=torch.zeros(1, 5, dtype=torch.long))
+    wrapped(input_ids=torch.zeros(1, 1, dtype=torch.long))
+    for_decode_steps(forward, "default")(input_ids=torch.zeros(1, 1, dtype=torch.long))
+    assert seen == [(5, True), (1, False), (1, True)]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with pytest.raises(ValueError, match="decode SDPA"):
+        for_decode_steps(forward, "fast")(input_ids=torch.zeros(1, 1, dtype=torch.long))

@@ -69,12 +69,17 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _configs(args) -> list:
-    """One UniPrefillConfig per (p, policy); its ValueError names a bad value."""
+    """One UniPrefillConfig per (drop set, policy, p); its ValueError names a bad value.
+
+    `--drop-layers` holds one drop set or several separated by ";" (e.g. "all;auto;11,17").
+    """
     from uniprefill.config import UniPrefillConfig
 
-    drop = parse_drop_layers(args.drop_layers)
+    drops = [parse_drop_layers(d.strip()) for d in args.drop_layers.split(";") if d.strip()]
+    if not drops:
+        raise UsageError(f"--drop-layers {args.drop_layers!r} names no drop set")
     return [UniPrefillConfig(p=p, policy=policy, drop_layers=drop)
-            for policy in _split(args.policy) for p in _floats(args.p, "--p")]
+            for drop in drops for policy in _split(args.policy) for p in _floats(args.p, "--p")]
 
 
 def _haystack(args) -> tuple[str | None, str]:
@@ -214,6 +219,11 @@ def cmd_eval(args, checks) -> int:
             if not args.baseline_only:
                 systems += [uniprefill_spec(c) for c in _configs(args)]
             shard = parse_shard(args.shard)
+            if args.timed_samples is not None and args.timed_samples < 0:
+                raise UsageError(f"--timed-samples {args.timed_samples} must be >= 0")
+            if args.no_generate and (args.part == "untimed" or args.timed_samples is not None):
+                raise UsageError("--no-generate times prefills only: it cannot be combined "
+                                 "with untimed prompts (--timed-samples / --part untimed)")
             haystack, _ = _haystack(args)
             essay_tasks = [t for t in tasks if needs_essay(t)]
             if essay_tasks and haystack is None:
@@ -231,7 +241,9 @@ def cmd_eval(args, checks) -> int:
         run_eval(loaded.model, loaded.tokenizer, systems, plan, args.out,
                  model_name=args.model, shard=shard, warmup=args.warmup, repeats=args.repeats,
                  generate=not args.no_generate, progress=not args.quiet,
-                 compile_backend=args.compile_backend, settings=_settings(args))
+                 compile_backend=args.compile_backend, settings=_settings(args),
+                 timed_samples=args.timed_samples, part=args.part,
+                 stop_when_answered=not args.full_answers, decode_sdpa=args.decode_sdpa)
     records = read_records(args.out)
     rows = summarize(records, n_boot=args.n_boot, seed=args.seed)
     print(format_table(rows))
@@ -263,7 +275,7 @@ def _method(p: argparse.ArgumentParser, *, p_default: str, many: bool) -> None:
     s = "(comma-separated list)" if many else ""
     p.add_argument("--p", default=p_default, help=f"kept attention share in (0, 1] {s}")
     p.add_argument("--policy", default="cumulative", help=f"cumulative or suspend {s}")
-    p.add_argument("--drop-layers", default="auto", help="auto, all or indices like 7,11,15")
+    p.add_argument("--drop-layers", default="auto", help="auto, all or indices like 7,11,15; several sets separated by ';'")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,6 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-generate", action="store_true", help="time prefills only")
     ev.add_argument("--warmup", type=int, default=1, help="untimed prefills per prompt")
     ev.add_argument("--repeats", type=int, default=1, help="timed prefills per prompt")
+    ev.add_argument("--timed-samples", type=int,
+                    help="time only the first K samples of each task and length (default: all)")
+    ev.add_argument("--part", choices=("all", "timed", "untimed"), default="all",
+                    help="run only the timed or only the untimed prompts now")
+    ev.add_argument("--full-answers", action="store_true",
+                    help="generate the whole budget even after every reference is found")
+    ev.add_argument("--decode-sdpa", choices=("default", "no-cudnn"), default="default",
+                    help="SDPA kernels of decode steps (prefills keep the default)")
     ev.add_argument("--compile-backend", default="inductor")
     ev.add_argument("--out", default="results.jsonl", help="JSON lines, appended and resumed")
     ev.add_argument("--shard", default="0/1", help="i/k: run every k-th prompt from the i-th")

@@ -9,12 +9,25 @@ from the same device.
 Per prompt and system: `warmup` untimed prefills, `repeats` timed ones (TTFT = their
 median, device-synced), the drop report of the last prefill, then greedy generation
 (stopping at a newline after some text when the task says so) and the task's score.
+
+Timing every prompt is not needed for a TTFT estimate and triples the prefills, so
+`timed_samples=k` times only the first k samples of each (task, length); the others are
+generated (and scored) without a separate timed prefill, their drop report taken from the
+generation's own prefill. `part` runs only the timed or only the untimed prompts: timed
+ones alone on the device, untimed ones in several processes at once (their wall clock is
+not reported, so sharing the device does not bias anything).
+
+`stop_when_answered` ends a generation once its answer holds every reference: both
+metrics only look for references in the text, and text only grows, so the score cannot
+change after that point (`raw_output` is then shorter than the budget allows).
 """
 
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
+import time
 import os
 import warnings
 from collections.abc import Sequence
@@ -88,11 +101,12 @@ def record_key(record: dict[str, Any]) -> tuple:
 
 
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a results file; a torn last line (a killed run) is skipped."""
+    """The records of a results file (".gz": gzip-compressed); a torn last line is skipped."""
     if not os.path.exists(path):
         return []
     records = []
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -113,6 +127,20 @@ class StopAtNewline:
         texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:],
                                             skip_special_tokens=True)
         done = ["\n" in text.lstrip() for text in texts]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class StopWhenAnswered:
+    """A `StoppingCriteria`: stop once the answer so far scores 1 (every reference found)."""
+
+    def __init__(self, tokenizer, prompt_len: int, sample: Sample):
+        self.tokenizer, self.prompt_len, self.sample = tokenizer, prompt_len, sample
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:],
+                                            skip_special_tokens=True)
+        done = [score(self.sample.task, cut_answer(text, self.sample.stop_at_newline),
+                      self.sample.answers) >= 1.0 for text in texts]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
@@ -138,6 +166,10 @@ def run_eval(
     progress: bool = True,
     compile_backend: str = "inductor",
     settings: dict[str, Any] | None = None,
+    timed_samples: int | None = None,
+    part: str = "all",
+    stop_when_answered: bool = True,
+    decode_sdpa: str = "default",
 ) -> list[dict[str, Any]]:
     """Run this shard's unfinished work items; append and return their records.
 
@@ -149,14 +181,27 @@ def run_eval(
         warmup, repeats: untimed and timed prefills per prompt and system.
         generate: whether to generate and score, or only time the prefill.
         settings: extra settings recorded with every line (e.g. the command line).
+        timed_samples: time only samples with index < this (None: all of them).
+        part: "all", "timed" or "untimed": which of those prompts to run now.
+        stop_when_answered: end a generation once every reference is in the answer.
+        decode_sdpa: SDPA kernels of decode steps (`uniprefill.bench.sdpa`).
     """
+    if part not in ("all", "timed", "untimed"):
+        raise ValueError(f"part={part!r}: use 'all', 'timed' or 'untimed'")
+    if timed_samples is not None and timed_samples < 0:
+        raise ValueError(f"timed_samples={timed_samples} must be >= 0")
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     done = {record_key(r) for r in read_records(out_path)}
     index, count = shard
     work = []
-    for task, length, i in plan.prompts()[index::count]:
+    def is_timed(i: int) -> bool:
+        return timed_samples is None or i < timed_samples
+
+    prompts = [(t, n, i) for t, n, i in plan.prompts()
+               if part == "all" or is_timed(i) == (part == "timed")]
+    for task, length, i in prompts[index::count]:
         for spec in systems:
             key = (model_name, spec.name, task, length, i, plan.seed, plan.haystack_name(task))
             if key not in done:
@@ -180,7 +225,9 @@ def run_eval(
             if spec.name not in bound:
                 bound[spec.name] = System(spec, model, compile_backend=compile_backend)
             record = run_one(bound[spec.name], sample, tokenizer, device,
-                             warmup=warmup, repeats=repeats, generate=generate)
+                             warmup=warmup, repeats=repeats, generate=generate,
+                             timed=is_timed(i), stop_when_answered=stop_when_answered,
+                             decode_sdpa=decode_sdpa)
             record.update(key=list(key), model=model_name, env=env, settings=settings or {},
                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                               timespec="seconds"))
@@ -192,15 +239,14 @@ def run_eval(
 
 
 def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
-            warmup: int = 1, repeats: int = 1, generate: bool = True) -> dict[str, Any]:
-    """Time, report and (optionally) generate one sample with one system."""
+            warmup: int = 1, repeats: int = 1, generate: bool = True, timed: bool = True,
+            stop_when_answered: bool = True, decode_sdpa: str = "default") -> dict[str, Any]:
+    """Time (if `timed`), report and (optionally) generate one sample with one system."""
+    if not timed and not generate:
+        raise ValueError("an untimed prompt that is not generated would measure nothing")
     enc = tokenizer(sample.prompt, return_tensors="pt")
     ids = enc["input_ids"].to(device)
     mask = enc["attention_mask"].to(device)
-    stats, logits = measure(lambda: system.prefill(ids, mask), device,
-                            warmup=warmup, repeats=repeats)
-    report = system.drop_report()
-    first_id = int(logits[0].argmax())
     record: dict[str, Any] = {
         "system": system.spec.name,
         "system_label": system.spec.label,
@@ -208,31 +254,45 @@ def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
         "role": "baseline" if system.spec.is_baseline else "method",
         **{k: v for k, v in sample.to_dict().items() if k != "prompt"},
         "prompt_tokens": int(ids.shape[1]),
-        "ttft_s": stats.median_s,
-        "ttft": stats.as_dict(),
-        "first_token_id": first_id,
-        "first_token": tokenizer.decode([first_id]),
-        "drop_report": report,
-        "overall_retention": report["overall_retention"] if report else None,
+        "timed": timed,
+        "ttft_s": None,
+        "ttft": None,
+        "first_token_id": None,
+        "first_token": None,
+        "drop_report": None,
+        "overall_retention": None,
+        "ideal_speedup": None,
         "prediction": None,
         "score": None,
         "generation": "skipped",
     }
+    first_id = None
+    if timed:
+        begin = time.perf_counter()
+        stats, logits = measure(lambda: system.prefill(ids, mask), device,
+                                warmup=warmup, repeats=repeats)
+        first_id = int(logits[0].argmax())
+        record.update(ttft_s=stats.median_s, ttft=stats.as_dict(), first_token_id=first_id,
+                      first_token=tokenizer.decode([first_id]),
+                      prefills_wall_s=time.perf_counter() - begin)
+        _add_drop_report(record, system)
     if not generate:
         return record
     pending = system.generation_pending
     if pending is not None:
         record.update(generation="pending", generation_error=pending)
         return record
+    stopping = [StopAtNewline(tokenizer, ids.shape[1])] if sample.stop_at_newline else []
+    if stop_when_answered:
+        stopping.append(StopWhenAnswered(tokenizer, ids.shape[1], sample))
+    begin = time.perf_counter()
     try:
         with torch.no_grad():
             new_ids = system.generate(
-                ids, mask, max_new_tokens=sample.max_new_tokens,
-                stopping_criteria=([StopAtNewline(tokenizer, ids.shape[1])]
-                                   if sample.stop_at_newline else []),
+                ids, mask, max_new_tokens=sample.max_new_tokens, stopping_criteria=stopping,
                 pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                 else tokenizer.eos_token_id,
-                eos_token_id=tokenizer.eos_token_id,
+                eos_token_id=tokenizer.eos_token_id, decode_sdpa=decode_sdpa,
             )
     except Exception as err:  # noqa: BLE001 - the method's generate may not be ready yet
         if system.spec.is_baseline:
@@ -241,11 +301,30 @@ def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
         return record
     text = tokenizer.decode(new_ids[0], skip_special_tokens=True)
     prediction = cut_answer(text, sample.stop_at_newline)
+    first_generated = int(new_ids[0, 0]) if new_ids.shape[1] else None
     record.update(
         prediction=prediction,
         raw_output=text,
         score=score(sample.task, prediction, sample.answers),
         generation="done",
-        first_generated_matches_prefill=bool(new_ids.shape[1] and int(new_ids[0, 0]) == first_id),
+        generate_wall_s=time.perf_counter() - begin,
+        new_tokens=int(new_ids.shape[1]),
+        stop_when_answered=stop_when_answered,
+        decode_sdpa=decode_sdpa,
     )
+    if timed:
+        record["first_generated_matches_prefill"] = first_generated == first_id
+    else:
+        # the generation's own prefill: its drop report and first token stand for this prompt
+        record.update(first_token_id=first_generated, first_token=None if first_generated is None
+                      else tokenizer.decode([first_generated]))
+        _add_drop_report(record, system)
     return record
+
+
+def _add_drop_report(record: dict[str, Any], system: System) -> None:
+    """The drop report of the system's last prefill, and the FLOP-model ideal speedup."""
+    report = system.drop_report()
+    record.update(drop_report=report,
+                  overall_retention=report["overall_retention"] if report else None,
+                  ideal_speedup=system.ideal_speedup(report, record["prompt_tokens"]))

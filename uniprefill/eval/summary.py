@@ -1,7 +1,9 @@
 """Summaries of evaluation records: per task, length and system, against the baseline.
 
 Scores are averaged in points; a method's difference to the baseline comes with a paired
-bootstrap CI over the prompts both ran. Where a results file holds two baselines (eager
+bootstrap CI over the prompts both ran. TTFT and speedup come from the timed prompts only
+(all of them unless the run timed a subset), beside the FLOP-model ideal speedup of those
+same prompts. Where a results file holds two baselines (eager
 and compiled), the faster one at that task and length is the reference, so TTFT speedups
 are never flattered by a slow baseline. The "average" rows pool every task of a length,
 as RULER's average does when each task has the same number of samples.
@@ -54,36 +56,55 @@ def _order(by_prompt: dict) -> tuple:
     return (first["role"] != "baseline", first["system_label"])
 
 
+def _ttft(r: dict[str, Any]) -> float | None:
+    return r.get("ttft_s")
+
+
 def _fastest_baseline(systems: dict[str, dict]) -> str | None:
-    baselines = [(statistics.median(r["ttft_s"] for r in recs.values()), name)
-                 for name, recs in systems.items()
-                 if next(iter(recs.values()))["role"] == "baseline"]
+    """The baseline with the lowest median TTFT (over its timed prompts)."""
+    baselines = []
+    for name, recs in systems.items():
+        if next(iter(recs.values()))["role"] != "baseline":
+            continue
+        times = [_ttft(r) for r in recs.values() if _ttft(r) is not None]
+        baselines.append((statistics.median(times) if times else float("inf"), name))
     return min(baselines)[1] if baselines else None
 
 
 def _row(model, length, task, name, recs, pairs, n_boot, seed, is_reference) -> dict[str, Any]:
     first = recs[0]
     scored = [r["score"] for r in recs if r["score"] is not None]
+    timed = [_ttft(r) for r in recs if _ttft(r) is not None]
     spec = first.get("system_spec") or {}
     config = spec.get("config") or {}
     row: dict[str, Any] = {
         "model": model, "length": length, "task": task, "system": name,
         "label": first["system_label"], "role": first["role"],
         "p": config.get("p"), "policy": config.get("policy"),
+        "drop_layers": _drop_label(config.get("drop_layers")),
         "n": len(recs), "n_scored": len(scored),
         "score": 100 * statistics.fmean(scored) if scored else None,
         "generation_pending": sum(r["generation"] == "pending" for r in recs),
-        "ttft_ms": 1000 * statistics.median(r["ttft_s"] for r in recs),
+        "n_timed": len(timed),
+        "ttft_ms": 1000 * statistics.median(timed) if timed else None,
         "retention": _mean([r.get("overall_retention") for r in recs]),
         "delta": None, "ci_low": None, "ci_high": None, "speedup": None, "n_paired": 0,
+        "ideal_speedup": None, "speedup_vs_ideal": None,
     }
     if first["role"] == "baseline" or not pairs:
         if is_reference:
             row["speedup"] = 1.0
         return row
     row["n_paired"] = len(pairs)
-    row["speedup"] = (statistics.median(b["ttft_s"] for b, _ in pairs)
-                      / statistics.median(m["ttft_s"] for _, m in pairs))
+    timed_pairs = [(b, m) for b, m in pairs if _ttft(b) is not None and _ttft(m) is not None]
+    if timed_pairs:
+        row["speedup"] = (statistics.median(_ttft(b) for b, _ in timed_pairs)
+                          / statistics.median(_ttft(m) for _, m in timed_pairs))
+        ideals = [m.get("ideal_speedup") for _, m in timed_pairs]
+        if all(x is not None for x in ideals):
+            # the ideal of the same prompts the speedup was timed on
+            row["ideal_speedup"] = statistics.median(ideals)
+            row["speedup_vs_ideal"] = row["speedup"] / row["ideal_speedup"]
     scored_pairs = [(b["score"], m["score"]) for b, m in pairs
                     if b["score"] is not None and m["score"] is not None]
     if scored_pairs:
@@ -91,6 +112,12 @@ def _row(model, length, task, name, recs, pairs, n_boot, seed, is_reference) -> 
         row["delta"], row["ci_low"], row["ci_high"] = paired_bootstrap_ci(
             base, meth, n_boot=n_boot, seed=seed)
     return row
+
+
+def _drop_label(drop) -> str | None:
+    if drop is None or isinstance(drop, str):
+        return drop
+    return ",".join(str(x) for x in drop)
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -101,7 +128,7 @@ def _mean(values: Sequence[float | None]) -> float | None:
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """A fixed-width table of `summarize` rows."""
     header = ("length", "task", "system", "n", "score", "delta [95% CI]", "TTFT ms",
-              "speedup", "retention")
+              "speedup", "ideal", "retention")
     lines = []
     for r in rows:
         if r["score"] is not None:
@@ -112,8 +139,9 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
                  if r["delta"] is not None else "")
         lines.append((
             str(r["length"]), r["task"], r["label"], str(r["n"]), score, delta,
-            f"{r['ttft_ms']:.1f}",
+            f"{r['ttft_ms']:.1f}" if r.get("ttft_ms") is not None else "-",
             f"{r['speedup']:.2f}x" if r["speedup"] is not None else "",
+            f"{r['ideal_speedup']:.2f}x" if r.get("ideal_speedup") is not None else "",
             f"{r['retention']:.3f}" if r["retention"] is not None else "",
         ))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
@@ -125,7 +153,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Accuracy (average over tasks) vs TTFT speedup, one curve per (length, policy)."""
+    """Accuracy (average over tasks) vs TTFT speedup, one curve per (length, policy, drop set)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -139,17 +167,19 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
         at_length = [r for r in chosen if r["length"] == length]
         base = [r for r in at_length if r["role"] == "baseline" and r["score"] is not None]
         base_point = (1.0, base[0]["score"]) if base else None
-        for policy in sorted({r["policy"] for r in at_length if r["policy"]}):
+        curves = sorted({(r["policy"], r.get("drop_layers")) for r in at_length if r["policy"]},
+                        key=str)
+        for policy, drop in curves:
             points = sorted((r["speedup"], r["score"], r["p"]) for r in at_length
-                            if r["policy"] == policy and r["score"] is not None
-                            and r["speedup"] is not None)
+                            if (r["policy"], r.get("drop_layers")) == (policy, drop)
+                            and r["score"] is not None and r["speedup"] is not None)
             if not points:
                 continue
             xs = [x for x, _, _ in points] + ([base_point[0]] if base_point else [])
             ys = [y for _, y, _ in points] + ([base_point[1]] if base_point else [])
             order = sorted(range(len(xs)), key=xs.__getitem__)
             ax.plot([xs[i] for i in order], [ys[i] for i in order], marker="o",
-                    label=f"{length} tokens, {policy}")
+                    label=f"{length} tokens, {policy}" + (f", drop {drop}" if drop else ""))
             for x, y, p in points:
                 ax.annotate(f"p={p:g}", (x, y), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")

@@ -108,6 +108,23 @@ class System:
         data["overall_retention"] = float(report.overall_retention)
         return data
 
+    def ideal_speedup(self, report: dict[str, Any] | None, seq_len: int) -> float | None:
+        """FLOP-model ideal prefill speedup at the retentions of `report` (None: baseline).
+
+        `uniprefill.bench.flops.flop_ratio` with the kept share of every drop point: what
+        dropping would save if scoring, selection and gathers were free.
+        """
+        if self.spec.config is None:
+            return None
+        points = drop_points(report)
+        if not points:
+            return 1.0
+        from uniprefill.bench.flops import flop_ratio
+
+        return flop_ratio(self.model.config, seq_len, [float(p["retention"]) for p in points],
+                          [int(p["layer"]) for p in points], policy=self.spec.config.policy,
+                          last_q=self.spec.config.last_q)
+
     @property
     def generation_pending(self) -> str | None:
         """Why this system cannot generate yet, or None if it can."""
@@ -122,19 +139,31 @@ class System:
         return None
 
     def generate(self, input_ids, attention_mask, *, max_new_tokens: int, stopping_criteria,
-                 pad_token_id: int | None, eos_token_id: int | None) -> torch.Tensor:
-        """Greedy continuation ids, [batch, new tokens]."""
+                 pad_token_id: int | None, eos_token_id: int | None,
+                 decode_sdpa: str = "default") -> torch.Tensor:
+        """Greedy continuation ids, [batch, new tokens].
+
+        `decode_sdpa`: SDPA kernels of the decode steps (`uniprefill.bench.sdpa`); the
+        prefill inside generation keeps the default kernels.
+        """
         from transformers import GenerationConfig
+
+        from uniprefill.bench.sdpa import for_decode_steps
 
         target = self.model if self.spec.config is None else self.fn
         config = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
             eos_token_id=eos_token_id,
         )
-        out = target.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-            stopping_criteria=stopping_criteria,
-        )
+        # generation calls target(...), which looks `forward` up on the instance first
+        object.__setattr__(target, "forward", for_decode_steps(target.forward, decode_sdpa))
+        try:
+            out = target.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                stopping_criteria=stopping_criteria,
+            )
+        finally:
+            object.__delattr__(target, "forward")
         return out[:, input_ids.shape[1]:]
 
 

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 5's accuracy minimum on the GPU box, resumable across device calls (run it again in
+# the next call of the same warm machine and it carries on where the last one stopped).
+#
+# Gemma-3-270M (converted by gpu_install_gemma.sh into /tmp/gemma-270m), tasks niah_single_1..3,
+# niah_multikey_1 and vt at 4K / 8K / 16K / 32,000 tokens, 25 samples each, the baseline and
+# p in {0.8, 0.9, 0.95, 0.99} x drop layers {"all", "auto"}, cumulative.
+#   Stage A (alone on the GPU): samples 0..TIMED-1 of every cell, TTFT timed (1 warm-up, 1 timed).
+#   Stage B (PROCS processes at once): the remaining samples, generated and scored, untimed.
+# Decode steps run without cuDNN's SDPA (see uniprefill/bench/sdpa.py); prefills use the default.
+# Everything lands in /tmp/eval (kept between calls); each call ends by copying the result
+# files (gzip) and the summary to $OUT. Stops itself after BUDGET seconds.
+#
+# Usage (repo root on the box): BUDGET=540 bash scripts/gpu/eval_issue5.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BUDGET=${BUDGET:-540}
+TIMED=${TIMED:-2}
+PROCS=${PROCS:-4}
+START=$(date +%s)
+export PYTHONPATH=/tmp/site:/tmp/pp UNIPREFILL_GEMMA_DIR=/tmp/gemma-270m PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+mkdir -p /tmp/pp /tmp/eval && rm -rf /tmp/pp/uniprefill && cp -r uniprefill /tmp/pp/ \
+    && cp -r kernels /tmp/pp/uniprefill/kernels
+[ -f /tmp/eval/PaulGrahamEssays.json ] || cp .gpu_data/PaulGrahamEssays.json /tmp/eval/
+COMMON=(--model gemma-3-270m --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt
+        --lengths 4096,8192,16384,32000 --samples 25 --p 0.8,0.9,0.95,0.99 --drop-layers "all;auto"
+        --policy cumulative --haystack /tmp/eval/PaulGrahamEssays.json --timed-samples "$TIMED"
+        --decode-sdpa no-cudnn --quiet)
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+
+echo "stage A (timed) from $(date -u +%T), $(left) s left"
+timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" --part timed --out /tmp/eval/timed.jsonl \
+    > /tmp/eval/timed.log 2>&1
+echo "stage A rc=$? at $(date -u +%T): $(wc -l < /tmp/eval/timed.jsonl) records"
+if [ "$(left)" -gt 60 ]; then
+    echo "stage B (untimed, $PROCS processes) from $(date -u +%T), $(left) s left"
+    for i in $(seq 0 $((PROCS - 1))); do
+        timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" --part untimed --shard "$i/$PROCS" \
+            --out "/tmp/eval/untimed-$i.jsonl" > "/tmp/eval/untimed-$i.log" 2>&1 &
+    done
+    wait
+    echo "stage B done at $(date -u +%T): $(cat /tmp/eval/untimed-*.jsonl | wc -l) records"
+fi
+cat /tmp/eval/timed.jsonl /tmp/eval/untimed-*.jsonl 2>/dev/null > /tmp/eval/all.jsonl
+python3 -P -m uniprefill eval "${COMMON[@]}" --summary-only --out /tmp/eval/all.jsonl \
+    --summary /tmp/eval/summary.json --plot "$OUT/pareto-gemma-issue5-h200.png" > "$OUT/summary-table.txt" 2>&1
+gzip -c /tmp/eval/all.jsonl > "$OUT/eval-gemma-issue5-h200.jsonl.gz"
+cp /tmp/eval/summary.json "$OUT/eval-gemma-issue5-h200.summary.json"
+tail -n 3 /tmp/eval/*.log > "$OUT/eval-logs-tail.txt"
+cat "$OUT/summary-table.txt" | grep -E "average|^length" | head -60
