@@ -80,6 +80,26 @@ def test_cache_lengths_follow_the_history():
     assert cache.layers[-1].keys.shape[-2] < cache.layers[0].keys.shape[-2] or window - 1 < 320
 
 
+def test_decode_steps_leave_cudnn_attention_out():
+    """cuDNN's SDPA re-plans for every new key length (every decode step) on the H200."""
+    build, drops = MODELS["gemma3"]
+    model = build()
+    fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers=drops, **SMALL))
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = fast(input_ids=_ids(1, 320), cache=cache, use_cache=True)
+        assert uniprefill.last_drop_report(fast).points
+        seen = []  # hooked after the prefill: a hook inside the compiled region would break its graph
+        model.model.layers[-1].self_attn.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(
+                (kwargs.get("uniprefill_decode") is not None, torch.backends.cuda.cudnn_sdp_enabled())),
+            with_kwargs=True)
+        for _ in range(2):
+            out = fast(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    assert seen == [(True, False), (True, False)]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after each step
+
+
 def _prefill(arch="llama", length=300):
     build, drops = MODELS[arch]
     model = build()

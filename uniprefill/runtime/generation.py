@@ -79,6 +79,19 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+def _decode_kernels():
+    """SDPA kernels for decode steps: flash, memory-efficient or math, never cuDNN.
+
+    On the H200 (torch 2.11, cuDNN 9) SDPA picks cuDNN for a one-query step and cuDNN builds
+    an execution plan for every new key length, i.e. at every step: Gemma-3-270M after a
+    32K prefill decoded at 6.5-9.9 tokens/s with it and 37-39 without it (same cache, same
+    tokens; docs/results/decode-gemma-270m-32k-h200.json).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 @contextlib.contextmanager
 def _attention_implementation(model, name: str):
     configs = [c for c in {id(model.config): model.config, **{id(getattr(model.config, k)): getattr(model.config, k)
@@ -230,7 +243,7 @@ class UniPrefillModel(torch.nn.Module):
         _register_attention()
         history.decoded += 1
         windows = self.backend.layer_windows()
-        with _attention_implementation(self.model, ATTENTION_NAME):
+        with _attention_implementation(self.model, ATTENTION_NAME), _decode_kernels():
             return type(self.model).forward(self.model, *args, uniprefill_decode=(history, windows), **kwargs)
 
     def generate(self, *args, **kwargs):
