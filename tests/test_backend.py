@@ -122,6 +122,26 @@ def test_batch_rows_equal_rows_run_alone(arch):
     torch.testing.assert_close(both[1], second[0], atol=ATOL, rtol=0)
 
 
+def test_sliding_layers_before_the_drop_share_one_mask():
+    model = _gemma3()  # sliding layers 0 and 2 before the drop at 3, full layer 1
+    compiled = uniprefill.compile(model, UniPrefillConfig(p=0.9, drop_layers=(3,), **SMALL))
+    ids = _ids(2, 300)
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0  # padding: a padded mask too, and still one per window
+    with torch.no_grad():
+        got = compiled(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    counts = uniprefill.graph_reports(compiled)[0].counts
+    assert counts["dense_attention"] == 4 and counts["dense_masks"] == 2  # sliding and full
+    # rows agree where nothing was dropped yet: the last token's logits come after the drop,
+    # so compare an undropped model instead
+    full = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(3,), **SMALL))
+    with torch.no_grad():
+        same = full(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert torch.allclose(same[0], want[0], atol=ATOL) and torch.allclose(same[1, 17:], want[1, 17:], atol=ATOL)
+    assert got.shape == want.shape
+
+
 def test_rewrite_counts_and_one_graph_for_all_lengths():
     model = _llama()
     compiled = uniprefill.compile(model, UniPrefillConfig(p=0.9, drop_layers=(1, 2), **SMALL))

@@ -226,6 +226,9 @@ def test_timed_subset_and_parts(model, tokenizer, tmp_path):
     timed = _run(model, tokenizer, out, [baseline_spec(), spec], timed_samples=1, part="timed")
     assert {r["index"] for r in timed} == {0} and all(r["ttft_s"] > 0 for r in timed)
     assert _run(model, tokenizer, out, [baseline_spec(), spec], timed_samples=1) == []
+    # a fresh file resumes from the records of another one
+    assert _run(model, tokenizer, tmp_path / "fresh.jsonl", [baseline_spec(), spec],
+                timed_samples=1, done_elsewhere=[out]) == []
     rows = summarize(read_records(out), n_boot=100)
     row = next(r for r in rows if r["system"] == spec.name and r["task"] == "vt")
     assert row["n"] == 2 and row["n_timed"] == 1 and row["n_paired"] == 2

@@ -219,6 +219,9 @@ def cmd_eval(args, checks) -> int:
             if not args.baseline_only:
                 systems += [uniprefill_spec(c) for c in _configs(args)]
             shard = parse_shard(args.shard)
+            for path in args.also_done:
+                if not os.path.isfile(path):
+                    raise UsageError(f"--also-done file {path!r} does not exist")
             if args.timed_samples is not None and args.timed_samples < 0:
                 raise UsageError(f"--timed-samples {args.timed_samples} must be >= 0")
             if args.no_generate and (args.part == "untimed" or args.timed_samples is not None):
@@ -243,7 +246,8 @@ def cmd_eval(args, checks) -> int:
                  generate=not args.no_generate, progress=not args.quiet,
                  compile_backend=args.compile_backend, settings=_settings(args),
                  timed_samples=args.timed_samples, part=args.part,
-                 stop_when_answered=not args.full_answers, decode_sdpa=args.decode_sdpa)
+                 stop_when_answered=not args.full_answers, decode_sdpa=args.decode_sdpa,
+                 done_elsewhere=args.also_done)
     records = read_records(args.out)
     rows = summarize(records, n_boot=args.n_boot, seed=args.seed)
     print(format_table(rows))
@@ -331,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="generate the whole budget even after every reference is found")
     ev.add_argument("--decode-sdpa", choices=("default", "no-cudnn"), default="default",
                     help="SDPA kernels of decode steps (prefills keep the default)")
+    ev.add_argument("--also-done", action="append", default=[], metavar="FILE",
+                    help="a results file whose records count as done (repeatable)")
     ev.add_argument("--compile-backend", default="inductor")
     ev.add_argument("--out", default="results.jsonl", help="JSON lines, appended and resumed")
     ev.add_argument("--shard", default="0/1", help="i/k: run every k-th prompt from the i-th")

@@ -161,6 +161,30 @@ def _(base, x, idx, batch_dim, token_dim):
 # --------------------------------------------------------------------------------------
 # attention with masks rebuilt from ORIGINAL positions
 # --------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::dense_mask", mutates_args=())
+def dense_mask(q: torch.Tensor, key_valid: torch.Tensor | None, window: int) -> torch.Tensor:
+    """The boolean attention mask of `dense_attention` for `q`'s N tokens, `[B or 1, 1, N, N]`.
+
+    Built once per (window, padding) and shared by every layer that needs it, as
+    transformers shares its masks: at 32K an N x N mask is 1 GiB, and rebuilding it in each
+    sliding layer cost more than the attention it masked.
+    """
+    n = q.shape[-2]
+    pos = torch.arange(n, device=q.device)
+    mask = _position_mask(pos, pos, window)[None, None]
+    if key_valid is not None:
+        mask = mask & key_valid.bool()[:, None, None, :]
+        mask = mask | torch.eye(n, dtype=torch.bool, device=q.device)[None, None]
+    return mask
+
+
+@dense_mask.register_fake
+def _(q, key_valid, window):
+    rows = key_valid.shape[0] if key_valid is not None else 1
+    n = q.shape[-2]
+    return q.new_empty((rows, 1, n, n), dtype=torch.bool)
+
+
 @torch.library.custom_op(f"{LIB}::dense_attention", mutates_args=())
 def dense_attention(
     q: torch.Tensor,
@@ -170,26 +194,25 @@ def dense_attention(
     window: int,
     scale: float,
     enable_gqa: bool,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention on dense `[B, H, N, d]` tensors.
 
     Key j is visible to query i when `0 <= i - j < window` (window 0: unbounded) and
     `key_valid[b, j]` (left padding). A query that sees no key (a pad token) attends to
-    itself so the row stays finite; such rows are never read.
+    itself so the row stays finite; such rows are never read. `mask`, when given, is
+    `dense_mask(q, key_valid, window)` computed once for several layers.
     """
     n = q.shape[-2]
     if key_valid is None and (window <= 0 or window >= n):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
-    pos = torch.arange(n, device=q.device)
-    mask = _position_mask(pos, pos, window)[None, None]
-    if key_valid is not None:
-        mask = mask & key_valid.bool()[:, None, None, :]
-        mask = mask | torch.eye(n, dtype=torch.bool, device=q.device)[None, None]
+    if mask is None:
+        mask = dense_mask(q, key_valid, window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 @dense_attention.register_fake
-def _(q, k, v, key_valid, window, scale, enable_gqa):
+def _(q, k, v, key_valid, window, scale, enable_gqa, mask=None):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
@@ -233,10 +256,11 @@ def _(q, k, v, positions, counts, window, scale, enable_gqa):
 
 
 def _position_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int) -> torch.Tensor:
-    diff = pos_q[:, None] - pos_k[None, :]
-    mask = diff >= 0
+    """`0 <= pos_q[i] - pos_k[j] < window` (window 0: unbounded), as broadcast comparisons of
+    the position vectors, so no `[Q, K]` int64 difference is materialised (8 GiB at 32K)."""
+    mask = pos_k[None, :] <= pos_q[:, None]
     if window > 0:
-        mask = mask & (diff < window)
+        mask = mask & (pos_k[None, :] > (pos_q - window)[:, None])
     return mask
 
 

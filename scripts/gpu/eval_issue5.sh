@@ -12,6 +12,7 @@
 # files (gzip) and the summary to $OUT. Stops itself after BUDGET seconds.
 #
 # Usage (repo root on the box): BUDGET=540 bash scripts/gpu/eval_issue5.sh
+#   continuing the committed records: SEED=docs/results/eval-gemma-issue5-h200.jsonl.gz BUDGET=540 ...
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUDGET=${BUDGET:-540}
@@ -26,6 +27,10 @@ COMMON=(--model gemma-3-270m --tasks niah_single_1,niah_single_2,niah_single_3,n
         --lengths 4096,8192,16384,32000 --samples 25 --p 0.8,0.9,0.95,0.99 --drop-layers "all;auto"
         --policy cumulative --haystack /tmp/eval/PaulGrahamEssays.json --timed-samples "$TIMED"
         --decode-sdpa no-cudnn --quiet)
+# Records of an earlier session (e.g. docs/results/eval-gemma-issue5-h200.jsonl.gz) count as
+# done when SEED names them; they are merged into what this call returns.
+SEED=${SEED:-}
+if [ -n "$SEED" ]; then COMMON+=(--also-done "$SEED"); fi
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 
 echo "stage A (timed) from $(date -u +%T), $(left) s left"
@@ -41,7 +46,8 @@ if [ "$(left)" -gt 60 ]; then
     wait
     echo "stage B done at $(date -u +%T): $(cat /tmp/eval/untimed-*.jsonl | wc -l) records"
 fi
-cat /tmp/eval/timed.jsonl /tmp/eval/untimed-*.jsonl 2>/dev/null > /tmp/eval/all.jsonl
+{ if [ -n "$SEED" ]; then zcat -f "$SEED"; fi; cat /tmp/eval/timed.jsonl /tmp/eval/untimed-*.jsonl 2>/dev/null; } \
+    > /tmp/eval/all.jsonl
 python3 -P -m uniprefill eval "${COMMON[@]}" --summary-only --out /tmp/eval/all.jsonl \
     --summary /tmp/eval/summary.json --plot "$OUT/pareto-gemma-issue5-h200.png" > "$OUT/summary-table.txt" 2>&1
 gzip -c /tmp/eval/all.jsonl > "$OUT/eval-gemma-issue5-h200.jsonl.gz"

@@ -170,6 +170,7 @@ def run_eval(
     part: str = "all",
     stop_when_answered: bool = True,
     decode_sdpa: str = "default",
+    done_elsewhere: Sequence[str | os.PathLike] = (),
 ) -> list[dict[str, Any]]:
     """Run this shard's unfinished work items; append and return their records.
 
@@ -185,6 +186,8 @@ def run_eval(
         part: "all", "timed" or "untimed": which of those prompts to run now.
         stop_when_answered: end a generation once every reference is in the answer.
         decode_sdpa: SDPA kernels of decode steps (`uniprefill.bench.sdpa`).
+        done_elsewhere: other results files whose records count as done (e.g. an earlier
+            session's merged results, while this run appends to a fresh file).
     """
     if part not in ("all", "timed", "untimed"):
         raise ValueError(f"part={part!r}: use 'all', 'timed' or 'untimed'")
@@ -193,7 +196,7 @@ def run_eval(
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    done = {record_key(r) for r in read_records(out_path)}
+    done = {record_key(r) for path in (out_path, *done_elsewhere) for r in read_records(path)}
     index, count = shard
     work = []
     def is_timed(i: int) -> bool:

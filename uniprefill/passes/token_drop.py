@@ -129,7 +129,10 @@ class TokenDropPass:
     config: UniPrefillConfig
     recorder: object = None
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("drop_points", "gathers", "scatters", "dense_attention", "packed_attention", "shape_rewrites"), 0))
+        ("drop_points", "gathers", "scatters", "dense_attention", "dense_masks", "packed_attention",
+         "shape_rewrites"), 0))
+    # one dense mask per (window, padding input), shared by every layer before the first drop
+    _dense_masks: dict = field(default_factory=dict)
 
     # ---------------------------------------------------------------- analysis
     def analyse(self):
@@ -509,7 +512,15 @@ class TokenDropPass:
         qn, kn, vn = (self._value_at(x, j) for x in (q, k, v))
         if j == 0:
             key_valid = self.env[mask.padding] if mask.padding is not None else None
-            out = self.new.call_function(U.dense_attention.default, (qn, kn, vn, key_valid, mask.window, scale, gqa))
+            shared = None
+            if key_valid is not None or mask.window > 0:
+                key = (mask.window, mask.padding)
+                if key not in self._dense_masks:
+                    self._dense_masks[key] = self.new.call_function(U.dense_mask.default, (qn, key_valid, mask.window))
+                    self.counts["dense_masks"] += 1
+                shared = self._dense_masks[key]
+            out = self.new.call_function(U.dense_attention.default,
+                                         (qn, kn, vn, key_valid, mask.window, scale, gqa, shared))
             self.counts["dense_attention"] += 1
         else:
             lay = self.layouts[j]
