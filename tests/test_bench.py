@@ -161,3 +161,19 @@ def test_decode_benchmark_on_a_tiny_preset(tmp_path):
     assert fast["history"]["drop_points"] and fast["kv_cache_bytes"] < base["kv_cache_bytes"]
     assert fast["kv_cache_ratio"] == fast["kv_cache_bytes"] / base["kv_cache_bytes"]
     assert record["prompt_tokens"] == 600 and fast["decode_tokens_per_s"] > 0
+
+
+def test_git_commit_falls_back_to_the_environment(monkeypatch, tmp_path):
+    """A copy without .git (the GPU box) names its commit through UNIPREFILL_GIT_COMMIT."""
+    import subprocess
+
+    from uniprefill.bench import environment
+
+    def no_repo(*args, **kwargs):
+        return subprocess.CompletedProcess(args, 128, "", "not a git repository")
+
+    monkeypatch.setattr(environment.subprocess, "run", no_repo)
+    monkeypatch.delenv("UNIPREFILL_GIT_COMMIT", raising=False)
+    assert environment.git_commit() is None
+    monkeypatch.setenv("UNIPREFILL_GIT_COMMIT", "abc123")
+    assert environment.git_commit() == "abc123"

@@ -11,6 +11,8 @@
 # Everything lands in /tmp/eval (kept between calls); each call ends by copying the result
 # files (gzip) and the summary to $OUT. Stops itself after BUDGET seconds.
 #
+# The box gets no .git: pass the commit so that every record names it, e.g. in the device call
+#   UNIPREFILL_GIT_COMMIT=<output of `git rev-parse HEAD` here> BUDGET=540 bash scripts/gpu/eval_issue5.sh
 # Usage (repo root on the box): BUDGET=540 bash scripts/gpu/eval_issue5.sh
 #   continuing the committed records: SEED=docs/results/eval-gemma-issue5-h200.jsonl.gz BUDGET=540 ...
 set -uo pipefail

@@ -32,15 +32,17 @@ def device_name(device: torch.device) -> str:
 
 
 def git_commit() -> str | None:
-    """HEAD of the repository holding this package, if it is a git checkout."""
+    """HEAD of the repository holding this package, if it is a git checkout; else the
+    `UNIPREFILL_GIT_COMMIT` environment variable (a copy without `.git`, as on the GPU box)."""
     here = os.path.dirname(os.path.abspath(__file__))
+    fallback = os.environ.get("UNIPREFILL_GIT_COMMIT") or None
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5
         )
     except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+        return fallback
+    return (out.stdout.strip() or fallback) if out.returncode == 0 else fallback
 
 
 def environment_info(device: torch.device) -> dict[str, Any]:
