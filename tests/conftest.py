@@ -1,6 +1,9 @@
 """Shared pytest setup.
 
 * Tests marked `gpu` are skipped cleanly where CUDA is missing.
+* Every test starts with dynamo's caches reset: each compiled model adds cache entries to
+  the same transformers code objects, so without a reset a test's outcome would depend on
+  how many models earlier tests compiled (dynamo's recompile limits).
 * Without CUDA, the Triton kernels (tests/test_kernels.py) run in Triton's CPU interpreter.
   Triton chooses interpreter or compiler when it is first imported (it decorates its own
   `triton.language` helpers then), and other test modules import it early through
@@ -24,3 +27,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _reset_dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield

@@ -268,3 +268,12 @@ def test_decode_sdpa_applies_to_one_token_calls_only():
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with pytest.raises(ValueError, match="decode SDPA"):
         for_decode_steps(forward, "fast")(input_ids=torch.zeros(1, 1, dtype=torch.long))
+
+
+def test_a_method_prefill_outside_the_compiled_graph_is_refused(model, monkeypatch):
+    """If dynamo falls back to eager, the record would score the plain model as the method."""
+    spec = uniprefill_spec(UniPrefillConfig(p=0.9, block_size=16, last_q=32, sink=32))
+    system = systems_mod.System(spec, model)
+    monkeypatch.setattr(system._api, "last_drop_report", lambda fn: None)
+    with pytest.raises(RuntimeError, match="did not run through the uniprefill graph"):
+        system.drop_report()

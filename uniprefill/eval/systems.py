@@ -101,7 +101,10 @@ class System:
             return None
         report = self._api.last_drop_report(self.fn)
         if report is None:
-            return None
+            # the compiled graph never ran (dynamo fell back to eager, e.g. at its recompile
+            # limit): scoring this as the method would score the plain model
+            raise RuntimeError(f"{self.spec.label}: the last prefill did not run through the "
+                               "uniprefill graph (see the warning above); refusing to record it")
         data = _jsonable(report.as_dict())
         if not isinstance(data, dict):
             data = {"drop_points": data}
