@@ -30,10 +30,9 @@ def decode_sdpa(choice: str) -> Iterator[None]:
     if check_choice(choice) == "default":
         yield
         return
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from uniprefill.runtime.generation import decode_kernels
 
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                      SDPBackend.MATH]):
+    with decode_kernels():  # the kernels uniprefill's own decode steps use
         yield
 
 

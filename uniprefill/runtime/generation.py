@@ -79,7 +79,7 @@ def _register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def _decode_kernels():
+def decode_kernels():
     """SDPA kernels for decode steps: flash, memory-efficient or math, never cuDNN.
 
     On the H200 (torch 2.11, cuDNN 9) SDPA picks cuDNN for a one-query step and cuDNN builds
@@ -243,7 +243,7 @@ class UniPrefillModel(torch.nn.Module):
         _register_attention()
         history.decoded += 1
         windows = self.backend.layer_windows()
-        with _attention_implementation(self.model, ATTENTION_NAME), _decode_kernels():
+        with _attention_implementation(self.model, ATTENTION_NAME), decode_kernels():
             return type(self.model).forward(self.model, *args, uniprefill_decode=(history, windows), **kwargs)
 
     def generate(self, *args, **kwargs):
