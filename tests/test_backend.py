@@ -122,7 +122,7 @@ def test_batch_rows_equal_rows_run_alone(arch):
     torch.testing.assert_close(both[1], second[0], atol=ATOL, rtol=0)
 
 
-def test_sliding_layers_before_the_drop_share_one_mask():
+def test_sliding_layers_share_one_mask_per_layout():
     model = _gemma3()  # sliding layers 0 and 2 before the drop at 3, full layer 1
     compiled = uniprefill.compile(model, UniPrefillConfig(p=0.9, drop_layers=(3,), **SMALL))
     ids = _ids(2, 300)
@@ -133,6 +133,7 @@ def test_sliding_layers_before_the_drop_share_one_mask():
         want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     counts = uniprefill.graph_reports(compiled)[0].counts
     assert counts["dense_attention"] == 4 and counts["dense_masks"] == 2  # sliding and full
+    assert counts["packed_attention"] == 2 and counts["packed_masks"] == 1  # sliding 4 and 5
     # rows agree where nothing was dropped yet: the last token's logits come after the drop,
     # so compare an undropped model instead
     full = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(3,), **SMALL))

@@ -216,6 +216,27 @@ def _(q, k, v, key_valid, window, scale, enable_gqa, mask=None):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
+@torch.library.custom_op(f"{LIB}::packed_masks", mutates_args=())
+def packed_masks(positions: torch.Tensor, counts: torch.Tensor, window: int) -> torch.Tensor:
+    """Every row's `packed_attention` mask, flattened and concatenated: `[sum(c_r ** 2)]` bool.
+
+    Built once per (layout, window) and shared by every sliding layer of that layout, as
+    `dense_mask` is before the first drop point.
+    """
+    masks, start = [], 0
+    for count in counts.tolist():
+        pos = positions[start:start + count]
+        masks.append(_position_mask(pos, pos, window).reshape(-1))
+        start += count
+    return torch.cat(masks) if masks else positions.new_empty(0, dtype=torch.bool)
+
+
+@packed_masks.register_fake
+def _(positions, counts, window):
+    ctx = torch.library.get_ctx()
+    return positions.new_empty(ctx.new_dynamic_size(), dtype=torch.bool)
+
+
 @torch.library.custom_op(f"{LIB}::packed_attention", mutates_args=())
 def packed_attention(
     q: torch.Tensor,
@@ -226,16 +247,20 @@ def packed_attention(
     window: int,
     scale: float,
     enable_gqa: bool,
+    masks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-diagonal causal attention on packed `[1, H, T, d]` tensors.
 
     Row r owns tokens `[cu[r], cu[r+1])` (`counts` host int64 `[R]`); `positions` int64
     `[T]` are the ORIGINAL token positions. Key j is visible to query i of the same row when
     `0 <= pos_i - pos_j < window` (window 0: unbounded), so sliding windows stay windows
-    over original positions after tokens were dropped.
+    over original positions after tokens were dropped. `masks`, when given, is
+    `packed_masks(positions, counts, window)` computed once for several layers.
     """
+    if window > 0 and masks is None:
+        masks = packed_masks(positions, counts, window)
     outs = []
-    start = 0
+    start = offset = 0
     for count in counts.tolist():
         end = start + count
         qr, kr, vr = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
@@ -243,15 +268,14 @@ def packed_attention(
             # Positions increase along a row, so causal in positions == causal in index.
             outs.append(F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=enable_gqa))
         else:
-            pos = positions[start:end]
-            mask = _position_mask(pos, pos, window)[None, None]
+            mask = masks[offset:offset + count * count].view(1, 1, count, count)
             outs.append(F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask, scale=scale, enable_gqa=enable_gqa))
-        start = end
+        start, offset = end, offset + count * count
     return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
 
 
 @packed_attention.register_fake
-def _(q, k, v, positions, counts, window, scale, enable_gqa):
+def _(q, k, v, positions, counts, window, scale, enable_gqa, masks=None):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 import datetime
 import gzip
 import json
-import time
 import os
+import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -199,6 +199,7 @@ def run_eval(
     done = {record_key(r) for path in (out_path, *done_elsewhere) for r in read_records(path)}
     index, count = shard
     work = []
+
     def is_timed(i: int) -> bool:
         return timed_samples is None or i < timed_samples
 

@@ -130,9 +130,11 @@ class TokenDropPass:
     recorder: object = None
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("drop_points", "gathers", "scatters", "dense_attention", "dense_masks", "packed_attention",
-         "shape_rewrites"), 0))
-    # one dense mask per (window, padding input), shared by every layer before the first drop
+         "packed_masks", "shape_rewrites"), 0))
+    # masks shared by the layers that need the same one: before the first drop one per
+    # (window, padding input), after it one per (layout, window)
     _dense_masks: dict = field(default_factory=dict)
+    _packed_masks: dict = field(default_factory=dict)
 
     # ---------------------------------------------------------------- analysis
     def analyse(self):
@@ -524,7 +526,16 @@ class TokenDropPass:
             self.counts["dense_attention"] += 1
         else:
             lay = self.layouts[j]
-            out = self.new.call_function(U.packed_attention.default, (qn, kn, vn, lay.positions, lay.counts, mask.window, scale, gqa))
+            shared = None
+            if mask.window > 0:
+                key = (j, mask.window)
+                if key not in self._packed_masks:
+                    self._packed_masks[key] = self.new.call_function(
+                        U.packed_masks.default, (lay.positions, lay.counts, mask.window))
+                    self.counts["packed_masks"] += 1
+                shared = self._packed_masks[key]
+            out = self.new.call_function(U.packed_attention.default,
+                                         (qn, kn, vn, lay.positions, lay.counts, mask.window, scale, gqa, shared))
             self.counts["packed_attention"] += 1
         out.meta = dict(node.meta)
         self.env[node] = out
