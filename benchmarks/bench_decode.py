@@ -11,8 +11,9 @@ The prompt is a needle-in-a-haystack sample (`niah_single_2` with `--haystack`, 
 `niah_single_1`) for a model with a tokenizer, or random token ids for a random-weight
 preset (use `--keep-ratio` there: random weights give no meaningful attention pattern).
 
-Systems run one after the other in one process, so their ratios are side by side; absolute
-times mean something only on the GPU.
+Systems run side by side in one process: every system prefills its own cache, then the
+decode steps go round-robin (step i of every system before step i + 1 of any), so a drift of
+the machine affects them alike; absolute times mean something only on the GPU.
 
 Usage:
   python benchmarks/bench_decode.py --model gemma-3-270m --length 32768 --new-tokens 64 \\
@@ -62,31 +63,48 @@ def prompt_ids(loaded, length: int, haystack: str | None, seed: int, device) -> 
     return torch.randint(3, vocab, (1, length), generator=gen).to(device), {"task": "random ids"}
 
 
-def run_system(fn, ids: torch.Tensor, new_tokens: int, device, decode_sdpa: str = "default") -> dict:
-    from transformers import DynamicCache
+class Decoder:
+    """One system's prefill, then its greedy decode steps one at a time (each timed)."""
 
-    from uniprefill.bench.sdpa import decode_sdpa as sdpa_choice
+    def __init__(self, fn, ids: torch.Tensor, device, decode_sdpa: str = "default") -> None:
+        from transformers import DynamicCache
 
-    config = getattr(fn, "config", None)
-    cache = DynamicCache(config=config)
-    with torch.no_grad():
-        out, prefill_s = timed_call(lambda: fn(input_ids=ids, past_key_values=cache, use_cache=True,
-                                               logits_to_keep=1), device)
-        kv = cache_bytes(out.past_key_values)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        tokens, steps = [int(token)], []
-        for _ in range(new_tokens):
-            with sdpa_choice(decode_sdpa):
-                out, seconds = timed_call(lambda: fn(input_ids=token, past_key_values=cache, use_cache=True),
-                                          device)
-            steps.append(seconds)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            tokens.append(int(token))
-    timed_steps = steps[1:] if len(steps) > 2 else steps  # the first step may compile / warm up
-    median = statistics.median(timed_steps)
-    return {"prefill_s": prefill_s, "kv_cache_bytes": kv, "decode_step_median_s": median,
-            "decode_step_min_s": min(timed_steps), "decode_tokens_per_s": 1.0 / median,
-            "steps_timed": len(timed_steps), "tokens": tokens}
+        self.fn, self.device, self.decode_sdpa = fn, device, decode_sdpa
+        self.cache = DynamicCache(config=getattr(fn, "config", None))
+        with torch.no_grad():
+            out, self.prefill_s = timed_call(lambda: fn(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                                                        logits_to_keep=1), device)
+        self.kv = cache_bytes(out.past_key_values)
+        self.token = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.tokens, self.steps = [int(self.token)], []
+
+    def step(self) -> None:
+        from uniprefill.bench.sdpa import decode_sdpa as sdpa_choice
+
+        with torch.no_grad(), sdpa_choice(self.decode_sdpa):
+            out, seconds = timed_call(lambda: self.fn(input_ids=self.token, past_key_values=self.cache,
+                                                      use_cache=True), self.device)
+        self.steps.append(seconds)
+        self.token = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.tokens.append(int(self.token))
+
+    def result(self) -> dict:
+        timed_steps = self.steps[1:] if len(self.steps) > 2 else self.steps  # the first step may warm up
+        median = statistics.median(timed_steps)
+        return {"prefill_s": self.prefill_s, "kv_cache_bytes": self.kv, "decode_step_median_s": median,
+                "decode_step_min_s": min(timed_steps), "decode_tokens_per_s": 1.0 / median,
+                "steps_timed": len(timed_steps), "tokens": self.tokens}
+
+
+def decode_side_by_side(systems: list, ids: torch.Tensor, new_tokens: int, device, decode_sdpa: str) -> list[dict]:
+    """Prefill every system (each its own cache), then decode round-robin: step i of each
+    system before step i + 1 of any, so that a drift of the machine (clocks, a busy CPU)
+    hits every system alike."""
+    decoders = [Decoder(fn, ids, device, decode_sdpa) for fn in systems]
+    for _ in range(new_tokens):
+        for decoder in decoders:
+            decoder.step()
+    return [d.result() for d in decoders]
 
 
 def main(argv=None) -> int:
@@ -132,14 +150,26 @@ def main(argv=None) -> int:
 
     results = []
     for choice in choices:
-        base = run_system(loaded.model, ids, args.new_tokens, device, choice)
+        compiled = [uniprefill.compile(loaded.model, config) for config in configs]
+        histories = []
+
+        class Recorded:  # the history of each system's own prefill, read before the next prefills
+            def __init__(self, fast):
+                self.fast, self.config = fast, getattr(fast, "config", None)
+
+            def __call__(self, **kwargs):
+                out = self.fast(**kwargs)
+                if kwargs["input_ids"].shape[1] > 1:
+                    histories.append(uniprefill.last_drop_report(self.fast))
+                return out
+
+        runs = decode_side_by_side([loaded.model, *(Recorded(f) for f in compiled)], ids, args.new_tokens,
+                                   device, choice)
+        base = runs[0]
         results.append({"system": "baseline", "decode_sdpa": choice, **base})
         print(f"[decode SDPA {choice}] baseline: {base['decode_tokens_per_s']:.1f} tok/s, "
               f"KV {base['kv_cache_bytes'] / 2**20:.1f} MiB", file=sys.stderr)
-        for config in configs:
-            fast = uniprefill.compile(loaded.model, config)
-            run = run_system(fast, ids, args.new_tokens, device, choice)
-            history = uniprefill.last_drop_report(fast)
+        for config, run, history in zip(configs, runs[1:], histories):
             agree = sum(a == b for a, b in zip(run["tokens"], base["tokens"]))
             results.append({
                 "system": f"uniprefill {knob}={getattr(config, knob)}", "decode_sdpa": choice,
@@ -154,8 +184,8 @@ def main(argv=None) -> int:
                   f"({r['decode_speedup']:.2f}x), KV {r['kv_cache_bytes'] / 2**20:.1f} MiB "
                   f"({r['kv_cache_ratio']:.2f}x), retention {history.overall_retention if history else 1.0:.3f}, "
                   f"{agree}/{len(base['tokens'])} tokens as baseline", file=sys.stderr)
-            del fast
-            synchronize(device)
+        del compiled
+        synchronize(device)
 
     record = {"command": "python benchmarks/bench_decode.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import platform
@@ -56,15 +55,24 @@ CONFIGS = {  # name -> sequence lengths
     "128K": [131072],
     "16x8K": [8192] * 16,
 }
-STATS_VARIANTS = {  # pass 1 (row max / sum over key chunks): (block_m, block_n, warps, stages)
-    "m128-n64-w8": dict(stats_block_m=128, stats_block_n=64, stats_warps=8, stats_stages=2),
-    "m64-n64-w4": dict(stats_block_m=64, stats_block_n=64, stats_warps=4, stats_stages=2),
-    "m128-n128-w8": dict(stats_block_m=128, stats_block_n=128, stats_warps=8, stats_stages=2),
+STATS_VARIANTS = {  # pass 1 (row max / sum over key chunks), timed with its combine kernel
+    "m128-n128-w8-s2": dict(stats_block_m=128, stats_block_n=128, stats_warps=8, stats_stages=2),
+    "m128-n128-w8-s2-chunks-first": dict(stats_block_m=128, stats_block_n=128, stats_warps=8, stats_stages=2,
+                                         stats_rows_first=False),  # the grid order before 2026-12-01
+    "m128-n128-w8-s3": dict(stats_block_m=128, stats_block_n=128, stats_warps=8, stats_stages=3),
+    "m128-n128-w8-s4": dict(stats_block_m=128, stats_block_n=128, stats_warps=8, stats_stages=4),
+    "m128-n64-w4-s3": dict(stats_block_m=128, stats_block_n=64, stats_warps=4, stats_stages=3),
+    "m128-n64-w4-s4": dict(stats_block_m=128, stats_block_n=64, stats_warps=4, stats_stages=4),
+    "m64-n128-w4-s3": dict(stats_block_m=64, stats_block_n=128, stats_warps=4, stats_stages=3),
 }
 TOKENS_VARIANTS = {  # pass 2 (token scores per key tile)
-    "m128-n128-w8": dict(tokens_block_m=128, tokens_block_n=128, tokens_warps=8, tokens_stages=2),
-    "m64-n64-w4": dict(tokens_block_m=64, tokens_block_n=64, tokens_warps=4, tokens_stages=2),
-    "m128-n64-w4": dict(tokens_block_m=128, tokens_block_n=64, tokens_warps=4, tokens_stages=2),
+    "m64-n64-w4-s2": dict(tokens_block_m=64, tokens_block_n=64, tokens_warps=4, tokens_stages=2),
+    "m64-n128-w4-s2": dict(tokens_block_m=64, tokens_block_n=128, tokens_warps=4, tokens_stages=2),
+    "m64-n128-w4-s3": dict(tokens_block_m=64, tokens_block_n=128, tokens_warps=4, tokens_stages=3),
+    "m64-n128-w8-s3": dict(tokens_block_m=64, tokens_block_n=128, tokens_warps=8, tokens_stages=3),
+    "m32-n128-w4-s3": dict(tokens_block_m=32, tokens_block_n=128, tokens_warps=4, tokens_stages=3),
+    "m64-n256-w8-s2": dict(tokens_block_m=64, tokens_block_n=256, tokens_warps=8, tokens_stages=2),
+    "m128-n128-w8-s3": dict(tokens_block_m=128, tokens_block_n=128, tokens_warps=8, tokens_stages=3),
 }
 
 
@@ -256,10 +264,31 @@ def tile_sweep(lens, device):
     return timings, ScoreTiles(**best)
 
 
+def profile_once(lens, device, calls=10):
+    """torch.profiler over `calls` score_and_select calls: device time per kernel vs wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, cu_q, cu_k, host = make_inputs(lens, device)
+    for _ in range(3):
+        ours(q, k, cu_q, cu_k, host, "triton")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(calls):
+            ours(q, k, cu_q, cu_k, host, "triton")
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / calls
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels = {e.key: e.device_time_total / 1e3 / calls for e in events if e.count >= calls}
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    return {"wall_ms_per_call_under_profiler": wall_ms, "device_ms_per_call": kernels}, table
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="kernels-h200.json")
     parser.add_argument("--only", nargs="*", default=list(CONFIGS), help=f"of {list(CONFIGS)}")
+    parser.add_argument("--profile", default="128K", help="also profile one size's calls (empty: none)")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -268,7 +297,12 @@ def main():
     sweep, best = tile_sweep(CONFIGS["128K"], device)
     print(json.dumps({"tile_sweep_128K_ms": sweep, "chosen": dataclasses.asdict(best)}), flush=True)
     # The fastest tiles become the default of score_blocks_fwd for the rest of this run.
-    score_module.ScoreTiles = functools.partial(ScoreTiles, **dataclasses.asdict(best))
+    class Chosen(ScoreTiles):
+        @classmethod
+        def for_head_dim(cls, head_dim):
+            return best
+
+    score_module.ScoreTiles = Chosen
     rows = []
     for name in args.only:
         try:
@@ -277,6 +311,12 @@ def main():
             rows.append({"name": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
+    profiled = None
+    if args.profile:
+        profiled, table = profile_once(CONFIGS[args.profile], device)
+        profiled["size"] = args.profile
+        print(table, flush=True)
+        print(json.dumps(profiled), flush=True)
     result = {
         "machine": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
@@ -287,6 +327,7 @@ def main():
         "rows": rows,
         "tile_sweep_128K_ms": sweep,
         "tiles": dataclasses.asdict(best),
+        "profile": profiled,
         "seconds": time.time() - started,
     }
     with open(args.out, "w") as f:

@@ -143,6 +143,60 @@ def test_sliding_layers_share_one_mask_per_layout():
     assert got.shape == want.shape
 
 
+def test_the_models_own_mask_building_is_dead_code_after_the_rewrite(monkeypatch):
+    """transformers builds N x N masks with `&` (operator.and_); our attention ops build their
+    own, so the model's must not survive dead-code elimination (they once did: and_'s trailing
+    underscore read as an in-place write, and two unused N x N masks were built per prefill)."""
+    import operator
+
+    from uniprefill.passes import token_drop
+
+    graphs = []
+    run = token_drop.TokenDropPass.run
+    monkeypatch.setattr(token_drop.TokenDropPass, "run", lambda self: graphs.append(run(self)) or graphs[-1])
+    compiled = uniprefill.compile(_gemma3(), UniPrefillConfig(p=0.9, drop_layers=(3,), **SMALL))
+    ids = _ids(1, 300)
+    with torch.no_grad():
+        compiled(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    (result,) = graphs
+    targets = [n.target for n in result.graph_module.graph.nodes if n.op == "call_function"]
+    assert operator.and_ not in targets and operator.le not in targets
+    assert not token_drop._writes_in_place(_call_node(operator.and_))
+    assert token_drop._writes_in_place(_call_node(operator.iand))
+    assert token_drop._writes_in_place(_call_node(operator.setitem))
+
+
+def _call_node(target):
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    return graph.call_function(target, (x, x))
+
+
+def test_dense_masks_leave_out_padding_that_pads_nothing():
+    """With host counts showing no padding, a causal mask is not built (SDPA runs is_causal,
+    as the plain model does) and a sliding mask has no padding term; with padding, both are
+    built in full."""
+    from uniprefill import ops  # noqa: F401  (registers the ops)
+
+    n = 40
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, n, 16, generator=gen) for _ in range(3))
+    valid = torch.ones(2, n, dtype=torch.long)
+    full_rows = torch.tensor([n, n])
+    causal = torch.ops.uniprefill.dense_mask(q, valid, 0, full_rows)
+    assert causal.numel() == 0
+    out = torch.ops.uniprefill.dense_attention(q, k, v, valid, 0, 0.25, False, causal)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
+    assert torch.allclose(out, want, atol=1e-6)
+    sliding = torch.ops.uniprefill.dense_mask(q, valid, 8, full_rows)
+    pos = torch.arange(n)
+    assert torch.equal(sliding[0, 0], (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 8))
+    valid[1, :5] = 0
+    padded = torch.ops.uniprefill.dense_mask(q, valid, 0, torch.tensor([n, n - 5]))
+    assert padded.shape == (2, 1, n, n) and not padded[1, 0, 10, :5].any() and padded[0, 0, 10, :5].all()
+    assert torch.equal(torch.ops.uniprefill.dense_mask(q, valid, 0, None), padded)  # no counts: always built
+
+
 def test_rewrite_counts_and_one_graph_for_all_lengths():
     model = _llama()
     compiled = uniprefill.compile(model, UniPrefillConfig(p=0.9, drop_layers=(1, 2), **SMALL))

@@ -108,9 +108,11 @@ def test_triton_scores_match_reference(case, dtype):
     assert rel_err(out, ref) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("rows_first", [True, False], ids=["rows-first", "chunks-first"])
 @pytest.mark.parametrize("case", SCORE_CASES[:3], ids=[c[0] for c in SCORE_CASES[:3]])
-def test_triton_scores_with_small_tiles(case):
-    """Tiles smaller than the sequences: several key chunks, row blocks and block tiles."""
+def test_triton_scores_with_small_tiles(case, rows_first):
+    """Tiles smaller than the sequences: several key chunks, row blocks and block tiles,
+    in both pass-1 grid orders."""
     from uniprefill.kernels.score_blocks import ScoreTiles, score_blocks_fwd
 
     _, lens, last_q, hq, hk, d, block = case
@@ -118,7 +120,7 @@ def test_triton_scores_with_small_tiles(case):
     layout = read_layout(cu_q, cu_k, total_q=q.shape[0], total_k=k.shape[0], max_seqlen_k=max_len,
                          host_cu_seqlens=None)
     tiles = ScoreTiles(stats_block_m=32, stats_block_n=32, stats_warps=4, tokens_block_m=32, tokens_block_n=32,
-                       tokens_warps=4, chunk=32)
+                       tokens_warps=4, chunk=32, stats_rows_first=rows_first)
     out, _ = score_blocks_fwd(q, k, cu_q, cu_k, layout, block_size=block, scale=d**-0.5, tiles=tiles)
     ref, _ = api.score_blocks(q, k, cu_q, cu_k, max_len, block_size=block, scale=d**-0.5, impl="torch")
     assert rel_err(out, ref) < TOLERANCE[torch.float32]

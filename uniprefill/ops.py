@@ -56,11 +56,11 @@ def score_select(
     counts = counts_in.tolist()
     k_flat = k.transpose(1, 2).reshape(bq * length, hk, d)
     k_packed = k_flat.index_select(0, src_flat)
-    cu_k = _cumsum0(counts_in).to(q.device, torch.int32)
+    cu_k = to_device(_cumsum0(counts_in).to(torch.int32), q.device)
     q_counts = [min(last_q, c) for c in counts]
     q_flat_idx = _last_tokens(src_flat, counts, q_counts)
     q_packed = q.transpose(1, 2).reshape(q.shape[0] * length, q.shape[1], d).index_select(0, q_flat_idx)
-    cu_q = _cumsum0(torch.tensor(q_counts, dtype=torch.int64)).to(q.device, torch.int32)
+    cu_q = to_device(_cumsum0(torch.tensor(q_counts, dtype=torch.int64)).to(torch.int32), q.device)
     selection = kernels_api.score_and_select(
         q_packed,
         k_packed,
@@ -102,7 +102,21 @@ def _last_tokens(src_flat: torch.Tensor, counts: list[int], take: list[int]) -> 
     ends = torch.tensor(counts, dtype=torch.int64).cumsum(0)
     pieces = [torch.arange(int(e) - t, int(e)) for e, t in zip(ends, take)]
     rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-    return src_flat.index_select(0, rows.to(src_flat.device))
+    return src_flat.index_select(0, to_device(rows, src_flat.device))
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to `device` without making the host wait for the GPU.
+
+    A copy from pageable host memory to a CUDA device synchronises the stream first (CUDA's
+    documented behaviour), which drains the queue of launched kernels and leaves the GPU
+    idle while Python issues the next ones; on the H200 such copies were most of the extra
+    syncs of a Gemma-3 prefill. A pinned staging copy is asynchronous; PyTorch's caching
+    host allocator keeps it alive until the copy has run.
+    """
+    if host.device == device or device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -162,14 +176,25 @@ def _(base, x, idx, batch_dim, token_dim):
 # attention with masks rebuilt from ORIGINAL positions
 # --------------------------------------------------------------------------------------
 @torch.library.custom_op(f"{LIB}::dense_mask", mutates_args=())
-def dense_mask(q: torch.Tensor, key_valid: torch.Tensor | None, window: int) -> torch.Tensor:
+def dense_mask(q: torch.Tensor, key_valid: torch.Tensor | None, window: int,
+               live_counts: torch.Tensor | None = None) -> torch.Tensor:
     """The boolean attention mask of `dense_attention` for `q`'s N tokens, `[B or 1, 1, N, N]`.
 
     Built once per (window, padding) and shared by every layer that needs it, as
     transformers shares its masks: at 32K an N x N mask is 1 GiB, and rebuilding it in each
     sliding layer cost more than the attention it masked.
+
+    `live_counts` (host int64 `[B]`, the real tokens per row, known on the host once per
+    forward) tells whether `key_valid` pads anything. When it pads nothing, the padding
+    term is left out, and a causal mask without a window is not built at all: the result
+    is then empty (`[B, 1, 0, 0]`) and `dense_attention` runs SDPA with `is_causal=True`,
+    as the plain model does for a prompt without padding.
     """
     n = q.shape[-2]
+    if key_valid is not None and live_counts is not None and bool((live_counts == n).all()):
+        key_valid = None
+    if key_valid is None and (window <= 0 or window >= n):
+        return q.new_empty((live_counts.shape[0] if live_counts is not None else 1, 1, 0, 0), dtype=torch.bool)
     pos = torch.arange(n, device=q.device)
     mask = _position_mask(pos, pos, window)[None, None]
     if key_valid is not None:
@@ -179,10 +204,10 @@ def dense_mask(q: torch.Tensor, key_valid: torch.Tensor | None, window: int) -> 
 
 
 @dense_mask.register_fake
-def _(q, key_valid, window):
+def _(q, key_valid, window, live_counts=None):
     rows = key_valid.shape[0] if key_valid is not None else 1
-    n = q.shape[-2]
-    return q.new_empty((rows, 1, n, n), dtype=torch.bool)
+    size = torch.library.get_ctx().new_dynamic_size()  # N, or 0 when no mask is needed
+    return q.new_empty((rows, 1, size, size), dtype=torch.bool)
 
 
 @torch.library.custom_op(f"{LIB}::dense_attention", mutates_args=())
@@ -204,7 +229,7 @@ def dense_attention(
     `dense_mask(q, key_valid, window)` computed once for several layers.
     """
     n = q.shape[-2]
-    if key_valid is None and (window <= 0 or window >= n):
+    if (key_valid is None and (window <= 0 or window >= n)) or (mask is not None and mask.numel() == 0):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa)
     if mask is None:
         mask = dense_mask(q, key_valid, window)

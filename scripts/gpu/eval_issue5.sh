@@ -15,11 +15,16 @@
 #   UNIPREFILL_GIT_COMMIT=<output of `git rev-parse HEAD` here> BUDGET=540 bash scripts/gpu/eval_issue5.sh
 # Usage (repo root on the box): BUDGET=540 bash scripts/gpu/eval_issue5.sh
 #   continuing the committed records: SEED=docs/results/eval-gemma-issue5-h200.jsonl.gz BUDGET=540 ...
+# Stage B runs the lengths of UNTIMED_LENGTHS one after the other (all PROCS processes on one
+# length, so that a budget that runs out leaves whole lengths done rather than scattered
+# cells), for the drop sets of UNTIMED_DROP (default: both).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BUDGET=${BUDGET:-540}
 TIMED=${TIMED:-2}
 PROCS=${PROCS:-4}
+UNTIMED_LENGTHS=${UNTIMED_LENGTHS:-4096,8192,16384,32000}
+UNTIMED_DROP=${UNTIMED_DROP:-all;auto}
 START=$(date +%s)
 export PYTHONPATH=/tmp/site:/tmp/pp UNIPREFILL_GEMMA_DIR=/tmp/gemma-270m PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /tmp/pp /tmp/eval && rm -rf /tmp/pp/uniprefill && cp -r uniprefill /tmp/pp/ \
@@ -40,12 +45,16 @@ timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" --part timed --ou
     > /tmp/eval/timed.log 2>&1
 echo "stage A rc=$? at $(date -u +%T): $(wc -l < /tmp/eval/timed.jsonl) records"
 if [ "$(left)" -gt 60 ]; then
-    echo "stage B (untimed, $PROCS processes) from $(date -u +%T), $(left) s left"
-    for i in $(seq 0 $((PROCS - 1))); do
-        timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" --part untimed --shard "$i/$PROCS" \
-            --out "/tmp/eval/untimed-$i.jsonl" > "/tmp/eval/untimed-$i.log" 2>&1 &
+    for length in ${UNTIMED_LENGTHS//,/ }; do
+        [ "$(left)" -gt 30 ] || break
+        echo "stage B (untimed, $length tokens, drop sets $UNTIMED_DROP, $PROCS processes) from $(date -u +%T), $(left) s left"
+        for i in $(seq 0 $((PROCS - 1))); do
+            timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" --part untimed --shard "$i/$PROCS" \
+                --lengths "$length" --drop-layers "$UNTIMED_DROP" \
+                --out "/tmp/eval/untimed-$i.jsonl" >> "/tmp/eval/untimed-$i.log" 2>&1 &
+        done
+        wait
     done
-    wait
     echo "stage B done at $(date -u +%T): $(cat /tmp/eval/untimed-*.jsonl | wc -l) records"
 fi
 { if [ -n "$SEED" ]; then zcat -f "$SEED"; fi; cat /tmp/eval/timed.jsonl /tmp/eval/untimed-*.jsonl 2>/dev/null; } \

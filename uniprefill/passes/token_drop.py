@@ -518,7 +518,8 @@ class TokenDropPass:
             if key_valid is not None or mask.window > 0:
                 key = (mask.window, mask.padding)
                 if key not in self._dense_masks:
-                    self._dense_masks[key] = self.new.call_function(U.dense_mask.default, (qn, key_valid, mask.window))
+                    self._dense_masks[key] = self.new.call_function(
+                        U.dense_mask.default, (qn, key_valid, mask.window, self._live_counts(mask.padding)))
                     self.counts["dense_masks"] += 1
                 shared = self._dense_masks[key]
             out = self.new.call_function(U.dense_attention.default,
@@ -540,6 +541,13 @@ class TokenDropPass:
         out.meta = dict(node.meta)
         self.env[node] = out
         self.layout_of[node] = j
+
+    def _live_counts(self, padding: fx.Node | None) -> fx.Node | None:
+        """Host per-row real-token counts, when they come from this mask's padding input."""
+        if padding is None or len(self.padding) != 1 or padding not in self.padding:
+            return None
+        self._ensure_layout0()
+        return self.layouts[0].counts
 
     # ---------------------------------------------------------------- drop points
     def _ensure_layout0(self) -> None:
@@ -653,9 +661,16 @@ def _writes_in_place(node: fx.Node) -> bool:
         if node.target is operator.setitem:
             return True
         name = getattr(node.target, "__name__", "")
+        if getattr(node.target, "__module__", None) == "_operator":
+            # operator.and_ / or_ / not_ are pure; operator.iadd, iand, ... write in place
+            return name in _OPERATOR_IN_PLACE
     else:
         return False
     return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
+
+
+_OPERATOR_IN_PLACE = frozenset({"iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul",
+                                "ior", "ipow", "irshift", "isub", "itruediv", "ixor", "setitem", "delitem"})
 
 
 def _shape(value):
