@@ -217,7 +217,7 @@ def bench_one(name, lens, layer, device):
     t["triton"] = timed(lambda: ours(q, k, cu_q, cu_k, host, "triton"), 100)
     t["triton_score"] = timed(lambda: score_blocks_fwd(q, k, cu_q, cu_k, layout, block_size=BLOCK, scale=SCALE), 100)
     t["triton_pass1"] = timed(lambda: softmax_lse_fwd(q, k, cu_q, cu_k, layout, scale=SCALE,
-                                                      tiles=score_module.ScoreTiles()), 50)
+                                                      tiles=score_module.ScoreTiles.for_head_dim(D)), 50)
     t["triton_select"] = timed(lambda: api.select_blocks(blocks, sel.cu_blocks, cu_k, impl="triton",
                                                           max_seqlen_k=max(lens), **SELECT), 50)
     t["compact"] = timed(lambda: api.compact_tokens(sel.block_keep, sel.cu_blocks, cu_k, BLOCK), 50)

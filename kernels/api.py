@@ -199,12 +199,21 @@ def score_and_select(
     min_tokens: int,
     impl: str = "auto",
     host_cu_seqlens: HostCuSeqlens | None = None,
+    group=None,
 ) -> Selection:
-    """`score_blocks`, then `select_blocks`, then `compact_tokens` (see each)."""
+    """`score_blocks`, then `select_blocks`, then `compact_tokens` (see each).
+
+    `group`: a `torch.distributed` process group over which the heads are split (tensor
+    parallelism: each rank passes its own q / k heads). The block scores, sums over heads,
+    are then summed across the group (`reduce_block_scores`) before selection, so every rank
+    keeps the same blocks, the ones a single process holding every head would keep.
+    """
     block_scores, cu_blocks = score_blocks(
         q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_size=block_size, scale=scale,
         impl=impl, host_cu_seqlens=host_cu_seqlens,
     )
+    if group is not None:
+        block_scores = reduce_block_scores(block_scores, group)
     block_keep = select_blocks(
         block_scores, cu_blocks, cu_seqlens_k, p=p, keep_ratio=keep_ratio, block_size=block_size,
         sink=sink, last_q=last_q, min_tokens=min_tokens, impl=impl, max_seqlen_k=max_seqlen_k,
@@ -213,3 +222,21 @@ def score_and_select(
         block_keep, cu_blocks, cu_seqlens_k, block_size, impl=impl
     )
     return Selection(kept_idx, cu_seqlens_kept, kept_counts, block_scores, cu_blocks, block_keep)
+
+
+def reduce_block_scores(block_scores: torch.Tensor, group) -> torch.Tensor:
+    """Sum head-sharded float32 block scores across a tensor-parallel group, in place.
+
+    An all-reduce leaves equal sums on every rank with NCCL's and gloo's algorithms, but its
+    contract does not promise bit-equal results; a rank whose scores differed in the last bit
+    could cut top-p at another block and compute a different layout from its peers (the
+    released code's garbage output under TP > 1). So the sums are then broadcast from the
+    group's first rank: one more collective of `total_blocks` floats (8 KiB at 128K tokens).
+    """
+    import torch.distributed as dist
+
+    if block_scores.dtype != torch.float32:
+        raise ValueError(f"block scores must be float32 to be summed across ranks, got {block_scores.dtype}")
+    dist.all_reduce(block_scores, op=dist.ReduceOp.SUM, group=group)
+    dist.broadcast(block_scores, src=dist.get_global_rank(group, 0), group=group)
+    return block_scores

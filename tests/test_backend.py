@@ -188,12 +188,14 @@ def test_dense_masks_leave_out_padding_that_pads_nothing():
     out = torch.ops.uniprefill.dense_attention(q, k, v, valid, 0, 0.25, False, causal)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25)
     assert torch.allclose(out, want, atol=1e-6)
-    sliding = torch.ops.uniprefill.dense_mask(q, valid, 8, full_rows)
+    sliding = torch.ops.uniprefill.dense_mask(q, valid, 8, full_rows)  # additive: 0 visible, -inf not
     pos = torch.arange(n)
-    assert torch.equal(sliding[0, 0], (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 8))
+    assert sliding.dtype == q.dtype and set(sliding.unique().tolist()) == {0.0, float("-inf")}
+    assert torch.equal(sliding[0, 0] == 0, (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 8))
     valid[1, :5] = 0
     padded = torch.ops.uniprefill.dense_mask(q, valid, 0, torch.tensor([n, n - 5]))
-    assert padded.shape == (2, 1, n, n) and not padded[1, 0, 10, :5].any() and padded[0, 0, 10, :5].all()
+    assert padded.shape == (2, 1, n, n)
+    assert (padded[1, 0, 10, :5] == float("-inf")).all() and (padded[0, 0, 10, :5] == 0).all()
     assert torch.equal(torch.ops.uniprefill.dense_mask(q, valid, 0, None), padded)  # no counts: always built
 
 

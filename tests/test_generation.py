@@ -80,6 +80,24 @@ def test_cache_lengths_follow_the_history():
     assert cache.layers[-1].keys.shape[-2] < cache.layers[0].keys.shape[-2] or window - 1 < 320
 
 
+def test_key_positions_are_the_last_cached_of_prompt_then_decoded_positions():
+    """A decode step's key positions: the layer's kept prompt positions followed by the
+    decoded ones, of which a sliding cache holds the last `cached` (built without copying
+    the whole prompt's positions)."""
+    from uniprefill.runtime.history import DropHistory, DropPoint
+
+    kept = torch.tensor([0, 1, 2, 7, 8, 20, 21, 22, 29])
+    history = DropHistory(1, 30, [DropPoint(1, (30,), (kept.numel(),), kept)])
+    for decoded in (0, 1, 5, 12):
+        history.decoded = decoded
+        every = torch.cat([kept, torch.arange(30, 30 + decoded)])
+        for cached in range(1, every.numel() + 1):
+            assert torch.equal(history.key_positions(3, cached), every[every.numel() - cached:])
+        with pytest.raises(RuntimeError, match="does not belong"):
+            history.key_positions(3, every.numel() + 1)
+    assert torch.equal(history.key_positions(0, 31), torch.arange(0, 42)[-31:])  # before the drop: every token
+
+
 def test_decode_steps_leave_cudnn_attention_out():
     """cuDNN's SDPA re-plans for every new key length (every decode step) on the H200."""
     build, drops = MODELS["gemma3"]

@@ -178,7 +178,8 @@ def _(base, x, idx, batch_dim, token_dim):
 @torch.library.custom_op(f"{LIB}::dense_mask", mutates_args=())
 def dense_mask(q: torch.Tensor, key_valid: torch.Tensor | None, window: int,
                live_counts: torch.Tensor | None = None) -> torch.Tensor:
-    """The boolean attention mask of `dense_attention` for `q`'s N tokens, `[B or 1, 1, N, N]`.
+    """The attention mask of `dense_attention` for `q`'s N tokens, `[B or 1, 1, N, N]`, additive
+    (0 / -inf) in q's dtype.
 
     Built once per (window, padding) and shared by every layer that needs it, as
     transformers shares its masks: at 32K an N x N mask is 1 GiB, and rebuilding it in each
@@ -194,20 +195,29 @@ def dense_mask(q: torch.Tensor, key_valid: torch.Tensor | None, window: int,
     if key_valid is not None and live_counts is not None and bool((live_counts == n).all()):
         key_valid = None
     if key_valid is None and (window <= 0 or window >= n):
-        return q.new_empty((live_counts.shape[0] if live_counts is not None else 1, 1, 0, 0), dtype=torch.bool)
+        return q.new_empty((live_counts.shape[0] if live_counts is not None else 1, 1, 0, 0))
     pos = torch.arange(n, device=q.device)
     mask = _position_mask(pos, pos, window)[None, None]
     if key_valid is not None:
         mask = mask & key_valid.bool()[:, None, None, :]
         mask = mask | torch.eye(n, dtype=torch.bool, device=q.device)[None, None]
-    return mask
+    return _additive(mask, q.dtype)
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive float mask (0 where visible, -inf elsewhere).
+
+    SDPA converts a boolean mask to exactly this at every call (an N x N `logical_not` and
+    `where`); a mask shared by several layers is converted once here instead.
+    """
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
 
 
 @dense_mask.register_fake
 def _(q, key_valid, window, live_counts=None):
     rows = key_valid.shape[0] if key_valid is not None else 1
     size = torch.library.get_ctx().new_dynamic_size()  # N, or 0 when no mask is needed
-    return q.new_empty((rows, 1, size, size), dtype=torch.bool)
+    return q.new_empty((rows, 1, size, size))
 
 
 @torch.library.custom_op(f"{LIB}::dense_attention", mutates_args=())
@@ -242,8 +252,9 @@ def _(q, k, v, key_valid, window, scale, enable_gqa, mask=None):
 
 
 @torch.library.custom_op(f"{LIB}::packed_masks", mutates_args=())
-def packed_masks(positions: torch.Tensor, counts: torch.Tensor, window: int) -> torch.Tensor:
-    """Every row's `packed_attention` mask, flattened and concatenated: `[sum(c_r ** 2)]` bool.
+def packed_masks(q: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor, window: int) -> torch.Tensor:
+    """Every row's `packed_attention` mask, flattened and concatenated: `[sum(c_r ** 2)]`,
+    additive (0 / -inf) in q's dtype.
 
     Built once per (layout, window) and shared by every sliding layer of that layout, as
     `dense_mask` is before the first drop point.
@@ -253,13 +264,13 @@ def packed_masks(positions: torch.Tensor, counts: torch.Tensor, window: int) -> 
         pos = positions[start:start + count]
         masks.append(_position_mask(pos, pos, window).reshape(-1))
         start += count
-    return torch.cat(masks) if masks else positions.new_empty(0, dtype=torch.bool)
+    return _additive(torch.cat(masks), q.dtype) if masks else q.new_empty(0)
 
 
 @packed_masks.register_fake
-def _(positions, counts, window):
+def _(q, positions, counts, window):
     ctx = torch.library.get_ctx()
-    return positions.new_empty(ctx.new_dynamic_size(), dtype=torch.bool)
+    return q.new_empty(ctx.new_dynamic_size())
 
 
 @torch.library.custom_op(f"{LIB}::packed_attention", mutates_args=())
@@ -283,7 +294,7 @@ def packed_attention(
     `packed_masks(positions, counts, window)` computed once for several layers.
     """
     if window > 0 and masks is None:
-        masks = packed_masks(positions, counts, window)
+        masks = packed_masks(q, positions, counts, window)
     outs = []
     start = offset = 0
     for count in counts.tolist():
@@ -329,8 +340,12 @@ def decode_attention(
     `key_positions` int64 `[K]` are the ORIGINAL positions of the cached keys; key j is
     visible when `0 <= query_position - key_positions[j] < window` (window 0: unbounded).
     """
-    pos_q = torch.tensor([query_position], device=key_positions.device)
-    mask = _position_mask(pos_q, key_positions, window).to(q.device)[None, None]
+    # compared with the Python int directly: a one-element tensor would be a host-to-device
+    # copy (and a stream sync) per layer per decode step
+    mask = key_positions <= query_position
+    if window > 0:
+        mask = mask & (key_positions > query_position - window)
+    mask = mask.to(q.device)[None, None, None, :]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 

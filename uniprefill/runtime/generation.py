@@ -63,8 +63,10 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
         # window that covers the oldest cached key): no mask, as the baseline's SDPA does
         out = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
     else:
-        out = torch.ops.uniprefill.decode_attention(query, key, value, positions.to(key.device), query_position,
-                                                    window, scale, gqa)
+        from ..ops import to_device
+
+        out = torch.ops.uniprefill.decode_attention(query, key, value, to_device(positions, key.device),
+                                                    query_position, window, scale, gqa)
     return out.transpose(1, 2).contiguous(), None
 
 

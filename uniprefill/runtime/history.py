@@ -60,16 +60,20 @@ class DropHistory:
         """Positions of the `cached` keys a decode step of `layer` attends to (row 0).
 
         The cache holds the layer's prompt positions, then one entry per decoded token; a
-        sliding-window cache keeps only the most recent entries, hence the last `cached`.
+        sliding-window cache keeps only the most recent entries, hence the last `cached`
+        (built from those alone: a decode step must not copy the whole prompt's positions).
         """
         base = self.layer_positions(layer)
-        full = torch.cat([base, torch.arange(self.seq_len, self.seq_len + self.decoded)])
-        if cached > full.numel():
+        if cached > base.numel() + self.decoded:
             raise RuntimeError(
                 f"layer {layer} holds {cached} cached keys but the drop history of the last prefill "
-                f"accounts for {full.numel()}: this cache does not belong to that prefill"
+                f"accounts for {base.numel() + self.decoded}: this cache does not belong to that prefill"
             )
-        return full[full.numel() - cached:]
+        from_prompt = max(0, cached - self.decoded)
+        decoded = torch.arange(self.seq_len + self.decoded - (cached - from_prompt), self.seq_len + self.decoded)
+        if from_prompt == 0:
+            return decoded
+        return torch.cat([base[base.numel() - from_prompt:], decoded])
 
     @property
     def overall_retention(self) -> float:
