@@ -27,10 +27,13 @@ def _rotary(model, h, pos, layer_type):
     return rot(h, pos[None])
 
 
-def reference_last_logits(model, ids: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
+def reference_last_logits(model, ids: torch.Tensor, kept: dict[int, torch.Tensor],
+                          window_positions: str = "original") -> torch.Tensor:
     """Logits of the last token of a single-row prompt, with drops after layer L to `kept[L]`.
 
     `kept[L]` holds ORIGINAL positions (sorted) kept at drop layer L (cumulative policy).
+    `window_positions="compacted"`: sliding windows count live tokens instead of original
+    positions (RoPE keeps the original positions either way).
     """
     assert ids.shape[0] == 1
     cfg = model.config
@@ -42,8 +45,9 @@ def reference_last_logits(model, ids: torch.Tensor, kept: dict[int, torch.Tensor
         window = cfg.sliding_window if layer_type == "sliding_attention" else None
         cos_sin = _rotary(model, h, pos, layer_type)
         attn_in = layer.input_layernorm(h)
+        mask_pos = torch.arange(pos.numel()) if window_positions == "compacted" else pos
         attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=cos_sin,
-                                      attention_mask=_mask(pos, window))
+                                      attention_mask=_mask(mask_pos, window))
         if gemma:
             attn_out = layer.post_attention_layernorm(attn_out)
         h = h + attn_out

@@ -104,6 +104,28 @@ def test_sliding_window_is_over_original_positions():
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
 
+def test_window_over_compacted_indices_is_an_ablation_that_changes_the_answer():
+    """window_positions="compacted" (the released code's rule): sliding layers after a drop
+    see the last `window` KEPT tokens; it matches an eager reference with that rule, and
+    differs from the default over original positions."""
+    model = _gemma3()
+    ids = _ids(1, 320)
+    compiled = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.4, drop_layers=(1,),
+                                                          window_positions="compacted", **SMALL))
+    with torch.no_grad():
+        out = compiled(input_ids=ids, use_cache=False).logits[:, -1]
+        kept = {1: uniprefill.last_drop_report(compiled).points[0].kept_positions(0, 320)}
+        ref = reference_last_logits(model, ids, kept, window_positions="compacted")
+        original = reference_last_logits(model, ids, kept)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    assert (out - original).abs().max() > 10 * ATOL, "the two window rules must differ on this prompt"
+    with pytest.raises(ValueError, match="window_positions='kept'"):
+        UniPrefillConfig(window_positions="kept")
+    default = UniPrefillConfig()
+    assert default.stable_hash() == UniPrefillConfig(window_positions="original").stable_hash()
+    assert default.stable_hash() != UniPrefillConfig(window_positions="compacted").stable_hash()
+
+
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_batch_rows_equal_rows_run_alone(arch):
     build, drops = MODELS[arch]

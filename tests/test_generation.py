@@ -62,6 +62,28 @@ def test_generation_after_drop_matches_recompute_reference(arch):
     assert torch.equal(out, seq)
 
 
+def test_generation_with_windows_over_compacted_indices_matches_its_reference():
+    """window_positions="compacted": decode steps of a sliding layer after a drop see every
+    cached key (its cache holds the last window of kept tokens), as a recompute with the
+    index-space window does."""
+    build, drops = MODELS["gemma3"]
+    model = build()
+    ids = _ids(1, 337)
+    fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.4, drop_layers=drops,
+                                                      window_positions="compacted", **SMALL))
+    with torch.no_grad():
+        out = fast.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        history = uniprefill.last_drop_report(fast)
+        kept = {p.layer: p.kept_positions(0, 337) for p in history.points}
+        seq = ids
+        for _ in range(NEW_TOKENS):
+            n = seq.shape[1]
+            extended = {layer: torch.cat([pos, torch.arange(337, n)]) for layer, pos in kept.items()}
+            nxt = reference_last_logits(model, seq, extended, window_positions="compacted").argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    assert torch.equal(out, seq)
+
+
 def test_cache_lengths_follow_the_history():
     build, drops = MODELS["gemma3"]
     model = build()

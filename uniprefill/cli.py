@@ -78,8 +78,9 @@ def _configs(args) -> list:
     drops = [parse_drop_layers(d.strip()) for d in args.drop_layers.split(";") if d.strip()]
     if not drops:
         raise UsageError(f"--drop-layers {args.drop_layers!r} names no drop set")
-    return [UniPrefillConfig(p=p, policy=policy, drop_layers=drop)
-            for drop in drops for policy in _split(args.policy) for p in _floats(args.p, "--p")]
+    return [UniPrefillConfig(p=p, policy=policy, drop_layers=drop, window_positions=window)
+            for window in _split(args.window_positions) for drop in drops for policy in _split(args.policy)
+            for p in _floats(args.p, "--p")]
 
 
 def _haystack(args) -> tuple[str | None, str]:
@@ -280,6 +281,8 @@ def _method(p: argparse.ArgumentParser, *, p_default: str, many: bool) -> None:
     p.add_argument("--p", default=p_default, help=f"kept attention share in (0, 1] {s}")
     p.add_argument("--policy", default="cumulative", help=f"cumulative or suspend {s}")
     p.add_argument("--drop-layers", default="auto", help="auto, all or indices like 7,11,15; several sets separated by ';'")
+    p.add_argument("--window-positions", default="original",
+                   help=f"sliding windows after a drop over original positions or compacted indices {s}")
 
 
 def build_parser() -> argparse.ArgumentParser:

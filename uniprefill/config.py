@@ -21,6 +21,7 @@ KeepRatio = Union[None, float, tuple[float, ...]]
 
 POLICIES = ("cumulative", "suspend")
 IMPLS = ("auto", "triton", "torch")
+WINDOW_POSITIONS = ("original", "compacted")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,12 @@ class UniPrefillConfig:
             `sink + last_q` are raised to it (see `effective_min_tokens`).
         impl: "triton", "torch" (the PyTorch reference) or "auto" (Triton on CUDA tensors,
             the reference elsewhere). Chosen explicitly; never a silent fallback.
+        window_positions: how a sliding-window layer after a drop point measures its window.
+            "original" (default): key j is visible to query i when their ORIGINAL positions
+            are less than the window apart, as in the unpruned model. "compacted": over the
+            kept tokens' indices, i.e. the last `window` kept tokens, which is what the
+            paper's released vLLM code computes and what a kernel with one uniform window
+            over the packed tokens can express; an ablation, to measure what it costs.
         strict: raise instead of running a graph unaccelerated when it cannot be rewritten.
         debug: dump the graph before and after the rewrite (to the logger
             `uniprefill.passes`, at INFO, and to `debug_dir` if the environment names one).
@@ -65,6 +72,7 @@ class UniPrefillConfig:
     keep_ratio: KeepRatio = None
     min_tokens: int = 0
     impl: Literal["auto", "triton", "torch"] = "auto"
+    window_positions: Literal["original", "compacted"] = "original"
     strict: bool = False
     debug: bool = False
 
@@ -80,6 +88,8 @@ class UniPrefillConfig:
             raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
+        if self.window_positions not in WINDOW_POSITIONS:
+            raise ValueError(f"window_positions={self.window_positions!r} is not one of {WINDOW_POSITIONS}")
         for name in ("strict", "debug"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
@@ -122,9 +132,21 @@ class UniPrefillConfig:
         return out
 
     def stable_hash(self) -> str:
-        """A digest of every field, stable across processes and Python versions."""
-        blob = json.dumps(self.to_dict(), sort_keys=True)
+        """A digest of every field, stable across processes and Python versions.
+
+        Fields added after results were first keyed by this digest (`_ADDED_LATER`) enter
+        it only when they differ from their default, so earlier configs keep their digest
+        and the eval records named by it stay valid.
+        """
+        data = self.to_dict()
+        for name, default in _ADDED_LATER.items():
+            if data[name] == default:
+                del data[name]
+        blob = json.dumps(data, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+_ADDED_LATER = {"window_positions": "original"}
 
 
 def _check_number(name, value, *, low, high, low_open=False) -> None:

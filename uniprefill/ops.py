@@ -252,23 +252,27 @@ def _(q, k, v, key_valid, window, scale, enable_gqa, mask=None):
 
 
 @torch.library.custom_op(f"{LIB}::packed_masks", mutates_args=())
-def packed_masks(q: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor, window: int) -> torch.Tensor:
+def packed_masks(q: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor, window: int,
+                 compacted: bool = False) -> torch.Tensor:
     """Every row's `packed_attention` mask, flattened and concatenated: `[sum(c_r ** 2)]`,
     additive (0 / -inf) in q's dtype.
+
+    `compacted`: measure the window over the row's kept-token indices instead of the
+    ORIGINAL `positions` (`UniPrefillConfig.window_positions="compacted"`, an ablation).
 
     Built once per (layout, window) and shared by every sliding layer of that layout, as
     `dense_mask` is before the first drop point.
     """
     masks, start = [], 0
     for count in counts.tolist():
-        pos = positions[start:start + count]
+        pos = torch.arange(count, device=positions.device) if compacted else positions[start:start + count]
         masks.append(_position_mask(pos, pos, window).reshape(-1))
         start += count
     return _additive(torch.cat(masks), q.dtype) if masks else q.new_empty(0)
 
 
 @packed_masks.register_fake
-def _(q, positions, counts, window):
+def _(q, positions, counts, window, compacted=False):
     ctx = torch.library.get_ctx()
     return q.new_empty(ctx.new_dynamic_size())
 

@@ -59,6 +59,8 @@ def uniprefill_spec(config: UniPrefillConfig) -> SystemSpec:
     label = f"uniprefill p={config.p:g} {config.policy} drop={drop}"
     if config.keep_ratio is not None:
         label += f" keep={','.join(f'{r:g}' for r in config.keep_ratio)}"
+    if config.window_positions != "original":
+        label += f" window={config.window_positions}"
     return SystemSpec(f"uniprefill-{config.stable_hash()}", label, config, True)
 
 

@@ -532,7 +532,8 @@ class TokenDropPass:
                 key = (j, mask.window)
                 if key not in self._packed_masks:
                     self._packed_masks[key] = self.new.call_function(
-                        U.packed_masks.default, (qn, lay.positions, lay.counts, mask.window))
+                        U.packed_masks.default,
+                        (qn, lay.positions, lay.counts, mask.window, self.config.window_positions == "compacted"))
                     self.counts["packed_masks"] += 1
                 shared = self._packed_masks[key]
             out = self.new.call_function(U.packed_attention.default,

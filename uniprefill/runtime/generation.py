@@ -45,7 +45,7 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
     state = kwargs.get("uniprefill_decode")
     if state is None:
         raise RuntimeError("the uniprefill_decode attention needs the drop history (call through UniPrefillModel)")
-    history, windows = state
+    history, windows, compacted = state
     layer = module.layer_idx
     cached = key.shape[-2]
     expected = history.layer_positions(layer).numel() + history.decoded
@@ -57,8 +57,10 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     gqa = query.shape[1] != key.shape[1]
     query_position = history.seq_len + history.decoded - 1
-    positions = history.key_positions(layer, cached) if window else None
-    if window == 0 or query_position - int(positions[0]) < window:
+    positions = history.key_positions(layer, cached) if window and not compacted else None
+    # window_positions="compacted": the window counts cached (kept) tokens, and a sliding
+    # cache holds at most the last window of them, so every cached key is visible
+    if window == 0 or compacted or query_position - int(positions[0]) < window:
         # every cached key is visible (one query at the newest position; a full layer, or a
         # window that covers the oldest cached key): no mask, as the baseline's SDPA does
         out = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
@@ -245,8 +247,9 @@ class UniPrefillModel(torch.nn.Module):
         _register_attention()
         history.decoded += 1
         windows = self.backend.layer_windows()
+        compacted = self.backend.config.window_positions == "compacted"
         with _attention_implementation(self.model, ATTENTION_NAME), decode_kernels():
-            return type(self.model).forward(self.model, *args, uniprefill_decode=(history, windows), **kwargs)
+            return type(self.model).forward(self.model, *args, uniprefill_decode=(history, windows, compacted), **kwargs)
 
     def generate(self, *args, **kwargs):
         """`transformers` generation with prefill through the backend and decode on the compacted caches."""
