@@ -177,3 +177,19 @@ def test_git_commit_falls_back_to_the_environment(monkeypatch, tmp_path):
     assert environment.git_commit() is None
     monkeypatch.setenv("UNIPREFILL_GIT_COMMIT", "abc123")
     assert environment.git_commit() == "abc123"
+
+
+def test_compare_systems_pairs_prompts_both_ran(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rows = [("A", 0, 1.0), ("A", 1, 1.0), ("A", 2, 0.0), ("B", 0, 0.0), ("B", 1, 1.0), ("B", 3, 1.0)]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps({"system_label": s, "length": 4096, "task": "vt", "index": i, "score": v}) + "\n"
+                            for s, i, v in rows))
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_systems.py"
+    out = subprocess.run([sys.executable, "-P", str(script), str(path), "A", "B"], capture_output=True, text=True,
+                         check=True).stdout
+    # prompts 0 and 1 are paired (2 only A, 3 only B): A 100, B 50, B - A = -50
+    assert "n=  2  A 100.0  B  50.0  B-A  -50.0" in out, out

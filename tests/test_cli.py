@@ -46,6 +46,7 @@ def _fails(argv, capsys, message):
     (["eval", "--tasks", "niah_single_1", "--p", "1.5"], "p=1.5 is outside (0.0, 1.0]"),
     (["eval", "--tasks", "niah_single_1", "--p", "0"], "p=0.0 is outside"),
     (["eval", "--tasks", "niah_single_1", "--policy", "lazy"], "policy='lazy'"),
+    (["eval", "--tasks", "niah_single_1", "--window-positions", "kept"], "window_positions='kept'"),
     (["eval", "--tasks", "niah_single_1", "--shard", "2/2"], "shard '2/2'"),
     (["eval", "--tasks", "niah_single_1", "--lengths", "4q"], "length '4q'"),
     (["eval", "--tasks", "niah_single_1", "--model", "./no/such/model"], "does not exist"),
@@ -129,6 +130,16 @@ def test_eval_in_stages_as_the_gpu_script_runs_it(model_dir, essay, tmp_path, ca
 def test_several_drop_sets_and_bad_ones(capsys):
     _fails(["eval", "--tasks", "niah_single_1", "--drop-layers", "all;x"], capsys, "--drop-layers 'x'")
     _fails(["eval", "--tasks", "niah_single_1", "--drop-layers", " ; "], capsys, "names no drop set")
+
+
+def test_window_positions_multiply_the_systems():
+    from uniprefill.cli import _configs, build_parser
+
+    args = build_parser().parse_args(["eval", "--tasks", "niah_single_1", "--p", "0.8,0.9",
+                                      "--window-positions", "original,compacted"])
+    configs = _configs(args)
+    assert sorted((c.p, c.window_positions) for c in configs) == [
+        (0.8, "compacted"), (0.8, "original"), (0.9, "compacted"), (0.9, "original")]
 
 
 def test_bench_end_to_end(model_dir, tmp_path, capsys):
