@@ -96,6 +96,19 @@ class Decoder:
                 "steps_timed": len(timed_steps), "tokens": self.tokens}
 
 
+class KeepsPrefillHistory:
+    """A compiled model that keeps the drop history of its own prefill (a multi-token call)."""
+
+    def __init__(self, fast) -> None:
+        self.fast, self.config, self.prefill_history = fast, getattr(fast, "config", None), None
+
+    def __call__(self, **kwargs):
+        out = self.fast(**kwargs)
+        if kwargs["input_ids"].shape[1] > 1:
+            self.prefill_history = uniprefill.last_drop_report(self.fast)
+        return out
+
+
 def decode_side_by_side(systems: list, ids: torch.Tensor, new_tokens: int, device, decode_sdpa: str) -> list[dict]:
     """Prefill every system (each its own cache), then decode round-robin: step i of each
     system before step i + 1 of any, so that a drift of the machine (clocks, a busy CPU)
@@ -150,21 +163,9 @@ def main(argv=None) -> int:
 
     results = []
     for choice in choices:
-        compiled = [uniprefill.compile(loaded.model, config) for config in configs]
-        histories = []
-
-        class Recorded:  # the history of each system's own prefill, read before the next prefills
-            def __init__(self, fast):
-                self.fast, self.config = fast, getattr(fast, "config", None)
-
-            def __call__(self, **kwargs):
-                out = self.fast(**kwargs)
-                if kwargs["input_ids"].shape[1] > 1:
-                    histories.append(uniprefill.last_drop_report(self.fast))
-                return out
-
-        runs = decode_side_by_side([loaded.model, *(Recorded(f) for f in compiled)], ids, args.new_tokens,
-                                   device, choice)
+        compiled = [KeepsPrefillHistory(uniprefill.compile(loaded.model, config)) for config in configs]
+        runs = decode_side_by_side([loaded.model, *compiled], ids, args.new_tokens, device, choice)
+        histories = [c.prefill_history for c in compiled]
         base = runs[0]
         results.append({"system": "baseline", "decode_sdpa": choice, **base})
         print(f"[decode SDPA {choice}] baseline: {base['decode_tokens_per_s']:.1f} tok/s, "

@@ -51,15 +51,22 @@ def test_generation_after_drop_matches_recompute_reference(arch):
     with torch.no_grad():
         out = fast.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         history = uniprefill.last_drop_report(fast)
-        kept = {p.layer: p.kept_positions(0, 337) for p in history.points}
-        seq = ids
-        for _ in range(NEW_TOKENS):
-            n = seq.shape[1]
-            extended = {layer: torch.cat([pos, torch.arange(337, n)]) for layer, pos in kept.items()}
-            nxt = reference_last_logits(model, seq, extended).argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt], dim=1)
+        seq = _recompute_greedy(model, ids, history)
     assert history.points[0].kept[0] < 0.5 * 337
     assert torch.equal(out, seq)
+
+
+def _recompute_greedy(model, ids, history, window_positions="original"):
+    """NEW_TOKENS greedy tokens, each from a from-scratch eager recompute in which every layer
+    after a drop sees the kept prompt tokens plus all generated ones."""
+    prompt = ids.shape[1]
+    kept = {p.layer: p.kept_positions(0, prompt) for p in history.points}
+    seq = ids
+    for _ in range(NEW_TOKENS):
+        extended = {layer: torch.cat([pos, torch.arange(prompt, seq.shape[1])]) for layer, pos in kept.items()}
+        nxt = reference_last_logits(model, seq, extended, window_positions).argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    return seq
 
 
 def test_generation_with_windows_over_compacted_indices_matches_its_reference():
@@ -73,14 +80,7 @@ def test_generation_with_windows_over_compacted_indices_matches_its_reference():
                                                       window_positions="compacted", **SMALL))
     with torch.no_grad():
         out = fast.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        history = uniprefill.last_drop_report(fast)
-        kept = {p.layer: p.kept_positions(0, 337) for p in history.points}
-        seq = ids
-        for _ in range(NEW_TOKENS):
-            n = seq.shape[1]
-            extended = {layer: torch.cat([pos, torch.arange(337, n)]) for layer, pos in kept.items()}
-            nxt = reference_last_logits(model, seq, extended, window_positions="compacted").argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt], dim=1)
+        seq = _recompute_greedy(model, ids, uniprefill.last_drop_report(fast), "compacted")
     assert torch.equal(out, seq)
 
 

@@ -236,7 +236,8 @@ def dense_attention(
     Key j is visible to query i when `0 <= i - j < window` (window 0: unbounded) and
     `key_valid[b, j]` (left padding). A query that sees no key (a pad token) attends to
     itself so the row stays finite; such rows are never read. `mask`, when given, is
-    `dense_mask(q, key_valid, window)` computed once for several layers.
+    `dense_mask(q, key_valid, window, live_counts)` computed once for several layers; an
+    empty one means that no mask is needed (causal, nothing padded).
     """
     n = q.shape[-2]
     if (key_valid is None and (window <= 0 or window >= n)) or (mask is not None and mask.numel() == 0):
@@ -295,7 +296,7 @@ def packed_attention(
     `[T]` are the ORIGINAL token positions. Key j is visible to query i of the same row when
     `0 <= pos_i - pos_j < window` (window 0: unbounded), so sliding windows stay windows
     over original positions after tokens were dropped. `masks`, when given, is
-    `packed_masks(positions, counts, window)` computed once for several layers.
+    `packed_masks(q, positions, counts, window, compacted)` computed once for several layers.
     """
     if window > 0 and masks is None:
         masks = packed_masks(q, positions, counts, window)

@@ -57,9 +57,12 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
     scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     gqa = query.shape[1] != key.shape[1]
     query_position = history.seq_len + history.decoded - 1
+    if window and compacted and cached > window:
+        # window_positions="compacted": the window counts cached (kept) tokens, i.e. the
+        # query sees the last `window` of them (a sliding cache holds no more than that; a
+        # full cache given to a sliding layer holds more)
+        key, value = key[..., cached - window:, :], value[..., cached - window:, :]
     positions = history.key_positions(layer, cached) if window and not compacted else None
-    # window_positions="compacted": the window counts cached (kept) tokens, and a sliding
-    # cache holds at most the last window of them, so every cached key is visible
     if window == 0 or compacted or query_position - int(positions[0]) < window:
         # every cached key is visible (one query at the newest position; a full layer, or a
         # window that covers the oldest cached key): no mask, as the baseline's SDPA does
