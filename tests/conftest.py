@@ -35,3 +35,4 @@ def _reset_dynamo():
 
     torch._dynamo.reset()
     yield
+    torch._dynamo.reset()  # and nothing compiled here outlives the test

@@ -38,13 +38,6 @@ def _gemma3():
 MODELS = {"llama": (_llama, (1, 2)), "gemma3": (_gemma3, (1, 3))}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _ids(rows=1, length=300, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 128, (rows, length), generator=gen)

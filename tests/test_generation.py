@@ -18,13 +18,6 @@ from .test_backend import MODELS, SMALL, _ids
 NEW_TOKENS = 5
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("policy", ["cumulative", "suspend"])
 @pytest.mark.parametrize("arch", sorted(MODELS))
 def test_p1_generation_equals_uncompiled(arch, policy):

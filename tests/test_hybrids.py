@@ -15,13 +15,6 @@ SMALL = dict(sink=16, last_q=16, block_size=16)
 HYBRIDS = ["tiny-qwen3-next", "tiny-qwen3.5", "tiny-lfm2", "tiny-granitemoehybrid", "tiny-olmo3"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _hybrid(name: str, lowest_id: int):
     """The preset with seeded random weights, its layer kinds, its first full layer, a 300-token prompt."""
     torch.manual_seed(0)
