@@ -275,3 +275,32 @@ def test_sampling_at_p1_equals_uncompiled(arch, rows):
         out = fast.generate(input_ids=ids, attention_mask=mask, **settings)
     assert torch.equal(out, ref)
     assert uniprefill.last_drop_report(fast).points  # it really ran through the drop points
+
+
+def test_a_drop_at_the_last_layer_changes_no_generated_token():
+    """Gemma-3-270M's last layer (17) is full attention, so its drop_layers "all" (5, 11, 17)
+    and "auto" (5, 11) differ only by a drop after the last attention: that layer's KV is
+    written before the drop, and only the last token's row reaches the logits. Greedy
+    generations must therefore be identical (docs/benchmarks.md counts "all" on it by this)."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24,
+                           max_position_embeddings=4096,
+                           layer_types=["sliding_attention", "full_attention"] * 3)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert model.model.layers[-1].self_attn.sliding_window is None
+    ids = _ids(1, 337)
+    outs, histories = [], []
+    for drops in ((1, 3, 5), (1, 3)):
+        fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.4, drop_layers=drops, **SMALL))
+        with torch.no_grad():
+            outs.append(fast.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False))
+        histories.append(uniprefill.last_drop_report(fast))
+        torch._dynamo.reset()
+    assert [p.layer for p in histories[0].points] == [1, 3, 5]
+    assert histories[0].points[-1].kept[0] < histories[0].points[-1].entering[0]
+    assert [p.kept for p in histories[0].points[:2]] == [p.kept for p in histories[1].points]
+    assert torch.equal(outs[0], outs[1])

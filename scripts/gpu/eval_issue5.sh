@@ -18,8 +18,15 @@
 # Stage B runs the lengths of UNTIMED_LENGTHS one after the other (all PROCS processes on one
 # length, so that a budget that runs out leaves whole lengths done rather than scattered
 # cells), for the drop sets of UNTIMED_DROP (default: both).
+# Background use (so that other device calls can follow while it runs): give OUT a folder in
+# /tmp and start it under setsid; a later call copies that folder to its own $OUT. The seed is
+# copied into /tmp/eval first, because a later call may replace the working tree.
+#   COLLECT_ONLY=1: skip stages A and B, only merge, summarise and write $OUT (e.g. after
+#   stopping a background run early).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/evalout}
+mkdir -p "$OUT"
 BUDGET=${BUDGET:-540}
 TIMED=${TIMED:-2}
 PROCS=${PROCS:-4}
@@ -37,9 +44,15 @@ COMMON=(--model gemma-3-270m --tasks niah_single_1,niah_single_2,niah_single_3,n
 # Records of an earlier session (e.g. docs/results/eval-gemma-issue5-h200.jsonl.gz) count as
 # done when SEED names them; they are merged into what this call returns.
 SEED=${SEED:-}
-if [ -n "$SEED" ]; then COMMON+=(--also-done "$SEED"); fi
+if [ -n "$SEED" ]; then
+    [ -f /tmp/eval/seed.jsonl.gz ] || cp "$SEED" /tmp/eval/seed.jsonl.gz
+    SEED=/tmp/eval/seed.jsonl.gz
+    COMMON+=(--also-done "$SEED")
+fi
 left() { echo $((BUDGET - ($(date +%s) - START))); }
+cd /tmp/eval  # nothing below reads the working tree (a later device call may replace it)
 
+if [ "${COLLECT_ONLY:-0}" != 1 ]; then
 echo "stage A (timed) from $(date -u +%T), $(left) s left"
 timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" --part timed --out /tmp/eval/timed.jsonl \
     > /tmp/eval/timed.log 2>&1
@@ -49,13 +62,14 @@ if [ "$(left)" -gt 60 ]; then
         [ "$(left)" -gt 30 ] || break
         echo "stage B (untimed, $length tokens, drop sets $UNTIMED_DROP, $PROCS processes) from $(date -u +%T), $(left) s left"
         for i in $(seq 0 $((PROCS - 1))); do
-            timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" --part untimed --shard "$i/$PROCS" \
+            OMP_NUM_THREADS=${STAGE_B_THREADS:-2} timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" --part untimed --shard "$i/$PROCS" \
                 --lengths "$length" --drop-layers "$UNTIMED_DROP" \
                 --out "/tmp/eval/untimed-$i.jsonl" >> "/tmp/eval/untimed-$i.log" 2>&1 &
         done
         wait
     done
     echo "stage B done at $(date -u +%T): $(cat /tmp/eval/untimed-*.jsonl | wc -l) records"
+fi
 fi
 { if [ -n "$SEED" ]; then zcat -f "$SEED"; fi; cat /tmp/eval/timed.jsonl /tmp/eval/untimed-*.jsonl 2>/dev/null; } \
     > /tmp/eval/all.jsonl
