@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Stage 1 on the GPU box, after box_install.sh, from the repository root:
+#   bash scripts/gpu/vllm/stage1.sh [--budget SECONDS] STEP...      (default steps: all, in this order)
+# Steps (expected duration on one H200 shared with a ~40 GB HF job; each has a `timeout`):
+#   api      probe_api.py + check_channel.py (docs/vllm.md)                          ~1 min  (cap 170 s)
+#   gemma    standard vLLM (mode 3) on Gemma-3-270M ($GEMMA_DIR, real weights):
+#            greedy texts + prefill throughput 8192,16384,32000 x 1,4,16            ~3 min  (cap 360 s)
+#   dump     Gemma-3-270M through dump_backend.py (mode 2), texts only, 4K context;
+#            the dump folder is packed into $OUT/vllm-dump.tar.gz                     ~1.5 min (cap 240 s)
+#   llama4   4-layer Llama-shaped dummy through the uniprefill channel (mode 2)      ~1.5 min (cap 240 s)
+#   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput
+#            8192,16384,32000 x 1,4,16                                                ~5 min  (cap 540 s)
+# A step that fails is logged and the next one runs. --budget (default 560 s from the start of
+# this script) caps the sum: each step's timeout is cut to what is left, minus 20 s for packing.
+# Out ($OUT, default /tmp/stage1-out): one JSON per run (names below), vllm-dump.tar.gz for
+# `dump`, and all logs packed into stage1-logs-<steps>.tar.gz: at most 6 files per call.
+# THROUGHPUT="8192,16384,32000 1,4,16" (lengths, batches) for the gemma and llama8b steps;
+# THROUGHPUT=none skips the throughput points (e.g. while another job shares the GPU, when
+# timings would mean nothing): the engines are then only built and generate.
+# GPU memory: every engine gets a fixed KV cache (--kv-cache-gib) and a low
+# --gpu-memory-utilization (only vLLM's start-up check of free memory), so another job may share the GPU.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+cd "$ROOT"
+budget=560
+steps=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --budget) budget="$2"; shift 2 ;;
+    api|gemma|dump|llama4|llama8b) steps+=("$1"); shift ;;
+    all) steps+=(api gemma dump llama4 llama8b); shift ;;
+    *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama8b all; --budget S)" >&2; exit 2 ;;
+  esac
+done
+[[ ${#steps[@]} -gt 0 ]] || steps=(api gemma dump llama4 llama8b)
+OUT="${OUT:-/tmp/stage1-out}"
+GEMMA_DIR="${GEMMA_DIR:-/tmp/gemma-270m}"
+LOGS="$(mktemp -d /tmp/stage1-logs.XXXX)"
+mkdir -p "$OUT"
+# shellcheck source=/dev/null
+source scripts/gpu/vllm/env.sh
+SMOKE="python3 scripts/gpu/vllm/smoke_llm.py"
+SHARED=(--gpu-memory-utilization 0.3)
+THROUGHPUT="${THROUGHPUT:-8192,16384,32000 1,4,16}"
+if [[ "$THROUGHPUT" == none ]]; then
+  TPUT=()
+else
+  read -r tlens tbatches <<< "$THROUGHPUT"
+  TPUT=(--throughput-lengths "$tlens" --throughput-batches "$tbatches")
+fi
+start=$(date +%s)
+summary="$LOGS/summary.txt"
+{
+  echo "stage1 steps: ${steps[*]}; budget ${budget} s; OUT=$OUT; GEMMA_DIR=$GEMMA_DIR"
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>&1 | head -2
+  nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader 2>&1 | head -5
+} | tee "$summary"
+
+# run NAME CAP_SECONDS COMMAND...: one step with a timeout cut to the budget left; log in $LOGS/NAME.log.
+run() {
+  local name="$1" cap="$2"; shift 2
+  local left=$(( budget - ($(date +%s) - start) - 20 ))
+  local limit=$(( cap < left ? cap : left ))
+  if (( limit < 30 )); then
+    echo "$name: SKIPPED (${left} s of budget left)" | tee -a "$summary"
+    return 0
+  fi
+  local t0; t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc=$rc in $(( $(date +%s) - t0 )) s (timeout $limit s)$( ((rc == 124)) && echo ' TIMED OUT')" | tee -a "$summary"
+  return 0
+}
+
+for step in "${steps[@]}"; do
+  case "$step" in
+    api)
+      run probe-api 60 python3 scripts/gpu/vllm/probe_api.py --out "$OUT/vllm-api.json"
+      run check-channel 150 python3 scripts/gpu/vllm/check_channel.py --out "$OUT/vllm-channel.json" ;;
+    gemma)
+      run gemma 360 $SMOKE --model-dir "$GEMMA_DIR" "${SHARED[@]}" --kv-cache-gib 4 --max-model-len 32768 \
+        "${TPUT[@]}" --out "$OUT/gemma-vllm.json" ;;
+    dump)
+      rm -rf /tmp/vllm-dump
+      export UNIPREFILL_VLLM_DUMP_DIR=/tmp/vllm-dump
+      run gemma-dump 240 $SMOKE --model-dir "$GEMMA_DIR" --dump-graph \
+        "${SHARED[@]}" --kv-cache-gib 2 --max-model-len 4096 --out "$OUT/gemma-dump.json"
+      if [[ -d /tmp/vllm-dump ]]; then
+        tar -czf "$OUT/vllm-dump.tar.gz" -C /tmp vllm-dump
+        echo "dump: $(ls /tmp/vllm-dump | wc -l) files, $(du -sh /tmp/vllm-dump | cut -f1) -> vllm-dump.tar.gz" | tee -a "$summary"
+      else
+        echo "dump: no /tmp/vllm-dump folder" | tee -a "$summary"
+      fi ;;
+    llama4)
+      run llama4-uniprefill 240 $SMOKE --layers 4 --uniprefill "${SHARED[@]}" --kv-cache-gib 2 --max-model-len 4096 \
+        --prompt-words 1000 --out "$OUT/smoke-uniprefill-4l.json" ;;
+    llama8b)
+      run llama8b 540 $SMOKE "${SHARED[@]}" --kv-cache-gib 8 --max-model-len 32768 \
+        "${TPUT[@]}" --out "$OUT/llama8b-vllm.json" ;;
+  esac
+done
+
+# The lines worth reading first (stdout and highlights.txt), then the packed logs.
+for log in "$LOGS"/*.log; do
+  name="$(basename "$log" .log)"
+  echo "=== $name"
+  grep -E "throughput: L=|^text: |attention backend|Using .* backend|unaccelerated|probe: |\"ok\"|Error|error:|Traceback" "$log" \
+    | grep -v "^ *\"error\": null" | head -20 | cut -c1-240
+  tail -2 "$log" | cut -c1-240
+done > "$LOGS/highlights.txt"
+cat "$LOGS/highlights.txt"
+echo "stage1 done in $(( $(date +%s) - start )) s" >> "$summary"
+echo "=== summary"; cat "$summary"   # last, so a cut output tail still shows every step's rc
+tag="$(IFS=-; echo "${steps[*]}")"
+tar -czf "$OUT/stage1-logs-${tag}.tar.gz" -C "$LOGS" .
+ls -l "$OUT"
