@@ -299,7 +299,7 @@ def main():
     # The fastest tiles become the default of score_blocks_fwd for the rest of this run.
     class Chosen(ScoreTiles):
         @classmethod
-        def for_head_dim(cls, head_dim):
+        def for_head_dim(cls, head_dim, element_size=2):
             return best
 
     score_module.ScoreTiles = Chosen

@@ -59,13 +59,16 @@ class ScoreTiles:
     chunk: int | None = None  # keys per pass-1 program; None picks one that fills the GPU
 
     @classmethod
-    def for_head_dim(cls, head_dim: int) -> "ScoreTiles":
+    def for_head_dim(cls, head_dim: int, element_size: int = 2) -> "ScoreTiles":
         """The defaults, with row/key tiles shrunk for heads wider than 128 so that the
-        shared-memory tiles stay within one SM's budget (Gemma-3 has head_dim 256)."""
+        shared-memory tiles stay within one SM's budget (Gemma-3 has head_dim 256), and
+        shrunk again for 4-byte inputs (float32 at head_dim 256 asked for 256 KiB on the
+        H200 with the bf16 tiles: Triton OutOfResources, 2026-12-01)."""
         shrink = max(1, -(-head_dim // 128))
         if shrink == 1:
             return cls()
-        # the tiles Gemma-3-270M (head_dim 256) ran with in the H200 evals of 2026-12-01
+        shrink *= max(1, element_size // 2)
+        # at head_dim 256 in bf16: the tiles Gemma-3-270M ran with in the H200 evals of 2026-12-01
         return cls(stats_block_m=max(16, 128 // shrink), stats_block_n=max(16, 128 // shrink), stats_warps=8,
                    stats_stages=2, tokens_block_m=max(16, 64 // shrink), tokens_block_n=64, tokens_warps=4)
 
@@ -300,7 +303,7 @@ def score_blocks_fwd(
     tiles: ScoreTiles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Host wrapper: allocate, size the grids from `layout`, launch the four kernels."""
-    tiles = tiles or ScoreTiles.for_head_dim(q.shape[-1])
+    tiles = tiles or ScoreTiles.for_head_dim(q.shape[-1], q.element_size())
     cu_blocks = block_offsets(cu_seqlens_k, block_size)
     block_scores = torch.empty(layout.num_blocks(block_size), dtype=torch.float32, device=q.device)
     if layout.max_seqlen_k == 0:

@@ -311,6 +311,11 @@ def test_unknown_kernel_after_a_drop_point_is_left_unchanged():
 
 
 def test_backend_by_name_with_options():
+    from importlib.metadata import entry_points
+
+    if not any(ep.name == "uniprefill" for ep in entry_points(group="torch_dynamo_backends")):
+        # e.g. the GPU box, which imports a copied source tree: the name comes from the entry point
+        pytest.skip("uniprefill is not pip-installed here, so its torch_dynamo_backends entry point is absent")
     model = _llama()
     compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": [1], **SMALL}, dynamic=True)
     ids = _ids(1, 300)

@@ -304,3 +304,22 @@ def test_a_drop_at_the_last_layer_changes_no_generated_token():
     assert histories[0].points[-1].kept[0] < histories[0].points[-1].entering[0]
     assert [p.kept for p in histories[0].points[:2]] == [p.kept for p in histories[1].points]
     assert torch.equal(outs[0], outs[1])
+
+
+def test_cache_keyword_follows_the_transformers_version():
+    """transformers 5.17 reads only past_key_values= (cache= would be ignored silently: seen on
+    the H200 box); 5.24 reads cache=. The wrapper passes the cache under the name read."""
+    from uniprefill.runtime.generation import _cache_keyword_for
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, past_key_values=None, **kwargs): ...
+
+    cache = object()
+    assert _cache_keyword_for(Old(), {"cache": cache, "use_cache": True}) == {"past_key_values": cache, "use_cache": True}
+    assert _cache_keyword_for(New(), {"cache": cache}) == {"cache": cache}
+    assert _cache_keyword_for(Old(), {"past_key_values": cache}) == {"past_key_values": cache}
+    with pytest.raises(TypeError, match="once"):
+        _cache_keyword_for(New(), {"cache": cache, "past_key_values": cache})

@@ -128,22 +128,28 @@ def test_triton_scores_with_small_tiles(case, rows_first):
 
 def test_default_tiles_shrink_for_wide_heads():
     """Heads wider than 128 (Gemma-3: 256) get smaller row/key tiles; the shared-memory tiles
-    of the defaults overflowed an H200 SM at head_dim 256 (Triton OutOfResources)."""
+    of the defaults overflowed an H200 SM at head_dim 256 (Triton OutOfResources), and the
+    bf16 tiles of head_dim 256 overflowed it again in float32 (256 KiB asked, 227 allowed)."""
     from uniprefill.kernels.score_blocks import ScoreTiles
 
     assert ScoreTiles.for_head_dim(64) == ScoreTiles() == ScoreTiles.for_head_dim(128)
+    assert ScoreTiles.for_head_dim(128, 4) == ScoreTiles()  # float32 at 128 ran on the H200
     wide = ScoreTiles.for_head_dim(256)
     assert wide.stats_block_m < ScoreTiles().stats_block_m and wide.tokens_block_n < ScoreTiles().tokens_block_n
+    wide_fp32 = ScoreTiles.for_head_dim(256, 4)
+    assert wide_fp32.stats_block_m < wide.stats_block_m and wide_fp32.tokens_block_m < wide.tokens_block_m
 
-    def shared_bytes(t: ScoreTiles, d: int) -> tuple[int, int]:
-        """bf16 tiles each pass keeps in shared memory: pipelined streamed tiles + the resident one."""
-        stats = t.stats_stages * t.stats_block_n * d * 2 + t.stats_block_m * d * 2
-        tokens = t.tokens_stages * t.tokens_block_m * d * 2 + t.tokens_block_n * d * 2
+    def shared_bytes(t: ScoreTiles, d: int, size: int) -> tuple[int, int]:
+        """Bytes of the tiles a pass keeps in shared memory, counting every operand as
+        pipelined (what Triton asked for in the float32 overflow: 2 stages x (64 + 64) x 256 x 4)."""
+        stats = t.stats_stages * (t.stats_block_m + t.stats_block_n) * d * size
+        tokens = t.tokens_stages * (t.tokens_block_m + t.tokens_block_n) * d * size
         return stats, tokens
 
-    budget = 160 * 1024  # well under an H200 SM's 227 KiB
-    for tiles, d in ((ScoreTiles(), 128), (wide, 256)):
-        assert max(shared_bytes(tiles, d)) <= budget, (tiles, d)
+    assert shared_bytes(ScoreTiles.for_head_dim(256, 2), 256, 4)[0] == 262144  # the overflow seen
+    budget = 200 * 1024  # under an H200 SM's 227 KiB
+    for d, size in ((256, 2), (256, 4), (512, 2)):
+        assert max(shared_bytes(ScoreTiles.for_head_dim(d, size), d, size)) <= budget, (d, size)
 
 
 @pytest.mark.parametrize("case", SCORE_CASES[:4], ids=[c[0] for c in SCORE_CASES[:4]])

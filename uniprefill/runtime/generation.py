@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import types
 
@@ -137,6 +138,7 @@ class UniPrefillModel(torch.nn.Module):
         return self.backend.recorder.last
 
     def forward(self, *args, **kwargs):
+        kwargs = _cache_keyword_for(self.model, kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, RowCaches):
@@ -274,6 +276,24 @@ class UniPrefillModel(torch.nn.Module):
 # (positions, cache positions, the padded mask) is rebuilt per row from the row's cache
 _ROW_KWARGS = frozenset({"input_ids", "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
                          "cache_position", "position_ids", "return_dict"})
+
+
+def _cache_keyword_for(model, kwargs: dict) -> dict:
+    """Pass a cache under the name this transformers version reads.
+
+    transformers 5.24 reads `cache=` (and still `past_key_values=`); 5.17 reads only
+    `past_key_values=` and would silently ignore `cache=`, prefilling a cache of its own
+    while the caller's stays empty. Renames `cache` to `past_key_values` where needed.
+    """
+    if "cache" not in kwargs:
+        return kwargs
+    if "past_key_values" in kwargs:
+        raise TypeError("pass the cache once: as `cache=` or as `past_key_values=`, not both")
+    if "cache" in inspect.signature(type(model).forward).parameters:
+        return kwargs
+    kwargs = dict(kwargs)
+    kwargs["past_key_values"] = kwargs.pop("cache")
+    return kwargs
 
 
 def _output_cache_key(out) -> str:
