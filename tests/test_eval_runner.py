@@ -277,3 +277,60 @@ def test_a_method_prefill_outside_the_compiled_graph_is_refused(model, monkeypat
     monkeypatch.setattr(system._api, "last_drop_report", lambda fn: None)
     with pytest.raises(RuntimeError, match="did not run through the uniprefill graph"):
         system.drop_report()
+
+
+def test_layer_segments_weight_token_counts_by_layer_share():
+    from uniprefill.eval.ideal import layer_segments
+
+    segments = layer_segments(18, [(11, 2000), (5, 4000)], 16000)  # Gemma-3-270M's "auto"
+    assert segments == [(16000, 5.5 / 18), (4000, 6 / 18), (2000, 6.5 / 18)]
+    assert sum(share for _, share in segments) == pytest.approx(1.0)
+    assert layer_segments(4, [], 100) == [(100, 1.0)]
+    with pytest.raises(ValueError, match="distinct"):
+        layer_segments(4, [(1, 5), (1, 3)], 10)
+    with pytest.raises(ValueError, match="inside"):
+        layer_segments(4, [(4, 5)], 10)
+
+
+def test_measured_ideal_times_each_token_count_once_per_prompt():
+    from uniprefill.eval.ideal import measured_ideal
+
+    seen = []
+
+    def prefill(ids, mask):
+        seen.append(ids.shape[1])
+        assert mask.shape == ids.shape
+        return ids
+
+    ids = torch.arange(100)[None]
+    times: dict[int, float] = {}
+    first = measured_ideal(prefill, ids, torch.ones_like(ids), [(100, 0.5), (40, 0.5)], torch.device("cpu"),
+                           warmup=0, repeats=1, times=times)
+    assert sorted(seen) == [40, 100] and set(times) == {40, 100}
+    second = measured_ideal(prefill, ids, torch.ones_like(ids), [(100, 0.25), (20, 0.75)], torch.device("cpu"),
+                            warmup=0, repeats=1, times=times)
+    assert sorted(seen) == [20, 40, 100]  # t(100) came from the cache
+    assert second["base_s"] == first["base_s"] == times[100]
+    assert second["ideal_s"] == pytest.approx(0.25 * times[100] + 0.75 * times[20])
+    assert second["speedup"] == pytest.approx(times[100] / second["ideal_s"])
+
+
+def test_measured_ideal_in_records_and_summary(model, tokenizer, tmp_path):
+    spec = uniprefill_spec(UniPrefillConfig(p=0.9, block_size=16, last_q=32, sink=32))
+    out = tmp_path / "m.jsonl"
+    records = _run(model, tokenizer, out, [baseline_spec(), spec], measured_ideal=True, generate=False)
+    method = [r for r in records if r["role"] == "method"]
+    assert method and all("ideal_measured" not in r for r in records if r["role"] == "baseline")
+    layers = model.config.num_hidden_layers
+    for r in method:
+        ideal = r["ideal_measured"]
+        points = systems_mod.drop_points(r["drop_report"])
+        assert [n for n, _, _ in ideal["segments"]] == [r["prompt_tokens"]] + [p["kept"][0] for p in points]
+        assert sum(share for _, share, _ in ideal["segments"]) == pytest.approx(1.0)
+        assert ideal["segments"][0][1] == pytest.approx((points[0]["layer"] + 0.5) / layers)
+        assert ideal["speedup"] == pytest.approx(ideal["base_s"] / ideal["ideal_s"]) and ideal["speedup"] > 0
+    rows = summarize(read_records(out), n_boot=100)
+    row = next(r for r in rows if r["system"] == spec.name and r["task"] == "vt")
+    assert row["ideal_measured_speedup"] is not None
+    assert row["speedup_vs_measured_ideal"] == pytest.approx(row["speedup"] / row["ideal_measured_speedup"])
+    assert "ideal meas." in format_table(rows)

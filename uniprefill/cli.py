@@ -248,7 +248,7 @@ def cmd_eval(args, checks) -> int:
                  compile_backend=args.compile_backend, settings=_settings(args),
                  timed_samples=args.timed_samples, part=args.part,
                  stop_when_answered=not args.full_answers, decode_sdpa=args.decode_sdpa,
-                 done_elsewhere=args.also_done)
+                 done_elsewhere=args.also_done, measured_ideal=args.measured_ideal)
     records = read_records(args.out)
     rows = summarize(records, n_boot=args.n_boot, seed=args.seed)
     print(format_table(rows))
@@ -338,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="generate the whole budget even after every reference is found")
     ev.add_argument("--decode-sdpa", choices=("default", "no-cudnn"), default="default",
                     help="SDPA kernels of decode steps (prefills keep the default)")
+    ev.add_argument("--measured-ideal", action="store_true",
+                    help="also time the plain model on each timed method prompt's kept token counts "
+                         "(the measured ideal speedup, beside the FLOP-model one)")
     ev.add_argument("--also-done", action="append", default=[], metavar="FILE",
                     help="a results file whose records count as done (repeatable)")
     ev.add_argument("--compile-backend", default="inductor")

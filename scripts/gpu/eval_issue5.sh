@@ -43,9 +43,18 @@ COMMON=(--model gemma-3-270m --tasks niah_single_1,niah_single_2,niah_single_3,n
         --decode-sdpa no-cudnn --quiet)
 # Records of an earlier session (e.g. docs/results/eval-gemma-issue5-h200.jsonl.gz) count as
 # done when SEED names them; they are merged into what this call returns.
+# RETIME_LENGTHS=16384,32000: leave the seed's TIMED records of those lengths out, so that stage
+# A times them again (with MEASURED_IDEAL=1 it also measures each method prompt's ideal).
 SEED=${SEED:-}
 if [ -n "$SEED" ]; then
-    [ -f /tmp/eval/seed.jsonl.gz ] || cp "$SEED" /tmp/eval/seed.jsonl.gz
+    [ -f /tmp/eval/seed.jsonl.gz ] || python3 - "$SEED" /tmp/eval/seed.jsonl.gz "${RETIME_LENGTHS:-}" <<'PY'
+import gzip, json, sys
+source, target, retime = sys.argv[1], sys.argv[2], {int(x) for x in sys.argv[3].split(",") if x}
+with gzip.open(source, "rt") as f, gzip.open(target, "wt") as out:
+    for line in f:
+        if line.strip() and not (retime and json.loads(line)["timed"] and json.loads(line)["length"] in retime):
+            out.write(line)
+PY
     SEED=/tmp/eval/seed.jsonl.gz
     COMMON+=(--also-done "$SEED")
 fi
@@ -54,7 +63,8 @@ cd /tmp/eval  # nothing below reads the working tree (a later device call may re
 
 if [ "${COLLECT_ONLY:-0}" != 1 ]; then
 echo "stage A (timed) from $(date -u +%T), $(left) s left"
-timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" --part timed --out /tmp/eval/timed.jsonl \
+MEASURE=(); if [ "${MEASURED_IDEAL:-0}" = 1 ]; then MEASURE=(--measured-ideal); fi
+timeout "$(left)" python3 -P -m uniprefill eval "${COMMON[@]}" "${MEASURE[@]}" --part timed --out /tmp/eval/timed.jsonl \
     > /tmp/eval/timed.log 2>&1
 echo "stage A rc=$? at $(date -u +%T): $(wc -l < /tmp/eval/timed.jsonl) records"
 if [ "$(left)" -gt 60 ]; then

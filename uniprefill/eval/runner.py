@@ -171,6 +171,7 @@ def run_eval(
     stop_when_answered: bool = True,
     decode_sdpa: str = "default",
     done_elsewhere: Sequence[str | os.PathLike] = (),
+    measured_ideal: bool = False,
 ) -> list[dict[str, Any]]:
     """Run this shard's unfinished work items; append and return their records.
 
@@ -188,6 +189,8 @@ def run_eval(
         decode_sdpa: SDPA kernels of decode steps (`uniprefill.bench.sdpa`).
         done_elsewhere: other results files whose records count as done (e.g. an earlier
             session's merged results, while this run appends to a fresh file).
+        measured_ideal: also measure each timed method prompt's ideal, the plain model timed
+            on the kept token counts (`uniprefill.eval.ideal`), beside the FLOP-model one.
     """
     if part not in ("all", "timed", "untimed"):
         raise ValueError(f"part={part!r}: use 'all', 'timed' or 'untimed'")
@@ -214,6 +217,7 @@ def run_eval(
     essay = load_essay_haystack(plan.haystack) if plan.haystack else None
     bound: dict[str, System] = {}
     samples: dict[tuple[str, int, int], Sample] = {}
+    ideal_times: dict[int, float] = {}  # the plain model's prefill seconds per token count, this prompt
     new_records = []
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     with open(out_path, "a", encoding="utf-8") as out, \
@@ -223,6 +227,7 @@ def run_eval(
             sample = samples.get((task, length, i))
             if sample is None:
                 samples.clear()  # one prompt at a time: all of its systems run together
+                ideal_times.clear()
                 sample = samples[(task, length, i)] = make_sample(
                     task, tokenizer, length, i, seed=plan.seed, haystack=essay,
                     max_new_tokens=plan.max_new_tokens)
@@ -231,7 +236,7 @@ def run_eval(
             record = run_one(bound[spec.name], sample, tokenizer, device,
                              warmup=warmup, repeats=repeats, generate=generate,
                              timed=is_timed(i), stop_when_answered=stop_when_answered,
-                             decode_sdpa=decode_sdpa)
+                             decode_sdpa=decode_sdpa, ideal_times=ideal_times if measured_ideal else None)
             record.update(key=list(key), model=model_name, env=env, settings=settings or {},
                           date=datetime.datetime.now(datetime.timezone.utc).isoformat(
                               timespec="seconds"))
@@ -244,8 +249,13 @@ def run_eval(
 
 def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
             warmup: int = 1, repeats: int = 1, generate: bool = True, timed: bool = True,
-            stop_when_answered: bool = True, decode_sdpa: str = "default") -> dict[str, Any]:
-    """Time (if `timed`), report and (optionally) generate one sample with one system."""
+            stop_when_answered: bool = True, decode_sdpa: str = "default",
+            ideal_times: dict[int, float] | None = None) -> dict[str, Any]:
+    """Time (if `timed`), report and (optionally) generate one sample with one system.
+
+    `ideal_times` (a dict, shared by the systems of one prompt): also measure a timed
+    method's ideal (`uniprefill.eval.ideal`: the plain model on the kept token counts).
+    """
     if not timed and not generate:
         raise ValueError("an untimed prompt that is not generated would measure nothing")
     enc = tokenizer(sample.prompt, return_tensors="pt")
@@ -280,6 +290,9 @@ def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
                       first_token=tokenizer.decode([first_id]),
                       prefills_wall_s=time.perf_counter() - begin)
         _add_drop_report(record, system)
+        if ideal_times is not None and not system.spec.is_baseline:
+            record["ideal_measured"] = _measured_ideal(system, ids, mask, record["drop_report"], device,
+                                                       warmup, repeats, ideal_times)
     if not generate:
         return record
     pending = system.generation_pending
@@ -324,6 +337,24 @@ def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
                       else tokenizer.decode([first_generated]))
         _add_drop_report(record, system)
     return record
+
+
+def _measured_ideal(system: System, ids, mask, report, device, warmup: int, repeats: int,
+                    times: dict[int, float]) -> dict[str, Any]:
+    from .ideal import layer_segments, measured_ideal
+    from .systems import drop_points
+
+    if system.spec.config.policy != "cumulative":
+        return {"speedup": None, "reason": f"policy {system.spec.config.policy!r} is not modelled"}
+    config = system.model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    points = [(int(p["layer"]), int(p["kept"][0])) for p in drop_points(report)]
+    segments = layer_segments(config.num_hidden_layers, points, int(ids.shape[1]))
+
+    def plain(i, m):
+        return system.model(input_ids=i, attention_mask=m, use_cache=False, logits_to_keep=1).logits
+
+    return measured_ideal(plain, ids, mask, segments, device, warmup=warmup, repeats=repeats, times=times)
 
 
 def _add_drop_report(record: dict[str, Any], system: System) -> None:

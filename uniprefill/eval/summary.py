@@ -3,7 +3,8 @@
 Scores are averaged in points; a method's difference to the baseline comes with a paired
 bootstrap CI over the prompts both ran. TTFT and speedup come from the timed prompts only
 (all of them unless the run timed a subset), beside the FLOP-model ideal speedup of those
-same prompts. Where a results file holds two baselines (eager
+same prompts and, where the run measured it (`--measured-ideal`), the measured ideal (the
+plain model timed on the kept token counts, `uniprefill.eval.ideal`). Where a results file holds two baselines (eager
 and compiled), the faster one at that task and length is the reference, so TTFT speedups
 are never flattered by a slow baseline. The "average" rows pool every task of a length,
 as RULER's average does when each task has the same number of samples.
@@ -90,6 +91,7 @@ def _row(model, length, task, name, recs, pairs, n_boot, seed, is_reference) -> 
         "retention": _mean([r.get("overall_retention") for r in recs]),
         "delta": None, "ci_low": None, "ci_high": None, "speedup": None, "n_paired": 0,
         "ideal_speedup": None, "speedup_vs_ideal": None,
+        "ideal_measured_speedup": None, "speedup_vs_measured_ideal": None,
     }
     if first["role"] == "baseline" or not pairs:
         if is_reference:
@@ -105,6 +107,11 @@ def _row(model, length, task, name, recs, pairs, n_boot, seed, is_reference) -> 
             # the ideal of the same prompts the speedup was timed on
             row["ideal_speedup"] = statistics.median(ideals)
             row["speedup_vs_ideal"] = row["speedup"] / row["ideal_speedup"]
+        measured = [(m.get("ideal_measured") or {}).get("speedup") for _, m in timed_pairs]
+        if all(x is not None for x in measured):
+            # the plain model timed on the kept token counts (uniprefill.eval.ideal), same prompts
+            row["ideal_measured_speedup"] = statistics.median(measured)
+            row["speedup_vs_measured_ideal"] = row["speedup"] / row["ideal_measured_speedup"]
     scored_pairs = [(b["score"], m["score"]) for b, m in pairs
                     if b["score"] is not None and m["score"] is not None]
     if scored_pairs:
@@ -128,7 +135,7 @@ def _mean(values: Sequence[float | None]) -> float | None:
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """A fixed-width table of `summarize` rows."""
     header = ("length", "task", "system", "n", "score", "delta [95% CI]", "TTFT ms",
-              "speedup", "ideal", "retention")
+              "speedup", "ideal", "ideal meas.", "retention")
     lines = []
     for r in rows:
         if r["score"] is not None:
@@ -142,6 +149,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['ttft_ms']:.1f}" if r.get("ttft_ms") is not None else "-",
             f"{r['speedup']:.2f}x" if r["speedup"] is not None else "",
             f"{r['ideal_speedup']:.2f}x" if r.get("ideal_speedup") is not None else "",
+            f"{r['ideal_measured_speedup']:.2f}x" if r.get("ideal_measured_speedup") is not None else "",
             f"{r['retention']:.3f}" if r["retention"] is not None else "",
         ))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
