@@ -166,6 +166,9 @@ class VllmGraphReport:
     kv_cache_updates: int
     gdn_ops: int
     placeholders: int
+    layers: tuple[int, ...] = ()  # attention layer indices, in graph order (from the layer names)
+    drop_layers: tuple[int, ...] | None = None  # the drop points the config picks for these layers
+    plan_error: str = ""  # why the layers or drop points could not be read, if so
 
 
 class VllmTokenDropBackend:
@@ -177,9 +180,11 @@ class VllmTokenDropBackend:
     logged and kept in `graphs`, or raises under `strict=True`. Never a wrong answer.
     """
 
-    def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None) -> None:
+    def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None,
+                 layer_kinds: list[str] | None = None) -> None:
         self.config = config
         self.check = check or VllmCheck()
+        self.layer_kinds = layer_kinds  # "full" / "sliding" / "linear" per layer, from the model config
         self.graphs: list[VllmGraphReport] = []
 
     @classmethod
@@ -194,7 +199,7 @@ class VllmTokenDropBackend:
         check.raise_if_errors()
         for note in check.notes:
             logger.info("uniprefill: %s", note)
-        return cls(config, check)
+        return cls(config, check, _layer_kinds(vllm_config))
 
     def __call__(self, gm, example_inputs):
         names = [_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
@@ -206,13 +211,50 @@ class VllmTokenDropBackend:
             gdn_ops=sum("gdn_attention" in n for n in names),
             placeholders=sum(1 for n in gm.graph.nodes if n.op == "placeholder"),
         )
+        self._plan(gm, report)
         self.graphs.append(report)
         if self.config.strict:
             raise RuntimeError(f"uniprefill cannot rewrite this vLLM graph: {report.reason}")
         message = f"uniprefill: running the vLLM graph unaccelerated: {report.reason}"
-        logger.warning("%s (%d attention ops)", message, report.attention_ops)
+        logger.warning("%s (%d attention ops; layers %s; drop layers it would use: %s%s)", message,
+                       report.attention_ops, list(report.layers), report.drop_layers,
+                       f"; {report.plan_error}" if report.plan_error else "")
         warnings.warn(message, stacklevel=2)
         return gm.forward
+
+    def _plan(self, gm, report: VllmGraphReport) -> None:
+        """The attention layers of the graph and the drop points the config picks among them."""
+        from .passes.classify import LayerInfo
+        from .passes.drop_points import resolve_drop_layers
+        from .passes.vllm_graph import analyze_vllm_graph
+
+        try:
+            info = analyze_vllm_graph(gm)
+            report.layers = info.layers
+            if self.layer_kinds is None:
+                report.plan_error = "the model config gave no layer kinds"
+                return
+            kinds = {i: LayerInfo(i, self.layer_kinds[i] if i < len(self.layer_kinds) else "other")
+                     for i in info.layers}
+            report.drop_layers = resolve_drop_layers(self.config.drop_layers, kinds)
+        except ValueError as exc:
+            report.plan_error = str(exc)
+
+
+def _layer_kinds(vllm_config: Any) -> list[str] | None:
+    """Layer kinds from vLLM's model config (its Hugging Face text config), or None."""
+    from .passes.vllm_graph import layer_kinds_from_hf_config
+
+    model_config = _get(vllm_config, "model_config")
+    hf_config = _get(model_config, "hf_text_config") or _get(model_config, "hf_config")
+    layers = _get(hf_config, "num_hidden_layers")
+    if hf_config is None or not isinstance(layers, int):
+        return None
+    try:
+        return layer_kinds_from_hf_config(hf_config, layers)
+    except ValueError as exc:
+        logger.warning("uniprefill: layer kinds unknown: %s", exc)
+        return None
 
 
 def _target_name(node) -> str:

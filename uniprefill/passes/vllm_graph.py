@@ -1,0 +1,137 @@
+"""Find the attention layers of a vLLM backbone graph (the first step of the vLLM adapter).
+
+vLLM 0.26's mode-2 graph of a decoder backbone (dumped on the H200, `docs/vllm.md`) is flat:
+`input_ids` and `positions` are `[s]` with a symbolic token count `s`, hidden states are
+`[s, hidden]`, and each attention layer is a pair of custom ops,
+
+    dep = torch.ops.vllm.unified_kv_cache_update(key, value, NAME)
+    torch.ops.vllm.unified_attention_with_output(query, key, value, output, NAME, kv_cache_dummy_dep=dep)
+
+where NAME identifies the layer ("model.layers.5.self_attn.attn"). On torch >= 2.11 dynamo
+hoists NAME out of the graph: it arrives as a placeholder whose example value is vLLM's
+`LayerName` object (`.value` holds the string); older graphs pass the string itself. This
+module reads those sites, in graph order, with their layer index and operands, so that the
+rewrite can put its score-and-select after a drop layer's attention and look up each later
+layer's metadata by name. It imports neither vLLM nor anything that needs a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from .fx_utils import target_name
+
+ATTENTION_OP = "unified_attention_with_output"
+KV_UPDATE_OP = "unified_kv_cache_update"
+GDN_OP = "gdn_attention"
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class VllmAttentionSite:
+    """One attention layer of the graph."""
+
+    layer_name: str
+    layer: int  # the N of "layers.N." in the name
+    attention: fx.Node  # unified_attention_with_output(query, key, value, output, name, ...)
+    kv_update: fx.Node | None  # unified_kv_cache_update(key, value, name), if the backend has one
+
+    @property
+    def query(self) -> fx.Node:
+        return self.attention.args[0]
+
+    @property
+    def key(self) -> fx.Node:
+        return self.attention.args[1]
+
+    @property
+    def output(self) -> fx.Node:
+        return self.attention.args[3]
+
+
+@dataclass(frozen=True)
+class VllmGraphInfo:
+    sites: tuple[VllmAttentionSite, ...]
+    positions: fx.Node | None  # the placeholder of the token positions
+    gdn_ops: int  # linear-attention (Gated DeltaNet) ops, which the adapter does not handle yet
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(site.layer for site in self.sites)
+
+    def site(self, layer: int) -> VllmAttentionSite:
+        for site in self.sites:
+            if site.layer == layer:
+                return site
+        raise KeyError(f"no attention layer {layer} in this graph (layers: {list(self.layers)})")
+
+
+def layer_name_of(value) -> str | None:
+    """The layer name a value carries: a string, or vLLM's `LayerName` (its `.value`)."""
+    if isinstance(value, str):
+        return value
+    inner = getattr(value, "value", None)
+    if type(value).__name__ == "LayerName" and isinstance(inner, str):
+        return inner
+    return None
+
+
+def _name_argument(node: fx.Node) -> str | None:
+    position = 4 if target_name(node).endswith(ATTENTION_OP) else 2
+    name_arg = node.args[position] if len(node.args) > position else node.kwargs.get("layer_name")
+    if isinstance(name_arg, fx.Node):
+        return layer_name_of(name_arg.meta.get("example_value", name_arg.meta.get("val")))
+    return layer_name_of(name_arg)
+
+
+def analyze_vllm_graph(gm: fx.GraphModule) -> VllmGraphInfo:
+    """The attention sites of `gm`; ValueError naming the node when one cannot be read."""
+    updates: dict[str, fx.Node] = {}
+    sites: list[VllmAttentionSite] = []
+    gdn = 0
+    positions = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and positions is None and "positions" in node.name:
+            positions = node
+        if node.op != "call_function":
+            continue
+        name = target_name(node)
+        if GDN_OP in name:
+            gdn += 1
+        if not (name.endswith(ATTENTION_OP) or name.endswith(KV_UPDATE_OP)):
+            continue
+        layer_name = _name_argument(node)
+        if layer_name is None:
+            raise ValueError(f"{node.name} ({name}): its layer name is neither a string nor a hoisted LayerName")
+        if name.endswith(KV_UPDATE_OP):
+            updates[layer_name] = node
+            continue
+        match = _LAYER_INDEX.search(layer_name)
+        if match is None:
+            raise ValueError(f"{node.name}: layer name {layer_name!r} has no 'layers.<index>.' part")
+        if len(node.args) < 4:
+            raise ValueError(f"{node.name}: expected (query, key, value, output, name), got {len(node.args)} arguments")
+        sites.append(VllmAttentionSite(layer_name, int(match.group(1)), node, updates.pop(layer_name, None)))
+    layers = [site.layer for site in sites]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"a layer index appears twice among the attention sites: {layers}")
+    return VllmGraphInfo(tuple(sites), positions, gdn)
+
+
+def layer_kinds_from_hf_config(hf_config, num_layers: int) -> list[str]:
+    """"full" / "sliding" / "linear" per layer, from a Hugging Face text config's
+    `layer_types` (Gemma-3, Qwen3-Next, GPT-OSS, ...); all "full" without layer types or a
+    sliding window; ValueError when the config says there are sliding layers but not which."""
+    types = getattr(hf_config, "layer_types", None)
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
+        kinds = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear",
+                 "chunked_attention": "other"}
+        return [kinds.get(t, "other") for t in types]
+    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
+        raise ValueError("the config has a sliding_window but no layer_types: which layers slide is unknown")
+    return ["full"] * num_layers
