@@ -53,6 +53,10 @@ def _fails(argv, capsys, message):
     (["eval", "--tasks", "niah_single_2"], "need an essay haystack"),
     (["bench", "--model", "/no/such/model"], "model path '/no/such/model' does not exist"),
     (["bench", "--model", "x", "--drop-layers", "a,b"], "--drop-layers"),
+    (["bench", "--model", "x", "--keep-ratio", "0.5,x"], "--keep-ratio"),
+    (["bench", "--model", "x", "--keep-ratio", "1.5"], "keep_ratio"),
+    (["bench", "--model", "x", "--measured-ideal", "--batch-sizes", "1,2"], "batch 1"),
+    (["bench", "--model", "x", "--measured-ideal", "--policy", "suspend"], "cumulative"),
     (["demo", "--p", "0.9,0.95"], "one --p"),
     (["demo", "--haystack", "/no/such/file.json"], "does not exist"),
     (["eval", "--summary-only", "--out", "/no/such/results.jsonl"], "does not exist"),
@@ -152,6 +156,24 @@ def test_bench_end_to_end(model_dir, tmp_path, capsys):
     assert data["plan"]["repeats"] == 2 and len(data["results"]) == 1
     assert len(data["results"][0]["ttft"]["times_s"]) == 2
     assert "TTFT ms" in capsys.readouterr().out and (tmp_path / "b.png").exists()
+
+
+def test_bench_forced_retention_with_measured_ideal(model_dir, tmp_path, capsys):
+    """Issue 5's preset sweep: forced keep ratios, the measured ideal beside the FLOP one."""
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", model_dir, "--lengths", "2000", "--baseline", "eager",
+                 "--keep-ratio", "0.5,0.25", "--drop-layers", "1", "--measured-ideal", "--warmup", "0",
+                 "--repeats", "1", "--inputs", "random", "--out", str(out), "--quiet"]) == 0
+    results = json.loads(out.read_text())["results"]
+    methods = [r for r in results if r["role"] == "method"]
+    assert sorted(r["config"]["keep_ratio"][0] for r in methods) == [0.25, 0.5]
+    for r in methods:
+        kept = r["drop_report"]["drop_points"][0]["kept"][0]
+        assert abs(kept - r["config"]["keep_ratio"][0] * 2000) <= r["config"]["block_size"]  # whole blocks
+        assert r["ideal_ttft_s"] > 0 and r["ideal_speedup"] == pytest.approx(
+            results[0]["ttft"]["median_s"] / r["ideal_ttft_s"])
+        assert r["analytic_ideal_speedup"] > 0  # (the toy has 2 layers: a drop at 1 saves little)
+    assert "ideal (meas.)" in capsys.readouterr().out
 
 
 def test_demo_end_to_end(model_dir, essay, tmp_path, capsys, monkeypatch):

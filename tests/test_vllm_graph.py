@@ -150,3 +150,23 @@ def test_backend_report_names_layers_and_planned_drop_points():
     with pytest.warns(UserWarning, match="unaccelerated"):
         bad(gm, [])
     assert "not full-attention" in bad.graphs[0].plan_error
+
+
+@torch.library.custom_op("uniprefill_test::unified_attention_with_output", mutates_args=("output",))
+def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
+                  layer_name: str) -> None:
+    output.copy_(query)
+
+
+@pytest.mark.parametrize("overload", [False, True], ids=["packet", "default"])
+def test_custom_ops_are_found_as_packets_and_overloads(overload):
+    """vLLM's graphs call torch.ops.vllm.<op>; after functionalisation it may be <op>.default."""
+    op = torch.ops.uniprefill_test.unified_attention_with_output
+    op = op.default if overload else op
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    out = graph.call_function(torch.empty_like, (x,))
+    graph.call_function(op, (x, x, x, out, "model.layers.3.self_attn.attn"))
+    graph.output(out)
+    info = analyze_vllm_graph(fx.GraphModule(torch.nn.Module(), graph))
+    assert info.layers == (3,) and info.sites[0].kv_update is None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -175,6 +176,14 @@ def cmd_bench(args, checks) -> int:
     with checks():
         lengths = [parse_length(x) for x in _split(args.lengths)]
         configs = _configs(args)
+        if args.keep_ratio:
+            ratios = _floats(args.keep_ratio, "--keep-ratio")
+            configs = list({dataclasses.replace(c, p=1.0, keep_ratio=r): None
+                            for c in configs for r in ratios})  # --p plays no part then
+        batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+        if args.measured_ideal and (set(batch_sizes) != {1} or any(c.policy != "cumulative" for c in configs)):
+            raise UsageError("--measured-ideal models batch 1 under the cumulative policy: "
+                             "use --batch-sizes 1 --policy cumulative")
         haystack, _ = _haystack(args)
         _check_model(args.model, lengths)
         device, dtype = _device_and_dtype(args)
@@ -183,11 +192,12 @@ def cmd_bench(args, checks) -> int:
         if inputs == "auto":
             inputs = "niah" if loaded.tokenizer is not None else "random"
         plan = SweepPlan(
-            lengths=tuple(lengths), batch_sizes=tuple(_ints(args.batch_sizes, "--batch-sizes")),
+            lengths=tuple(lengths), batch_sizes=tuple(batch_sizes),
             configs=() if args.baseline_only else tuple(configs), baseline=args.baseline,
             warmup=args.warmup, repeats=args.repeats, inputs=inputs, seed=args.seed)
+    ideal_fn = _measured_ideal_fn(device, args.warmup, args.repeats) if args.measured_ideal else None
     results = sweep(loaded.model, plan, model_name=args.model, tokenizer=loaded.tokenizer,
-                    haystack=haystack, compile_backend=args.compile_backend,
+                    haystack=haystack, ideal_fn=ideal_fn, compile_backend=args.compile_backend,
                     progress=not args.quiet)
     print(format_results(results))
     payload = {"command": "bench", "settings": _settings(args), "plan": plan.as_dict(),
@@ -197,6 +207,20 @@ def cmd_bench(args, checks) -> int:
         plot_sweep(results, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
+
+
+def _measured_ideal_fn(device, warmup: int, repeats: int):
+    """`sweep`'s ideal_fn: the plain model timed on each drop segment's kept token count
+    (`uniprefill.eval.ideal`); times are shared by every point of the sweep (keyed by count)."""
+    from uniprefill.eval.ideal import measured_ideal_of_report
+
+    times: dict[int, float] = {}
+
+    def ideal_seconds(model, ids, mask, report) -> float:
+        return measured_ideal_of_report(model, ids, mask, report, device, warmup=warmup, repeats=repeats,
+                                        times=times)["ideal_s"]
+
+    return ideal_seconds
 
 
 def cmd_eval(args, checks) -> int:
@@ -310,6 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--inputs", choices=("auto", "random", "niah"), default="auto",
                        help="auto: niah prompts when the model has a tokenizer, else random ids")
+    bench.add_argument("--keep-ratio", help="forced retention instead of top-p: keep this share of the "
+                       "tokens at every drop point (comma-separated list; --p is then ignored)")
+    bench.add_argument("--measured-ideal", action="store_true",
+                       help="also time the plain model on each drop segment's kept token count "
+                            "(the measured ideal; batch 1, cumulative policy)")
     bench.add_argument("--num-layers", type=int, help="truncate a preset to this many layers")
     bench.add_argument("--compile-backend", default="inductor",
                        help="torch.compile backend of the compiled baseline")

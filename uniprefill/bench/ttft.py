@@ -175,7 +175,7 @@ def _add_speedups(at_point: list[dict[str, Any]]) -> None:
 
 def format_results(results: Sequence[dict[str, Any]]) -> str:
     header = ("length", "batch", "system", "TTFT ms (median)", "IQR ms", "peak GiB",
-              "speedup", "ideal (FLOPs)", "retention")
+              "speedup", "ideal (FLOPs)", "ideal (meas.)", "retention")
     lines = []
     for r in results:
         t = r["ttft"]
@@ -187,6 +187,7 @@ def format_results(results: Sequence[dict[str, Any]]) -> str:
             f"{peak / 2**30:.2f}" if peak is not None else "",
             f"{r['speedup']:.2f}x" if "speedup" in r else "",
             f"{ideal:.2f}x" if ideal is not None else "",
+            f"{r['ideal_speedup']:.2f}x" if "ideal_speedup" in r else "",
             f"{r['overall_retention']:.3f}" if r["overall_retention"] is not None else "",
         ))
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h)

@@ -62,3 +62,20 @@ def measured_ideal(prefill: Callable[[torch.Tensor, torch.Tensor], Any], ids: to
         "ideal_s": ideal_s,
         "speedup": times[ids.shape[1]] / ideal_s,
     }
+
+
+def measured_ideal_of_report(model, ids: torch.Tensor, mask: torch.Tensor, report: dict[str, Any] | None,
+                             device: torch.device, *, warmup: int = 1, repeats: int = 1,
+                             times: dict[int, float] | None = None) -> dict[str, Any]:
+    """`measured_ideal` for one row prefilled by `model` under uniprefill with drop report
+    `report` (a `DropHistory.as_dict()`); the plain model is `model` itself."""
+    from .systems import drop_points
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    points = [(int(p["layer"]), int(p["kept"][0])) for p in drop_points(report)]
+    segments = layer_segments(config.num_hidden_layers, points, int(ids.shape[1]))
+
+    def plain(i, m):
+        return model(input_ids=i, attention_mask=m, use_cache=False, logits_to_keep=1).logits
+
+    return measured_ideal(plain, ids, mask, segments, device, warmup=warmup, repeats=repeats, times=times)

@@ -341,20 +341,12 @@ def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
 
 def _measured_ideal(system: System, ids, mask, report, device, warmup: int, repeats: int,
                     times: dict[int, float]) -> dict[str, Any]:
-    from .ideal import layer_segments, measured_ideal
-    from .systems import drop_points
+    from .ideal import measured_ideal_of_report
 
     if system.spec.config.policy != "cumulative":
         return {"speedup": None, "reason": f"policy {system.spec.config.policy!r} is not modelled"}
-    config = system.model.config
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    points = [(int(p["layer"]), int(p["kept"][0])) for p in drop_points(report)]
-    segments = layer_segments(config.num_hidden_layers, points, int(ids.shape[1]))
-
-    def plain(i, m):
-        return system.model(input_ids=i, attention_mask=m, use_cache=False, logits_to_keep=1).logits
-
-    return measured_ideal(plain, ids, mask, segments, device, warmup=warmup, repeats=repeats, times=times)
+    return measured_ideal_of_report(system.model, ids, mask, report, device, warmup=warmup,
+                                    repeats=repeats, times=times)
 
 
 def _add_drop_report(record: dict[str, Any], system: System) -> None:

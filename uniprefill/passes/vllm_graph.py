@@ -79,8 +79,13 @@ def layer_name_of(value) -> str | None:
     return None
 
 
+def _is_op(name: str, op: str) -> bool:
+    """`name` is `op`, however it is spelled: a function, `torch.ops.vllm.<op>` or its `.default`."""
+    return op in name.split(".")
+
+
 def _name_argument(node: fx.Node) -> str | None:
-    position = 4 if target_name(node).endswith(ATTENTION_OP) else 2
+    position = 4 if _is_op(target_name(node), ATTENTION_OP) else 2
     name_arg = node.args[position] if len(node.args) > position else node.kwargs.get("layer_name")
     if isinstance(name_arg, fx.Node):
         return layer_name_of(name_arg.meta.get("example_value", name_arg.meta.get("val")))
@@ -101,12 +106,12 @@ def analyze_vllm_graph(gm: fx.GraphModule) -> VllmGraphInfo:
         name = target_name(node)
         if GDN_OP in name:
             gdn += 1
-        if not (name.endswith(ATTENTION_OP) or name.endswith(KV_UPDATE_OP)):
+        if not (_is_op(name, ATTENTION_OP) or _is_op(name, KV_UPDATE_OP)):
             continue
         layer_name = _name_argument(node)
         if layer_name is None:
             raise ValueError(f"{node.name} ({name}): its layer name is neither a string nor a hoisted LayerName")
-        if name.endswith(KV_UPDATE_OP):
+        if _is_op(name, KV_UPDATE_OP):
             updates[layer_name] = node
             continue
         match = _LAYER_INDEX.search(layer_name)
