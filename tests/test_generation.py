@@ -281,7 +281,7 @@ def test_a_drop_at_the_last_layer_changes_no_generated_token():
     """Gemma-3-270M's last layer (17) is full attention, so its drop_layers "all" (5, 11, 17)
     and "auto" (5, 11) differ only by a drop after the last attention: that layer's KV is
     written before the drop, and only the last token's row reaches the logits. Greedy
-    generations must therefore be identical (docs/benchmarks.md counts "all" on it by this)."""
+    generations must therefore be identical (docs/benchmarks.md cites this for "all" vs "auto")."""
     from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,

@@ -161,46 +161,62 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Accuracy (average over tasks) vs TTFT speedup, one curve per (length, policy, drop set)."""
+    """Accuracy vs TTFT speedup: one panel per length, one curve per (policy, drop set).
+
+    Accuracy is the paired difference to the baseline (points, average over tasks) with its
+    bootstrap 95% CI, so a curve whose prompts are a subset of the baseline's (a matrix still
+    being filled) is compared on its own prompts; such partial curves are dashed and say n.
+    The baseline sits at (1x, 0).
+    """
+    import math
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 5))
     has_average = any(r["task"] == AVERAGE for r in rows)
     chosen = [r for r in rows if (r["task"] == AVERAGE) == has_average]
+    lengths = sorted({r["length"] for r in chosen}) or [None]
+    cols = min(2, len(lengths))
+    fig, axes = plt.subplots(math.ceil(len(lengths) / cols), cols, figsize=(6 * cols, 4.2 * math.ceil(len(lengths) / cols)),
+                             squeeze=False)
     plotted = 0
-    for length in sorted({r["length"] for r in chosen}):
+    for ax, length in zip(axes.flat, lengths):
         at_length = [r for r in chosen if r["length"] == length]
-        base = [r for r in at_length if r["role"] == "baseline" and r["score"] is not None]
-        base_point = (1.0, base[0]["score"]) if base else None
-        curves = sorted({(r["policy"], r.get("drop_layers")) for r in at_length if r["policy"]},
-                        key=str)
+        full_n = max((r["n"] for r in at_length if r["role"] == "baseline"), default=0)
+        ax.axhline(0.0, color="grey", linewidth=0.8)
+        ax.plot([1.0], [0.0], marker="s", color="black", linestyle="none", label="baseline")
+        curves = sorted({(r["policy"], r.get("drop_layers")) for r in at_length if r["policy"]}, key=str)
         for policy, drop in curves:
-            points = sorted((r["speedup"], r["score"], r["p"]) for r in at_length
+            points = sorted((r["speedup"], r["delta"], r["ci_low"], r["ci_high"], r["p"], r["n"]) for r in at_length
                             if (r["policy"], r.get("drop_layers")) == (policy, drop)
-                            and r["score"] is not None and r["speedup"] is not None)
+                            and r["delta"] is not None and r["speedup"] is not None)
             if not points:
                 continue
-            xs = [x for x, _, _ in points] + ([base_point[0]] if base_point else [])
-            ys = [y for _, y, _ in points] + ([base_point[1]] if base_point else [])
-            order = sorted(range(len(xs)), key=xs.__getitem__)
-            ax.plot([xs[i] for i in order], [ys[i] for i in order], marker="o",
-                    label=f"{length} tokens, {policy}" + (f", drop {drop}" if drop else ""))
-            for x, y, p in points:
-                ax.annotate(f"p={p:g}", (x, y), fontsize=7, xytext=(3, 3),
-                            textcoords="offset points")
+            ns = sorted({n for *_, n in points})
+            partial = ns[0] < full_n
+            n_text = f"n={ns[0]}" if len(ns) == 1 else f"n={ns[0]}-{ns[-1]}"
+            label = f"{policy}" + (f", drop {drop}" if drop else "") + (f" (partial, {n_text})" if partial else "")
+            xs, ys = zip(*sorted([(1.0, 0.0)] + [(x, y) for x, y, *_ in points]))  # the baseline in x order
+            line, = ax.plot(xs, ys, marker="o", linestyle="--" if partial else "-", label=label)
+            ax.errorbar([x for x, *_ in points], [y for _, y, *_ in points],
+                        yerr=[[y - lo for _, y, lo, *_ in points], [hi - y for _, y, _, hi, *_ in points]],
+                        fmt="none", ecolor=line.get_color(), alpha=0.35, capsize=2)
+            for x, y, _, _, p, _ in points:
+                ax.annotate(f"p={p:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
             plotted += 1
+        ax.set_title(f"{length} tokens" if length is not None else "no results")
+        ax.set_xlabel("TTFT speedup over baseline (x)")
+        ax.set_ylabel("score - baseline (points, 95% CI)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(lengths):]:
+        ax.set_visible(False)
     if not plotted:
-        ax.text(0.5, 0.5, "no scored method results (generation pending?)",
-                ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("TTFT speedup over baseline (x)")
-    ax.set_ylabel("score (points, average over tasks)")
-    ax.set_title("Accuracy vs prefill speedup")
-    ax.grid(alpha=0.3)
-    if plotted:
-        ax.legend(fontsize=8)
+        axes.flat[0].text(0.5, 0.5, "no scored method results (generation pending?)",
+                          ha="center", va="center", transform=axes.flat[0].transAxes)
+    fig.suptitle("Accuracy vs prefill speedup (paired with the baseline)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
