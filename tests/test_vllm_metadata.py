@@ -692,3 +692,58 @@ def test_backend_runs_graph_unaccelerated_with_reason():
     strict = VllmTokenDropBackend(config_from_compilation_config({"inductor_compile_config": {"uniprefill": {"strict": True}}}))
     with pytest.raises(RuntimeError, match="cannot rewrite this vLLM graph"):
         strict(gm, [torch.ones(3)])
+
+
+def _real_flash_metadata_class():
+    """A dataclass with exactly the fields of vLLM 0.26's FlashAttentionMetadata as the H200
+    dump recorded them (docs/results/vllm-dump-gemma-270m-h200.tar.gz)."""
+    import json
+    import tarfile
+    from pathlib import Path
+
+    dump = Path(__file__).resolve().parent.parent / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
+    with tarfile.open(dump) as tar:
+        call = json.load(tar.extractfile("vllm-dump/call-3.json"))
+    group = call["forward_context"]["attn_metadata"]["distinct"][0]
+    assert group["class"].endswith("FlashAttentionMetadata")
+    return dataclasses.make_dataclass("FlashAttentionMetadata", [(name, object) for name in group["fields"]])
+
+
+def test_install_layer_metadata_gives_each_later_layer_its_own_compacted_metadata():
+    from uniprefill.runtime.vllm_metadata import install_layer_metadata
+
+    Meta = _real_flash_metadata_class()
+    batch = make_batch([1, 300, 40], [12, 0, 0], (16, 16))  # two KV-cache groups, as Gemma-3 has six
+    kept, counts = random_drop(batch, {1, 2}, seed=3)
+    layout = batch.layout()
+    out = compact(layout, torch.tensor(kept), torch.tensor(counts))
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
+    group_of = {name: i % 2 for i, name in enumerate(names)}  # groups run across the depth
+    shared = []
+    for g in range(2):
+        fields = {f.name: None for f in dataclasses.fields(Meta)}
+        fields.update(layout.flash_attention_fields(g), block_table=layout.block_tables[g], use_cascade=False,
+                      causal=True, sliding_window=(511, 0) if g == 0 else None)
+        shared.append(Meta(**fields))
+    attn = {name: shared[group_of[name]] for name in names}
+    slots = {name: layout.slot_mappings[group_of[name]] for name in names}
+    before = dict(attn)
+    later = {name: group_of[name] for name in names[2:]}  # a drop after layer 1's attention
+    install_layer_metadata(attn, slots, later, out)
+    assert attn[names[0]] is before[names[0]] and attn[names[1]] is before[names[1]]
+    assert slots[names[0]] is layout.slot_mappings[0]
+    assert len({id(attn[n]) for n in names[2:]}) == 4  # one object per later layer
+    for name in names[2:]:
+        meta, g = attn[name], group_of[name]
+        assert meta.num_actual_tokens == len(kept) and meta.max_query_len == max(counts)
+        assert torch.equal(meta.query_start_loc, out.query_start_loc) and torch.equal(meta.seq_lens, out.seq_lens)
+        assert meta.slot_mapping is out.slot_mappings[g] and slots[name] is out.slot_mappings[g]
+        assert meta.block_table is layout.block_tables[g] and meta.sliding_window == ((511, 0) if g == 0 else None)
+    cascade = {"x": dataclasses.replace(shared[0], use_cascade=True)}
+    with pytest.raises(NotImplementedError, match="cascade"):
+        install_layer_metadata(cascade, {}, {"x": 0}, out)
+    planned = {"x": dataclasses.replace(shared[0], scheduler_metadata=torch.zeros(1))}
+    with pytest.raises(NotImplementedError, match="scheduler metadata"):
+        install_layer_metadata(planned, {}, {"x": 0}, out)
+    with pytest.raises(KeyError, match="no attention metadata"):
+        install_layer_metadata({}, {}, {"x": 0}, out)

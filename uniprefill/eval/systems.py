@@ -56,9 +56,10 @@ def baseline_spec(compiled: bool = False) -> SystemSpec:
 def uniprefill_spec(config: UniPrefillConfig) -> SystemSpec:
     drop = config.drop_layers if isinstance(config.drop_layers, str) else ",".join(
         map(str, config.drop_layers))
-    label = f"uniprefill p={config.p:g} {config.policy} drop={drop}"
-    if config.keep_ratio is not None:
-        label += f" keep={','.join(f'{r:g}' for r in config.keep_ratio)}"
+    if config.keep_ratio is None:
+        label = f"uniprefill p={config.p:g} {config.policy} drop={drop}"
+    else:  # forced retention: p plays no part
+        label = f"uniprefill keep={','.join(f'{r:g}' for r in config.keep_ratio)} {config.policy} drop={drop}"
     if config.window_positions != "original":
         label += f" window={config.window_positions}"
     return SystemSpec(f"uniprefill-{config.stable_hash()}", label, config, True)

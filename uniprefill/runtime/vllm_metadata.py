@@ -123,6 +123,48 @@ class TokenLayout:
             "_token_to_req_indices_cache": None,
         }
 
+    def flash_attention_fields(self, group: int = 0) -> dict:
+        """The fields of vLLM 0.26's `FlashAttentionMetadata` (the per-layer object that
+        `unified_attention_with_output` reads) this layout changes. The block table stays:
+        compacted rows are placed through the slots, not through a new table."""
+        return {
+            "num_actual_tokens": self.num_actual_tokens,
+            "max_query_len": self.max_query_len,
+            "query_start_loc": self.query_start_loc,
+            "max_seq_len": self.max_seq_len,
+            "seq_lens": self.seq_lens,
+            "slot_mapping": self.slot_mappings[group],
+        }
+
+
+def install_layer_metadata(attn_metadata: dict, slot_mapping: dict, layers: dict[str, int],
+                           layout: TokenLayout) -> None:
+    """Point the given layers of one vLLM forward context at `layout` (the layers after a drop).
+
+    attn_metadata, slot_mapping: the forward context's dicts keyed by layer name (vLLM shares
+        one metadata object among the layers of a KV-cache group; a group spans layers before
+        and after a drop, so each layer named here gets its own copy).
+    layers: layer name -> index of its KV-cache group in `layout`.
+    Metadata that a compacted batch cannot be described by (cascade attention, FA3's
+    ahead-of-time scheduler metadata, both computed for the uncompacted batch) raises.
+    """
+    import dataclasses
+
+    for name, group in layers.items():
+        if name not in attn_metadata:
+            raise KeyError(f"no attention metadata for layer {name!r} in this forward context")
+        meta = attn_metadata[name]
+        if getattr(meta, "use_cascade", False):
+            raise NotImplementedError(f"{name}: cascade attention (shared-prefix metadata) after a drop")
+        if getattr(meta, "scheduler_metadata", None) is not None:
+            raise NotImplementedError(f"{name}: FA3 scheduler metadata was planned for the uncompacted batch")
+        fields = layout.flash_attention_fields(group)
+        missing = sorted(set(fields) - {f.name for f in dataclasses.fields(meta)})
+        if missing:
+            raise TypeError(f"{name}: {type(meta).__name__} has no field(s) {missing}")
+        attn_metadata[name] = dataclasses.replace(meta, **fields)
+        slot_mapping[name] = fields["slot_mapping"]
+
 
 def batch_layout(
     query_start_loc: torch.Tensor,
