@@ -1,0 +1,234 @@
+"""The vLLM prefill rewrite on CPU, in a fake vLLM: paged KV caches written through slot
+mappings and attention read through block tables and `seq_lens`, driven by a forward context
+of per-layer metadata shaped like vLLM 0.26's (`FlashAttentionMetadata` field names), and a
+tiny token-major model traced by dynamo as vLLM's mode 2 traces its backbone.
+
+Reference: the same weights run in plain PyTorch, every request on its own, with the drop
+point keeping exactly the rows the rewritten graph kept: layers up to the drop layer's
+attention on all tokens, everything after on the kept tokens at their original positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+from uniprefill.config import UniPrefillConfig
+from uniprefill.passes.vllm_graph import analyze_vllm_graph
+from uniprefill.passes.vllm_rewrite import rewrite_vllm_graph
+from uniprefill.runtime.vllm_drop import VllmDropRuntime
+
+HEADS, DIM, HIDDEN, LAYERS, VOCAB, BLOCK = 2, 16, 32, 4, 64, 16
+WORLD = types.SimpleNamespace(context=None)  # the fake vLLM's forward context (tests only)
+
+
+@dataclasses.dataclass
+class FlashMeta:  # the fields of vLLM 0.26's FlashAttentionMetadata that attention reads
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    max_seq_len: int
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    use_cascade: bool = False
+    scheduler_metadata: object = None
+    causal: bool = True
+
+
+@torch.library.custom_op("uniprefill_fakevllm::unified_kv_cache_update", mutates_args=())
+def unified_kv_cache_update(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
+    ctx = WORLD.context
+    cache = ctx.kv_caches[layer_name]  # [2, slots, heads, dim]
+    slots = ctx.slot_mapping[layer_name]
+    cache[0, slots] = key
+    cache[1, slots] = value
+    return key.new_empty(0)
+
+
+@unified_kv_cache_update.register_fake
+def _(key, value, layer_name):
+    return key.new_empty(0)
+
+
+@torch.library.custom_op("uniprefill_fakevllm::unified_attention_with_output", mutates_args=("output",))
+def unified_attention_with_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  output: torch.Tensor, layer_name: str,
+                                  kv_cache_dummy_dep: torch.Tensor | None = None) -> None:
+    ctx = WORLD.context
+    meta = ctx.attn_metadata[layer_name]
+    cache = ctx.kv_caches[layer_name]
+    qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    assert meta.num_actual_tokens == query.shape[0] == qsl[-1], "metadata does not describe this batch"
+    for r, seq_len in enumerate(seq_lens):
+        rows = slice(qsl[r], qsl[r + 1])
+        n_q = qsl[r + 1] - qsl[r]
+        logical = torch.arange(seq_len)
+        slots = meta.block_table[r, logical // BLOCK].long() * BLOCK + logical % BLOCK
+        k, v = cache[0, slots], cache[1, slots]  # [seq_len, heads, dim]
+        scores = torch.einsum("qhd,khd->hqk", query[rows], k) * DIM ** -0.5
+        visible = logical[None, :] <= (seq_len - n_q + torch.arange(n_q))[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        output[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@unified_attention_with_output.register_fake
+def _(query, key, value, output, layer_name, kv_cache_dummy_dep=None):
+    return None
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A position-dependent rotation of pairs (stands in for RoPE: positions must stay original)."""
+    angle = positions[:, None, None].float() * 0.05
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], -1).flatten(-2)
+
+
+class TinyBackbone(nn.Module):
+    """Token-major decoder backbone, vLLM style: [s] ids and positions in, [s, hidden] out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.qkv = nn.ModuleList(nn.Linear(HIDDEN, 3 * HEADS * DIM, bias=False) for _ in range(LAYERS))
+        self.o = nn.ModuleList(nn.Linear(HEADS * DIM, HIDDEN, bias=False) for _ in range(LAYERS))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 64), nn.GELU(), nn.Linear(64, HIDDEN))
+                                 for _ in range(LAYERS))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for i in range(LAYERS):
+            name = f"model.layers.{i}.self_attn.attn"
+            q, k, v = self.qkv[i](x).view(-1, 3, HEADS, DIM).unbind(1)
+            q, k = rope(q, positions), rope(k, positions)
+            out = torch.empty((q.shape[0], HEADS, DIM))  # as vLLM's Attention.forward sizes its output
+            dep = torch.ops.uniprefill_fakevllm.unified_kv_cache_update(k, v, name)
+            torch.ops.uniprefill_fakevllm.unified_attention_with_output(q, k, v, out, name, kv_cache_dummy_dep=dep)
+            x = x + self.o[i](out.view(-1, HEADS * DIM))
+            x = x + self.mlp[i](x)
+        return x
+
+    def reference(self, ids: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
+        """One request alone; `kept[layer]` = rows kept right after that layer's attention."""
+        x, positions = self.embed(ids), torch.arange(ids.numel())
+        for i in range(LAYERS):
+            q, k, v = self.qkv[i](x).view(-1, 3, HEADS, DIM).unbind(1)
+            q, k = rope(q, positions), rope(k, positions)
+            scores = torch.einsum("qhd,khd->hqk", q, k) * DIM ** -0.5
+            causal = torch.ones(len(q), len(q), dtype=torch.bool).tril()
+            out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+            x = x + self.o[i](out.reshape(-1, HEADS * DIM))
+            if i in kept:
+                x, positions = x[kept[i]], positions[kept[i]]
+            x = x + self.mlp[i](x)
+        return x[-1]
+
+
+def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops) -> tuple:
+    """torch.compile(model) with a backend that rewrites the graph as the vLLM plugin does
+    (mode 2: dynamo hands over the whole backbone once, with a symbolic token count)."""
+    state = {}
+
+    def backend(gm, example_inputs):
+        info = analyze_vllm_graph(gm)
+        runtime = VllmDropRuntime(config, [site.layer_name for site in info.sites], drops,
+                                  context_fn=lambda: WORLD.context, block_size_fn=lambda name: BLOCK)
+        state.update(info=info, runtime=runtime,
+                     result=rewrite_vllm_graph(gm, info, drops, ["full"] * LAYERS, runtime))
+        return gm.forward
+
+    return torch.compile(model, backend=backend, dynamic=True, fullgraph=True), state
+
+
+def fake_context(query_lens: list[int], groups: int = 2):
+    """A prefill-only step: per KV-cache group (layers i, i + groups, ...) one block table,
+    one shared metadata object and one slot mapping; per layer its own paged cache."""
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    qsl = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    blocks_per_req = [-(-q // BLOCK) for q in query_lens]
+    metas, slots_of_group = [], []
+    for g in range(groups):
+        ids = torch.randperm(sum(blocks_per_req), generator=torch.Generator().manual_seed(g)) + 1  # 0 = null block
+        table = torch.zeros(len(query_lens), max(blocks_per_req), dtype=torch.int32)
+        start = 0
+        for r, n in enumerate(blocks_per_req):
+            table[r, :n] = ids[start:start + n]
+            start += n
+        slots = torch.cat([table[r, torch.arange(q) // BLOCK].long() * BLOCK + torch.arange(q) % BLOCK
+                           for r, q in enumerate(query_lens)])
+        seq_lens = torch.tensor(query_lens, dtype=torch.int32)
+        metas.append(FlashMeta(int(qsl[-1]), max(query_lens), qsl, max(query_lens), seq_lens, table, slots))
+        slots_of_group.append(slots)
+    num_slots = (sum(blocks_per_req) + 1) * BLOCK
+    return types.SimpleNamespace(
+        attn_metadata={n: metas[i % groups] for i, n in enumerate(names)},
+        slot_mapping={n: slots_of_group[i % groups] for i, n in enumerate(names)},
+        kv_caches={n: torch.zeros(2, num_slots, HEADS, DIM) for n in names},
+    )
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TinyBackbone().eval()
+
+
+@pytest.mark.parametrize("drops", [(1,), (1, 2)], ids=["one-drop", "two-drops"])
+def test_rewritten_graph_matches_the_reference_on_kept_tokens(model, drops):
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, drops)
+    query_lens = [300, 40, 170]  # the 40-token prompt is below min_tokens: it keeps every row
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        hidden = compiled(ids, positions)
+    torch._dynamo.reset()
+    info, runtime, result = state["info"], state["runtime"], state["result"]
+    assert info.layers == tuple(range(LAYERS))
+    assert result.drop_layers == drops and result.gathered >= 3 and result.sizes_replaced >= 1 and result.scattered == 1
+    layout = runtime.step.layout
+    assert hidden.shape == (sum(query_lens), HIDDEN)
+    counts = layout.query_lens_cpu.tolist()
+    assert counts[1] == 40 and counts[0] < 300 * 0.6 and counts[2] < 170 * 0.6
+    assert [p.layer for p in runtime.step.points] == list(drops)
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    with torch.no_grad():
+        for r, q in enumerate(query_lens):
+            kept, entering = {}, torch.arange(qsl[r], qsl[r + 1])  # rows of the original batch
+            for point in runtime.step.points:
+                keep = torch.nonzero(torch.isin(entering, point.source_rows)).flatten()
+                kept[point.layer], entering = keep, entering[keep]
+            assert entering[-1] == qsl[r + 1] - 1  # the last token is always kept
+            ref = model.reference(ids[qsl[r]:qsl[r + 1]], kept)
+            torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rewrite_refuses_what_it_cannot_do_yet(model):
+    """Sliding-window layers after a drop (their window over original positions and their KV
+    storage are open in vLLM) and drop layers that are not attention sites are refused."""
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16)
+    errors = []
+
+    def backend(gm, example_inputs):
+        info = analyze_vllm_graph(gm)
+        runtime = VllmDropRuntime(config, [s.layer_name for s in info.sites], (1,),
+                                  context_fn=lambda: WORLD.context, block_size_fn=lambda name: BLOCK)
+        for drops, kinds in (((1,), ["full", "full", "sliding", "full"]), ((7,), ["full"] * LAYERS)):
+            with pytest.raises((ValueError, KeyError)) as exc:
+                rewrite_vllm_graph(gm, info, drops, kinds, runtime)
+            errors.append(str(exc.value))
+        return gm.forward
+
+    WORLD.context = fake_context([64])
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=True, fullgraph=True)(
+            torch.zeros(64, dtype=torch.long), torch.arange(64))
+    torch._dynamo.reset()
+    assert "sliding-window layers [2]" in errors[0] and "no attention layer 7" in errors[1]

@@ -1,0 +1,179 @@
+"""The token-drop rewrite of a vLLM backbone graph (stage 2: prefill-only dropping).
+
+Input: the graph vLLM's mode 2 hands to `compilation_config.backend` (flat `[s, ...]`
+token-major values, `positions`, attention as `unified_kv_cache_update` +
+`unified_attention_with_output` per layer; `uniprefill.passes.vllm_graph` reads it). For each
+drop layer L, right after L's attention op the rewrite inserts
+
+    keep_L = runtime.drop(q_L, k_L, L)          # uniprefill.runtime.vllm_drop: select, compact, install metadata
+
+and then gathers, with `keep_L`, every token-aligned value that is used after that point (the
+residual stream, the attention output, `positions`: a value is token-aligned when its traced
+leading dimension is the graph's token symbol `s`); uses of `s` itself after the point
+(e.g. `torch.empty((s, heads * dim))` for the next attention output) become the kept count.
+Everything after L therefore runs on the kept rows, with the later layers' metadata pointing at
+the compacted batch. At the output, token-aligned results are scattered back to `s` rows (rows
+of dropped tokens are zero): vLLM reads logits at each request's last token, which is always
+kept. The rewritten graph runs eagerly (no Inductor), as vLLM's mode 2 with this backend does.
+
+Refused with a ValueError naming the reason (the backend then runs the graph unaccelerated):
+a drop layer that is not an attention site, a sliding-window layer after a drop point (its
+window and KV storage are the open problem of docs/vllm.md), a value used after a drop point
+whose token axis is not its first, or a symbolic size derived from `s` (other than `s`).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+from .vllm_graph import VllmGraphInfo
+
+
+@dataclass(frozen=True)
+class VllmRewriteResult:
+    drop_layers: tuple[int, ...]
+    gathered: int  # gather nodes inserted
+    sizes_replaced: int  # uses of the token count replaced by a kept count
+    scattered: int  # outputs scattered back to all rows
+
+
+def scatter_rows(value: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """`value` ([len(rows), ...]) placed at `rows` of a zero tensor of `num_rows` rows."""
+    out = value.new_zeros((num_rows, *value.shape[1:]))
+    return out.index_copy_(0, rows, value)
+
+
+def _example(node) -> object:
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def _token_symbols(gm: fx.GraphModule, info: VllmGraphInfo) -> set[str]:
+    """The symbols of the token count: dynamo gives `input_ids` and `positions` a symbol each
+    (s72 and s80 in the H200 dump), both the step's number of tokens."""
+    value = _example(info.positions)
+    if not isinstance(value, torch.Tensor) or value.dim() != 1:
+        raise ValueError("the positions placeholder has no 1-D example value: the token count is unknown")
+    symbols = {str(value.shape[0])}
+    for node in gm.graph.nodes:
+        ids = _example(node)
+        if node.op == "placeholder" and "input_ids" in node.name and isinstance(ids, torch.Tensor) and ids.dim() == 1:
+            symbols.add(str(ids.shape[0]))
+    return symbols
+
+
+def _is_token_count(value, symbols: set[str]) -> bool:
+    return isinstance(value, torch.SymInt) and str(value) in symbols
+
+
+def _depends_on_tokens(value, symbols: set[str]) -> bool:
+    text = str(value) if isinstance(value, torch.SymInt) else (
+        " ".join(map(str, value.shape)) if isinstance(value, torch.Tensor) else "")
+    return any(re.search(rf"\b{re.escape(s)}\b", text) for s in symbols)
+
+
+def _token_aligned(value, symbols: set[str]) -> bool:
+    return (isinstance(value, torch.Tensor) and value.dim() >= 1 and str(value.shape[0]) in symbols
+            and not any(_depends_on_tokens(size, symbols) for size in value.shape[1:] if isinstance(size, torch.SymInt)))
+
+
+def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Sequence[int],
+                       layer_kinds: Sequence[str], runtime) -> VllmRewriteResult:
+    """Rewrite `gm` in place (see the module docstring); `runtime` is a `VllmDropRuntime`."""
+    drop_layers = tuple(sorted(drop_layers))
+    if not drop_layers:
+        raise ValueError("no drop layers")
+    for layer in drop_layers:
+        info.site(layer)  # KeyError -> not an attention site
+    first = drop_layers[0]
+    sliding_after = [site.layer for site in info.sites if site.layer > first
+                     and site.layer < len(layer_kinds) and layer_kinds[site.layer] == "sliding"]
+    if sliding_after:
+        raise ValueError(f"sliding-window layers {sliding_after} run after drop layer {first}: their window over "
+                         "original positions is not supported in vLLM yet (docs/vllm.md)")
+    symbols = _token_symbols(gm, info)
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]):
+        begin = graph.call_function(runtime.begin_step, ())
+    with graph.inserting_after(begin):
+        num_tokens = graph.call_method("size", (info.positions, 0))
+    aligned: set[fx.Node] = set()  # nodes this rewrite made that are token-aligned (no example value)
+    counts: set[fx.Node] = set()  # nodes this rewrite made that hold the current token count
+    gathered = sizes = 0
+    keeps: list[fx.Node] = []
+    for layer in drop_layers:
+        site = info.site(layer)
+        with graph.inserting_after(site.attention):
+            keep = graph.call_function(runtime.drop, (site.query, site.key, layer))
+        keeps.append(keep)
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        point = order[keep]
+        with graph.inserting_after(keep):
+            kept_count = graph.call_method("size", (keep, 0))
+        counts.add(kept_count)
+        cursor = kept_count
+        for node in list(graph.nodes):
+            if order.get(node, point + 1) > point or node in (begin, num_tokens):
+                continue
+            later_users = [u for u in node.users if order.get(u, -1) > point or u.op == "output"]
+            later_users = [u for u in later_users if u not in (keep, kept_count)]
+            if not later_users:
+                continue
+            value = _example(node)
+            if node in aligned or _token_aligned(value, symbols):
+                with graph.inserting_after(cursor):
+                    replacement = graph.call_function(torch.index_select, (node, 0, keep))
+                cursor = replacement
+                aligned.add(replacement)
+                gathered += 1
+            elif node in counts or _is_token_count(value, symbols):
+                replacement = kept_count
+                sizes += 1
+            elif _depends_on_tokens(value, symbols):
+                raise ValueError(f"{node.name} ({value!r}) depends on the token count in a way the rewrite "
+                                 f"cannot follow, and is used after drop layer {layer}")
+            else:
+                continue
+            for user in later_users:
+                user.replace_input_with(node, replacement)
+    # the output: scatter token-aligned results back to all rows
+    output = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(output):
+        rows = keeps[0]
+        for keep in keeps[1:]:
+            rows = graph.call_function(operator.getitem, (rows, keep))
+    scattered = 0
+
+    def back(arg):
+        nonlocal scattered
+        if isinstance(arg, fx.Node) and (arg in aligned or _descends_from(arg, aligned)):
+            with graph.inserting_before(output):
+                scattered += 1
+                return graph.call_function(scatter_rows, (arg, rows, num_tokens))
+        return arg
+
+    output.args = map_aggregate(output.args, back)
+    graph.lint()
+    gm.recompile()
+    return VllmRewriteResult(drop_layers, gathered, sizes, scattered)
+
+
+def _descends_from(node: fx.Node, sources: set[fx.Node]) -> bool:
+    """Whether `node` is computed (transitively) from one of `sources` (graph order walk)."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current in sources:
+            return True
+        if current in seen or not isinstance(current, fx.Node):
+            continue
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return False

@@ -1,0 +1,199 @@
+"""The runtime side of a drop point inside a vLLM forward (stage 2: prefill-only dropping).
+
+`VllmDropRuntime.drop(q, k, layer)` is what the rewritten vLLM graph calls right after the
+attention of drop layer `layer` (`uniprefill.passes.vllm_rewrite`). For the step's batch it
+
+1. reads the batch from the forward context: `attn_metadata[name]` of the drop layer gives
+   `query_start_loc` / `seq_lens` (one device-to-host copy at the first drop point of the
+   step; later drop points reuse the host layout), the per-layer metadata objects give the
+   KV-cache groups (vLLM shares one object among a group's layers);
+2. picks the requests that may drop (`drop_eligibility`: the whole prompt in this step, no
+   cached context, at least `min_tokens`); decode tokens and other requests keep every row;
+3. scores the eligible requests' last-n queries against their keys and selects blocks
+   (`kernels.api.score_and_select`, one host sync for the kept counts);
+4. compacts the layout (`compact`) and points every LATER layer of the forward context at it
+   (`install_layer_metadata`: compacted `query_start_loc`, `seq_lens`, maxima, token count and
+   slot mappings, one metadata object per layer);
+5. returns the kept rows (indices into the rows entering the drop point), which the graph
+   uses to gather the residual stream, the attention output and `positions`.
+
+It never imports vLLM: the forward context comes from `context_fn` (in vLLM,
+`vllm.forward_context.get_forward_context`), and each layer's KV block size from
+`block_size_fn(layer_name)`. Per-step state (the current layout) lives in this object,
+which belongs to one compiled graph; `begin_step()` resets it (the graph calls it first).
+Sliding-window layers after a drop are not handled yet (docs/vllm.md, next steps 2): the
+rewrite refuses drop points with sliding layers after them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from uniprefill.config import UniPrefillConfig
+
+from .vllm_metadata import (
+    KVCacheGroup,
+    SkipReason,
+    TokenLayout,
+    batch_layout,
+    compact,
+    drop_eligibility,
+    install_layer_metadata,
+)
+
+
+@dataclass(frozen=True)
+class DropPointRecord:
+    layer: int
+    entering: list[int]  # rows per request entering the drop point
+    kept: list[int]  # rows per request kept
+    source_rows: torch.Tensor  # device int64: the kept rows as rows of the step's original batch
+
+
+@dataclass
+class StepDrops:
+    """What one forward's drop points did (for reports and the drop history)."""
+
+    layout: TokenLayout | None = None  # the layout the layers after the last drop point run on
+    reasons: torch.Tensor | None = None  # host [R] SkipReason per request
+    groups: dict[str, int] = field(default_factory=dict)  # layer name -> KV-cache group, as vLLM built them
+    points: list[DropPointRecord] = field(default_factory=list)
+
+
+class VllmDropRuntime:
+    """Drop points of one vLLM backbone graph (see the module docstring)."""
+
+    def __init__(self, config: UniPrefillConfig, layer_names: Sequence[str], drop_layers: Sequence[int],
+                 context_fn: Callable[[], Any], block_size_fn: Callable[[str], int], *,
+                 num_prompt_tokens_fn: Callable[[], torch.Tensor | None] | None = None,
+                 group=None) -> None:
+        """layer_names: attention layer names in graph order (index = position in the list).
+        drop_layers: the drop layers (indices into layer_names), in order.
+        num_prompt_tokens_fn: host [R] prompt lengths of the step's requests, or None when the
+            engine never splits a prompt (chunked prefill off): then a request with no cached
+            context is taken to hold its whole prompt.
+        group: the tensor-parallel process group (block scores are summed across it)."""
+        if config.policy != "cumulative":
+            raise NotImplementedError(f"policy {config.policy!r}: the vLLM runtime drops cumulatively only")
+        self.config = config
+        self.layer_names = list(layer_names)
+        self.drop_layers = list(drop_layers)
+        self.context_fn = context_fn
+        self.block_size_fn = block_size_fn
+        self.num_prompt_tokens_fn = num_prompt_tokens_fn or (lambda: None)
+        self.group = group
+        self.step = StepDrops()
+
+    def begin_step(self) -> None:
+        self.step = StepDrops()
+
+    # ------------------------------------------------------------------ the drop point
+    def drop(self, q: torch.Tensor, k: torch.Tensor, layer: int) -> torch.Tensor:
+        """Kept rows (int64, device) of the rows entering drop layer `layer` (see module docstring)."""
+        context = self.context_fn()
+        name = self.layer_names[layer]
+        if self.step.layout is None:
+            self.step.groups = self._groups(context)  # before any drop point splits them per layer
+            layout = self._base_layout(context, name)
+        else:
+            layout = self.step.layout
+        if self.step.reasons is None:
+            self.step.reasons = self._reasons(layout)
+        eligible = self.step.reasons == SkipReason.ELIGIBLE
+        if not bool(eligible.any()):
+            kept = torch.arange(layout.num_actual_tokens, device=q.device)
+            counts = layout.query_lens_cpu.clone()
+        else:
+            kept, counts = self._select(q, k, layout, eligible, self.drop_layers.index(layer))
+        out = compact(layout, kept, counts)
+        groups = self.step.groups
+        install_layer_metadata(context.attn_metadata, context.slot_mapping,
+                               {n: groups[n] for n in self.layer_names[layer + 1:] if n in groups}, out)
+        self.step.points.append(DropPointRecord(layer, layout.query_lens_cpu.tolist(), counts.tolist(),
+                                                out.source_index))
+        self.step.layout = out
+        return kept
+
+    def _groups(self, context) -> dict[str, int]:
+        """Layer name -> KV-cache group index: layers that share one metadata object."""
+        order: dict[int, int] = {}
+        out = {}
+        for name in self.layer_names:
+            meta = context.attn_metadata.get(name)
+            if meta is not None:
+                out[name] = order.setdefault(id(meta), len(order))
+        return out
+
+    def _base_layout(self, context, name: str) -> TokenLayout:
+        meta = context.attn_metadata[name]
+        host = torch.cat([meta.query_start_loc.long(), meta.seq_lens.long()]).cpu()  # the step's one D2H copy here
+        num_reqs = meta.seq_lens.numel()
+        qsl_cpu, seq_lens_cpu = host[:num_reqs + 1], host[num_reqs + 1:]
+        ctx = seq_lens_cpu - (qsl_cpu[1:] - qsl_cpu[:-1])
+        groups, seen = [], set()
+        for layer_name in self.layer_names:  # one representative layer per group, in group order
+            group_meta = context.attn_metadata.get(layer_name)
+            if group_meta is None or id(group_meta) in seen:
+                continue
+            seen.add(id(group_meta))
+            groups.append(KVCacheGroup(group_meta.block_table, self.block_size_fn(layer_name),
+                                       group_meta.slot_mapping))
+        return batch_layout(meta.query_start_loc, qsl_cpu, meta.seq_lens, ctx, groups)
+
+    def _reasons(self, layout: TokenLayout) -> torch.Tensor:
+        qlen, ctx = layout.query_lens_cpu, layout.num_computed_tokens_cpu
+        prompt = self.num_prompt_tokens_fn()
+        if prompt is None:  # no chunking: a request without context holds its whole prompt
+            prompt = torch.where(ctx == 0, qlen, ctx)
+        return drop_eligibility(qlen, ctx, prompt, self.config.effective_min_tokens)
+
+    def _select(self, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, eligible: torch.Tensor,
+                drop_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept rows and host counts per request: selected for the eligible requests, all rows
+        for the others. Index arithmetic on the host (vectorised), one gather of q and k."""
+        from uniprefill.kernels.api import score_and_select
+
+        cfg = self.config
+        device = q.device
+        qsl, qlen = layout.query_start_loc_cpu, layout.query_lens_cpu
+        chosen = torch.nonzero(eligible).flatten()
+        lens = qlen[chosen]
+        n_q = torch.clamp(lens, max=cfg.last_q)
+        ends = qsl[1:][chosen]
+        key_rows = _ranges(ends - lens, lens)
+        query_rows = _ranges(ends - n_q, n_q)
+        cu_k, cu_q = _offsets(lens), _offsets(n_q)
+        key_rows_d = key_rows.to(device, non_blocking=True)
+        selection = score_and_select(
+            q[query_rows.to(device, non_blocking=True)], k[key_rows_d],
+            cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(lens.max()),
+            scale=q.shape[-1] ** -0.5, block_size=cfg.block_size, p=cfg.p,
+            keep_ratio=cfg.keep_ratio_at(drop_index, len(self.drop_layers)),
+            sink=cfg.sink, last_q=cfg.last_q, min_tokens=cfg.effective_min_tokens, impl=cfg.impl,
+            host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()), group=self.group,
+        )
+        counts = qlen.clone()
+        counts[chosen] = torch.tensor(selection.kept_counts, dtype=counts.dtype)
+        kept = key_rows_d[selection.kept_idx]
+        others = torch.nonzero(~eligible).flatten()
+        if others.numel():
+            rest = _ranges(qsl[:-1][others], qlen[others]).to(device, non_blocking=True)
+            kept = torch.sort(torch.cat([kept, rest])).values  # requests' rows are disjoint ranges
+        return kept, counts
+
+
+def _offsets(lens: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lens.numel() + 1, dtype=torch.long)
+    torch.cumsum(lens, 0, out=out[1:])
+    return out
+
+
+def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Concatenated [start, start + len) ranges, host int64, without a Python loop."""
+    total = int(lens.sum())
+    shift = torch.repeat_interleave(starts - _offsets(lens)[:-1], lens, output_size=total)
+    return shift + torch.arange(total)
