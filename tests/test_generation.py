@@ -157,7 +157,7 @@ def test_cache_of_another_prompt_raises():
     model, fast, cache, tok = _prefill()
     other = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=_ids(1, 300, seed=5), cache=other, use_cache=True)
+        model(input_ids=_ids(1, 300, seed=5), past_key_values=other, use_cache=True)  # read by 5.17 and 5.24
         with pytest.raises(RuntimeError, match="does not belong"):
             fast(input_ids=tok, cache=other, use_cache=True)
 
