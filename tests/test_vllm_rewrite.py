@@ -138,7 +138,8 @@ def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops) -> tup
     def backend(gm, example_inputs):
         info = analyze_vllm_graph(gm)
         runtime = VllmDropRuntime(config, [site.layer_name for site in info.sites], drops,
-                                  context_fn=lambda: WORLD.context, block_size_fn=lambda name: BLOCK)
+                                  context_fn=lambda: WORLD.context, block_size_fn=lambda name: BLOCK,
+                                  request_ids_fn=lambda: WORLD.context.request_ids)
         state.update(info=info, runtime=runtime,
                      result=rewrite_vllm_graph(gm, info, drops, ["full"] * LAYERS, runtime))
         return gm.forward
@@ -146,13 +147,13 @@ def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops) -> tup
     return torch.compile(model, backend=backend, dynamic=True, fullgraph=True), state
 
 
-def fake_context(query_lens: list[int], groups: int = 2):
+def fake_context(query_lens: list[int], groups: int = 2, room: int = 8):
     """A prefill-only step: per KV-cache group (layers i, i + groups, ...) one block table,
-    one shared metadata object and one slot mapping; per layer its own paged cache."""
+    one shared metadata object and one slot mapping; per layer its own paged cache. Blocks
+    for `room` more tokens per request are allocated (decode steps)."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    qsl = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
-    blocks_per_req = [-(-q // BLOCK) for q in query_lens]
-    metas, slots_of_group = [], []
+    blocks_per_req = [-(-(q + room) // BLOCK) for q in query_lens]
+    tables = []
     for g in range(groups):
         ids = torch.randperm(sum(blocks_per_req), generator=torch.Generator().manual_seed(g)) + 1  # 0 = null block
         table = torch.zeros(len(query_lens), max(blocks_per_req), dtype=torch.int32)
@@ -160,17 +161,27 @@ def fake_context(query_lens: list[int], groups: int = 2):
         for r, n in enumerate(blocks_per_req):
             table[r, :n] = ids[start:start + n]
             start += n
-        slots = torch.cat([table[r, torch.arange(q) // BLOCK].long() * BLOCK + torch.arange(q) % BLOCK
-                           for r, q in enumerate(query_lens)])
-        seq_lens = torch.tensor(query_lens, dtype=torch.int32)
-        metas.append(FlashMeta(int(qsl[-1]), max(query_lens), qsl, max(query_lens), seq_lens, table, slots))
-        slots_of_group.append(slots)
+        tables.append(table)
     num_slots = (sum(blocks_per_req) + 1) * BLOCK
-    return types.SimpleNamespace(
-        attn_metadata={n: metas[i % groups] for i, n in enumerate(names)},
-        slot_mapping={n: slots_of_group[i % groups] for i, n in enumerate(names)},
-        kv_caches={n: torch.zeros(2, num_slots, HEADS, DIM) for n in names},
-    )
+    world = types.SimpleNamespace(names=names, tables=tables, groups=groups, request_ids=[f"req-{r}" for r in range(len(query_lens))],
+                                  kv_caches={n: torch.zeros(2, num_slots, HEADS, DIM) for n in names})
+    return step_context(world, [0] * len(query_lens), query_lens)
+
+
+def step_context(world, computed: list[int], query_lens: list[int]):
+    """vLLM's metadata for a step in which request r has `computed[r]` tokens cached and
+    `query_lens[r]` new ones (one shared object per group, slots by vLLM's formula)."""
+    qsl = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([c + q for c, q in zip(computed, query_lens)], dtype=torch.int32)
+    metas, slots_of_group = [], []
+    for table in world.tables:
+        logical = [torch.arange(c, c + q) for c, q in zip(computed, query_lens)]
+        slots = torch.cat([table[r, idx // BLOCK].long() * BLOCK + idx % BLOCK for r, idx in enumerate(logical)])
+        metas.append(FlashMeta(int(qsl[-1]), max(query_lens), qsl, int(seq_lens.max()), seq_lens, table, slots))
+        slots_of_group.append(slots)
+    world.attn_metadata = {n: metas[i % world.groups] for i, n in enumerate(world.names)}
+    world.slot_mapping = {n: slots_of_group[i % world.groups] for i, n in enumerate(world.names)}
+    return world
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +243,45 @@ def test_rewrite_refuses_what_it_cannot_do_yet(model):
             torch.zeros(64, dtype=torch.long), torch.arange(64))
     torch._dynamo.reset()
     assert "sliding-window layers [2]" in errors[0] and "no attention layer 7" in errors[1]
+
+
+
+@pytest.mark.parametrize("drops", [(1,), (1, 2)], ids=["one-drop", "two-drops"])
+def test_decode_after_a_dropped_prefill_sees_each_layers_kept_keys(model, drops):
+    """Prefill (two prompts drop, one is too short), then two decode steps of all three: each
+    new token's hidden state equals the reference in which every layer after a drop point
+    attends over the prompt tokens it kept plus the decoded ones."""
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, drops)
+    query_lens = [300, 40, 170]
+    torch.manual_seed(2)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    world = WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        compiled(ids, positions)
+    runtime = state["runtime"]
+    kept_sets = [[set((p.source_rows[(p.source_rows >= qsl[r]) & (p.source_rows < qsl[r + 1])] - qsl[r]).tolist())
+                  for p in runtime.step.points] for r in range(len(query_lens))]
+    assert len(runtime.store) == 2 and runtime.store.get("req-1") is None  # the short prompt did not drop
+    tokens = [ids[qsl[r]:qsl[r + 1]] for r in range(len(query_lens))]
+    for step in range(2):
+        new = torch.randint(0, VOCAB, (len(query_lens),))
+        computed = [q + step for q in query_lens]
+        WORLD.context = step_context(world, computed, [1] * len(query_lens))
+        with torch.no_grad():
+            hidden = compiled(new, torch.tensor(computed))
+        for r in range(len(query_lens)):
+            tokens[r] = torch.cat([tokens[r], new[r:r + 1]])
+            n = tokens[r].numel()
+            kept, entering = {}, torch.arange(n)
+            for layer, prompt_kept in zip(drops, kept_sets[r]):
+                keep_rows = torch.tensor(sorted(prompt_kept | set(range(query_lens[r], n))))
+                keep = torch.nonzero(torch.isin(entering, keep_rows)).flatten()
+                kept[layer], entering = keep, entering[keep]
+            with torch.no_grad():
+                ref = model.reference(tokens[r], kept)
+            torch.testing.assert_close(hidden[r], ref, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert runtime.free("req-0") and not runtime.free("req-1") and len(runtime.store) == 1

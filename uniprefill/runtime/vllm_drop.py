@@ -36,6 +36,7 @@ import torch
 from uniprefill.config import UniPrefillConfig
 
 from .vllm_metadata import (
+    DropHistoryStore,
     KVCacheGroup,
     SkipReason,
     TokenLayout,
@@ -61,7 +62,11 @@ class StepDrops:
     layout: TokenLayout | None = None  # the layout the layers after the last drop point run on
     reasons: torch.Tensor | None = None  # host [R] SkipReason per request
     groups: dict[str, int] = field(default_factory=dict)  # layer name -> KV-cache group, as vLLM built them
+    base: TokenLayout | None = None  # the batch as vLLM built it
+    request_ids: list[str] | None = None
+    history_rows: torch.Tensor | None = None  # host [R]: row in the drop-history store (0: none)
     points: list[DropPointRecord] = field(default_factory=list)
+    layouts: list[TokenLayout] = field(default_factory=list)  # after each drop point
 
 
 class VllmDropRuntime:
@@ -70,12 +75,18 @@ class VllmDropRuntime:
     def __init__(self, config: UniPrefillConfig, layer_names: Sequence[str], drop_layers: Sequence[int],
                  context_fn: Callable[[], Any], block_size_fn: Callable[[str], int], *,
                  num_prompt_tokens_fn: Callable[[], torch.Tensor | None] | None = None,
+                 request_ids_fn: Callable[[], Sequence[str]] | None = None,
                  group=None) -> None:
         """layer_names: attention layer names in graph order (index = position in the list).
         drop_layers: the drop layers (indices into layer_names), in order.
         num_prompt_tokens_fn: host [R] prompt lengths of the step's requests, or None when the
             engine never splits a prompt (chunked prefill off): then a request with no cached
             context is taken to hold its whole prompt.
+        request_ids_fn: the step's request ids, in batch order. With it, the requests that drop
+            get a drop history (`DropHistoryStore`, `free` it when a request finishes), and
+            their later steps (decode) see, at every layer after a drop point, only the KV
+            entries that layer holds. Without it nothing is remembered: only prefill-only
+            use (e.g. scoring) is correct.
         group: the tensor-parallel process group (block scores are summed across it)."""
         if config.policy != "cumulative":
             raise NotImplementedError(f"policy {config.policy!r}: the vLLM runtime drops cumulatively only")
@@ -85,7 +96,9 @@ class VllmDropRuntime:
         self.context_fn = context_fn
         self.block_size_fn = block_size_fn
         self.num_prompt_tokens_fn = num_prompt_tokens_fn or (lambda: None)
+        self.request_ids_fn = request_ids_fn
         self.group = group
+        self.store = DropHistoryStore(tuple(self.drop_layers), len(self.layer_names), "cumulative")
         self.step = StepDrops()
 
     def begin_step(self) -> None:
@@ -96,27 +109,40 @@ class VllmDropRuntime:
         """Kept rows (int64, device) of the rows entering drop layer `layer` (see module docstring)."""
         context = self.context_fn()
         name = self.layer_names[layer]
+        drop_index = self.drop_layers.index(layer)
         if self.step.layout is None:
             self.step.groups = self._groups(context)  # before any drop point splits them per layer
-            layout = self._base_layout(context, name)
+            layout = self.step.base = self._base_layout(context, name)
+            self.step.reasons = self._reasons(layout)
+            if self.request_ids_fn is not None:
+                self.step.request_ids = list(self.request_ids_fn())
+                self.step.history_rows = self.store.rows_for(self.step.request_ids)
         else:
             layout = self.step.layout
-        if self.step.reasons is None:
-            self.step.reasons = self._reasons(layout)
         eligible = self.step.reasons == SkipReason.ELIGIBLE
         if not bool(eligible.any()):
             kept = torch.arange(layout.num_actual_tokens, device=q.device)
             counts = layout.query_lens_cpu.clone()
         else:
-            kept, counts = self._select(q, k, layout, eligible, self.drop_layers.index(layer))
-        out = compact(layout, kept, counts)
+            kept, counts = self._select(q, k, layout, eligible, drop_index)
+        removed = None  # KV entries the layers after this drop point hold fewer than vLLM counts
+        if self.step.history_rows is not None:
+            removed = self.store.kv_removed(self.step.history_rows, drop_index + 1)
+        out = compact(layout, kept, counts, kv_removed_cpu=removed)
         groups = self.step.groups
         install_layer_metadata(context.attn_metadata, context.slot_mapping,
                                {n: groups[n] for n in self.layer_names[layer + 1:] if n in groups}, out)
         self.step.points.append(DropPointRecord(layer, layout.query_lens_cpu.tolist(), counts.tolist(),
                                                 out.source_index))
         self.step.layout = out
+        self.step.layouts.append(out)
+        if drop_index == len(self.drop_layers) - 1 and self.step.request_ids is not None and bool(eligible.any()):
+            self.store.record_step(self.step.request_ids, self.step.base, self.step.layouts, eligible)
         return kept
+
+    def free(self, request_id: str) -> bool:
+        """Forget a finished request's drop history (False if it had none)."""
+        return self.store.free(request_id)
 
     def _groups(self, context) -> dict[str, int]:
         """Layer name -> KV-cache group index: layers that share one metadata object."""
