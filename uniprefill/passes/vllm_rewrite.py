@@ -122,8 +122,7 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
         for node in list(graph.nodes):
             if order.get(node, point + 1) > point or node in (begin, num_tokens):
                 continue
-            later_users = [u for u in node.users if order.get(u, -1) > point or u.op == "output"]
-            later_users = [u for u in later_users if u not in (keep, kept_count)]
+            later_users = [u for u in node.users if order.get(u, -1) > point]  # nodes made here have no order
             if not later_users:
                 continue
             value = _example(node)
