@@ -285,3 +285,77 @@ def test_decode_after_a_dropped_prefill_sees_each_layers_kept_keys(model, drops)
             torch.testing.assert_close(hidden[r], ref, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
     assert runtime.free("req-0") and not runtime.free("req-1") and len(runtime.store) == 1
+
+
+def test_runner_hook_supplies_request_ids_and_frees_finished_requests():
+    from uniprefill import vllm_runner_hook as hook
+
+    class Runner:  # the two methods and the batch fields of vLLM 0.26's GPUModelRunner it wraps
+        def __init__(self):
+            self.input_batch = types.SimpleNamespace(req_ids=["a", "b"],
+                                                     num_prompt_tokens_cpu_tensor=torch.tensor([5, 7, 0, 0], dtype=torch.int32))
+
+        def _update_states(self, scheduler_output):
+            return "updated"
+
+        def _model_forward(self, input_ids=None, positions=None):
+            return hook.request_ids(), hook.num_prompt_tokens().tolist()
+
+    listeners = hook.FinishedListeners()
+    freed = []
+
+    class Listener:  # held weakly by the listeners, like a runtime
+        free = staticmethod(freed.append)
+
+    listener = Listener()
+    listeners.add(listener)
+    assert hook.install(Runner, listeners) and not hook.install(Runner, listeners)  # idempotent
+    runner = Runner()
+    assert runner._model_forward(input_ids=None) == (("a", "b"), [5, 7])
+    assert hook.current_step() is None  # only while the forward runs
+    with pytest.raises(RuntimeError, match="not wrapped"):
+        hook.request_ids()
+    assert runner._update_states(types.SimpleNamespace(finished_req_ids={"a"})) == "updated"
+    assert freed == ["a"]
+
+
+def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_reference(model, monkeypatch):
+    """VllmTokenDropBackend end to end in the fake vLLM, as vLLM would call it, with
+    UNIPREFILL_VLLM_DROP=1: the graph is rewritten, the prefill and a decode step match the
+    reference, and a finished request's history is freed through the hook's listeners."""
+    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+
+    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
+    listeners = hook.FinishedListeners()
+    hooks = VllmHooks(lambda: WORLD.context, lambda: WORLD.context.request_ids, lambda: None, listeners)
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    backend = VllmTokenDropBackend(config, layer_kinds=["full"] * LAYERS, block_size=BLOCK, hooks=hooks)
+    compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    query_lens = [200, 120]
+    torch.manual_seed(3)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    world = WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        hidden = compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
+    report, runtime = backend.graphs[0], backend.runtimes[0]
+    assert report.rewritten and report.drop_layers == (1,) and not report.reason
+    qsl = [0, query_lens[0], sum(query_lens)]
+    kept = [set((runtime.step.points[0].source_rows[(runtime.step.points[0].source_rows >= qsl[r])
+                                                    & (runtime.step.points[0].source_rows < qsl[r + 1])] - qsl[r]).tolist())
+            for r in range(2)]
+    new = torch.randint(0, VOCAB, (2,))
+    WORLD.context = step_context(world, query_lens, [1, 1])
+    with torch.no_grad():
+        step = compiled(new, torch.tensor(query_lens))
+    torch._dynamo.reset()
+    for r, q in enumerate(query_lens):
+        prompt = ids[qsl[r]:qsl[r + 1]]
+        with torch.no_grad():
+            ref_prefill = model.reference(prompt, {1: torch.tensor(sorted(kept[r]))})
+            ref_decode = model.reference(torch.cat([prompt, new[r:r + 1]]), {1: torch.tensor(sorted(kept[r] | {q}))})
+        torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref_prefill, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step[r], ref_decode, atol=1e-5, rtol=1e-5)
+    assert len(runtime.store) == 2
+    listeners.notify(["req-0"])
+    assert len(runtime.store) == 1 and runtime.store.get("req-0") is None

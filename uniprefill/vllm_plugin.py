@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import env
 from .config import UniPrefillConfig
 
 logger = logging.getLogger("uniprefill.vllm")
@@ -171,21 +172,50 @@ class VllmGraphReport:
     plan_error: str = ""  # why the layers or drop points could not be read, if so
 
 
+@dataclass(frozen=True)
+class VllmHooks:
+    """Where the experimental rewrite gets vLLM's per-step state (fakes in tests)."""
+
+    context_fn: Any  # () -> the forward context (attn_metadata, slot_mapping dicts by layer name)
+    request_ids_fn: Any  # () -> the step's request ids, batch order
+    num_prompt_tokens_fn: Any  # () -> host [R] prompt lengths
+    listeners: Any  # .add(runtime): runtime.free(request_id) for finished requests
+
+    @classmethod
+    def from_vllm(cls) -> "VllmHooks":
+        """vLLM 0.26's forward context, and its GPU model runner wrapped (`vllm_runner_hook`)."""
+        from vllm.forward_context import get_forward_context
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        from . import vllm_runner_hook as hook
+
+        hook.install(GPUModelRunner)
+        return cls(get_forward_context, hook.request_ids, hook.num_prompt_tokens, hook.LISTENERS)
+
+
 class VllmTokenDropBackend:
     """The dynamo backend vLLM calls with the whole backbone graph, bound to one config.
 
-    The vLLM graph adapter of the token-drop pass (flat `[num_tokens, hidden]` states,
-    attention ops identified by layer name, metadata from `uniprefill.runtime.vllm_metadata`)
-    is not built yet: every graph runs unaccelerated (plain FX, no Inductor) with the reason
-    logged and kept in `graphs`, or raises under `strict=True`. Never a wrong answer.
+    By default every graph runs unaccelerated (plain FX, no Inductor) with the reason logged
+    and kept in `graphs` (or raises under `strict=True`), and the report names the attention
+    layers and the drop points the config would use. With `UNIPREFILL_VLLM_DROP=1` the graph
+    is rewritten (`passes.vllm_rewrite`, `runtime.vllm_drop`, request ids from
+    `vllm_runner_hook`): tested on CPU in a fake vLLM only, refused with the reason for TP > 1
+    and for sliding-window layers after a drop point.
     """
 
     def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None,
-                 layer_kinds: list[str] | None = None) -> None:
+                 layer_kinds: list[str] | None = None, *, block_size: int | None = None,
+                 tensor_parallel: int = 1, hooks: Any = None) -> None:
+        """hooks: a `VllmHooks`, or a callable returning one (built when first needed)."""
         self.config = config
         self.check = check or VllmCheck()
         self.layer_kinds = layer_kinds  # "full" / "sliding" / "linear" per layer, from the model config
+        self.block_size = block_size  # vLLM's KV-cache block size (cache_config.block_size)
+        self.tensor_parallel = tensor_parallel
+        self._hooks = hooks if hooks is not None else VllmHooks.from_vllm
         self.graphs: list[VllmGraphReport] = []
+        self.runtimes: list = []  # one VllmDropRuntime per rewritten graph
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any, vllm_version: str | None = None,
@@ -199,19 +229,28 @@ class VllmTokenDropBackend:
         check.raise_if_errors()
         for note in check.notes:
             logger.info("uniprefill: %s", note)
-        return cls(config, check, _layer_kinds(vllm_config))
+        cache = _get(vllm_config, "cache_config")
+        parallel = _get(vllm_config, "parallel_config")
+        return cls(config, check, _layer_kinds(vllm_config), block_size=_get(cache, "block_size"),
+                   tensor_parallel=int(_get(parallel, "tensor_parallel_size", 1) or 1))
 
     def __call__(self, gm, example_inputs):
         names = [_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
         report = VllmGraphReport(
             rewritten=False,
-            reason="the vLLM graph adapter of the token-drop pass is not built yet (planned: docs/vllm.md)",
+            reason=("the vLLM rewrite is experimental and off: it is tested on CPU in a fake vLLM only "
+                    "(UNIPREFILL_VLLM_DROP=1 turns it on; docs/vllm.md)"),
             attention_ops=sum("unified_attention" in n for n in names),
             kv_cache_updates=sum("unified_kv_cache_update" in n for n in names),
             gdn_ops=sum("gdn_attention" in n for n in names),
             placeholders=sum(1 for n in gm.graph.nodes if n.op == "placeholder"),
         )
-        self._plan(gm, report)
+        info = self._plan(gm, report)
+        if info is not None and env.vllm_drop_enabled():
+            rewritten = self._rewrite(gm, info, report)
+            if rewritten is not None:
+                self.graphs.append(report)
+                return rewritten
         self.graphs.append(report)
         if self.config.strict:
             raise RuntimeError(f"uniprefill cannot rewrite this vLLM graph: {report.reason}")
@@ -222,7 +261,7 @@ class VllmTokenDropBackend:
         warnings.warn(message, stacklevel=2)
         return gm.forward
 
-    def _plan(self, gm, report: VllmGraphReport) -> None:
+    def _plan(self, gm, report: VllmGraphReport):
         """The attention layers of the graph and the drop points the config picks among them."""
         from .passes.classify import LayerInfo
         from .passes.drop_points import resolve_drop_layers
@@ -233,12 +272,43 @@ class VllmTokenDropBackend:
             report.layers = info.layers
             if self.layer_kinds is None:
                 report.plan_error = "the model config gave no layer kinds"
-                return
+                return None
             kinds = {i: LayerInfo(i, self.layer_kinds[i] if i < len(self.layer_kinds) else "other")
                      for i in info.layers}
             report.drop_layers = resolve_drop_layers(self.config.drop_layers, kinds)
+            return info
         except ValueError as exc:
             report.plan_error = str(exc)
+            return None
+
+    def _rewrite(self, gm, info, report: VllmGraphReport):
+        """The experimental vLLM rewrite (UNIPREFILL_VLLM_DROP=1); None, with the reason in the
+        report, where it cannot run."""
+        from .passes.vllm_rewrite import rewrite_vllm_graph
+        from .runtime.vllm_drop import VllmDropRuntime
+
+        if self.tensor_parallel != 1:
+            report.reason = f"tensor_parallel_size={self.tensor_parallel}: the vLLM rewrite is not validated beyond 1 yet"
+            return None
+        if not self.block_size or info.layers != tuple(range(len(info.layers))):
+            report.reason = "unknown KV block size, or attention layers that are not 0..L-1"
+            return None
+        hooks = self._hooks() if callable(self._hooks) else self._hooks
+        runtime = VllmDropRuntime(self.config, [site.layer_name for site in info.sites], report.drop_layers,
+                                  hooks.context_fn, lambda name: self.block_size,
+                                  num_prompt_tokens_fn=hooks.num_prompt_tokens_fn,
+                                  request_ids_fn=hooks.request_ids_fn)
+        try:
+            rewrite_vllm_graph(gm, info, report.drop_layers, self.layer_kinds, runtime)
+        except (ValueError, KeyError) as exc:
+            report.reason = f"the vLLM rewrite refused this graph: {exc}"
+            return None
+        hooks.listeners.add(runtime)
+        self.runtimes.append(runtime)
+        report.rewritten, report.reason = True, ""
+        logger.warning("uniprefill: EXPERIMENTAL token dropping inside vLLM at layers %s (UNIPREFILL_VLLM_DROP=1; "
+                       "not yet validated on a GPU)", list(report.drop_layers))
+        return gm.forward
 
 
 def _layer_kinds(vllm_config: Any) -> list[str] | None:

@@ -15,9 +15,10 @@ folder's real weights and tokenizer, and greedy texts (16 tokens) for TEXT_PROMP
 
 Channel. "Standard vLLM" is the default configuration (mode 3, CUDA graphs on). `--uniprefill`
 uses the channel of docs/vllm.md (mode 2, backend "uniprefill.vllm_plugin.vllm_backend");
-until the vLLM graph adapter exists the backend runs the graph unaccelerated and logs "running
-the vLLM graph unaccelerated" with the number of attention ops it saw: that line is the check
-that vLLM handed over the whole backbone graph. `--dump-graph` uses mode 2 with
+by default the backend runs the graph unaccelerated and logs "running the vLLM graph
+unaccelerated" with the number of attention ops it saw (the check that vLLM handed over the
+whole backbone graph); with UNIPREFILL_VLLM_DROP=1 in the environment it runs the experimental
+rewrite and logs "EXPERIMENTAL token dropping inside vLLM". `--dump-graph` uses mode 2 with
 scripts/gpu/vllm/dump_backend.py, which writes the graph and the forward context of its first
 calls into $UNIPREFILL_VLLM_DUMP_DIR (default /tmp/vllm-dump).
 
@@ -145,7 +146,7 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
         kwargs["compilation_config"] = {
             "mode": 2,
             "backend": "uniprefill.vllm_plugin.vllm_backend",
-            "inductor_compile_config": {"uniprefill": {"p": 0.99}},
+            "inductor_compile_config": {"uniprefill": json.loads(args.uniprefill_settings)},
         }
     elif args.dump_graph:
         kwargs["compilation_config"] = {"mode": 2, "backend": "dump_backend.backend"}
@@ -230,6 +231,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--eager", action="store_true", help="enforce_eager=True (no torch.compile, no CUDA graphs)")
     parser.add_argument("--uniprefill", action="store_true", help="the uniprefill channel (mode 2)")
+    parser.add_argument("--uniprefill-settings", default='{"p": 0.99}',
+                        help="JSON of the UniPrefillConfig fields under inductor_compile_config['uniprefill']; "
+                             "with UNIPREFILL_VLLM_DROP=1 in the environment the experimental rewrite runs")
     parser.add_argument("--dump-graph", action="store_true",
                         help="mode 2 with scripts/gpu/vllm/dump_backend.py (writes $UNIPREFILL_VLLM_DUMP_DIR)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)

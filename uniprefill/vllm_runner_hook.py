@@ -1,0 +1,102 @@
+"""Request identity for uniprefill inside vLLM: which request each batch row belongs to.
+
+vLLM 0.26's forward context has per-layer attention metadata but no request ids (the H200 dump,
+docs/vllm.md), and a drop history is per request. The model runner has them: while
+`GPUModelRunner._model_forward` runs, `self.input_batch.req_ids` lists the step's requests in
+batch order and `self.input_batch.num_prompt_tokens_cpu_tensor` their prompt lengths;
+`_update_states(scheduler_output)` sees `scheduler_output.finished_req_ids`. `install(cls)`
+wraps those two methods of a runner class (idempotent): the forward runs inside a
+`current_step()` context (a ContextVar, like vLLM's own forward context), and finished ids are
+handed to every registered `on_finished` listener (the runtimes free their histories).
+
+[read] in vLLM 0.26.0's source only: NOT yet run on the GPU, and private methods can change
+between vLLM versions; the plugin uses it only where `UNIPREFILL_VLLM_DROP=1` asks for the
+experimental vLLM rewrite (see `uniprefill.vllm_plugin`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+_STEP: contextvars.ContextVar[StepRequests | None] = contextvars.ContextVar("uniprefill_vllm_step", default=None)
+_MARK = "_uniprefill_wrapped"
+
+
+@dataclass(frozen=True)
+class StepRequests:
+    request_ids: tuple[str, ...]  # batch order
+    num_prompt_tokens: torch.Tensor  # host int64 [R]
+
+
+def current_step() -> StepRequests | None:
+    """The requests of the forward running now (None outside a wrapped runner's forward)."""
+    return _STEP.get()
+
+
+class FinishedListeners:
+    """Callbacks for finished request ids; held weakly, so a dropped runtime unregisters itself."""
+
+    def __init__(self) -> None:
+        self._listeners: weakref.WeakSet = weakref.WeakSet()
+
+    def add(self, listener) -> None:
+        """`listener.free(request_id)` is called for every finished request."""
+        self._listeners.add(listener)
+
+    def notify(self, request_ids) -> None:
+        for listener in list(self._listeners):
+            for request_id in request_ids:
+                listener.free(request_id)
+
+
+# Process-wide, like the runner class it wraps: the runtimes of this process's graphs.
+LISTENERS = FinishedListeners()
+
+
+def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
+    """Wrap `runner_cls._model_forward` and `_update_states`; False if already wrapped."""
+    if getattr(runner_cls._model_forward, _MARK, False):
+        return False
+    forward, update = runner_cls._model_forward, runner_cls._update_states
+
+    @functools.wraps(forward)
+    def _model_forward(self, *args, **kwargs):
+        batch = self.input_batch
+        ids = tuple(batch.req_ids)
+        step = StepRequests(ids, batch.num_prompt_tokens_cpu_tensor[:len(ids)].to(torch.long))
+        token = _STEP.set(step)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _STEP.reset(token)
+
+    @functools.wraps(update)
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        listeners.notify(tuple(getattr(scheduler_output, "finished_req_ids", ()) or ()))
+        return update(self, scheduler_output, *args, **kwargs)
+
+    for wrapped in (_model_forward, _update_states):
+        setattr(wrapped, _MARK, True)
+    runner_cls._model_forward = _model_forward
+    runner_cls._update_states = _update_states
+    return True
+
+
+def request_ids() -> tuple[str, ...]:
+    step = current_step()
+    if step is None:
+        raise RuntimeError("uniprefill: no request ids for this forward (vLLM's model runner is not wrapped)")
+    return step.request_ids
+
+
+def num_prompt_tokens() -> torch.Tensor:
+    step = current_step()
+    if step is None:
+        raise RuntimeError("uniprefill: no prompt lengths for this forward (vLLM's model runner is not wrapped)")
+    return step.num_prompt_tokens
+
