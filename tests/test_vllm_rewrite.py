@@ -359,3 +359,35 @@ def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_referen
     assert len(runtime.store) == 2
     listeners.notify(["req-0"])
     assert len(runtime.store) == 1 and runtime.store.get("req-0") is None
+
+
+class TokenAxisSecond(TinyBackbone):
+    """Carries a [1, s] value across the drop point: the rewrite cannot follow it."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        row = positions.float()[None, :]  # token axis second
+        return super().forward(input_ids, positions) + 0.0 * row.sum()
+
+
+def test_a_refusal_half_way_leaves_vllms_graph_intact(monkeypatch):
+    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+
+    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
+    model = TokenAxisSecond().eval()
+    hooks = VllmHooks(lambda: WORLD.context, lambda: WORLD.context.request_ids, lambda: None,
+                      hook.FinishedListeners())
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    backend = VllmTokenDropBackend(config, layer_kinds=["full"] * LAYERS, block_size=BLOCK, hooks=hooks)
+    query_lens = [200, 120]
+    ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad(), pytest.warns(UserWarning, match="unaccelerated"):
+        out = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)(ids, positions)
+    torch._dynamo.reset()
+    report = backend.graphs[0]
+    assert not report.rewritten and "refused" in report.reason and "depends on the token count" in report.reason
+    WORLD.context = fake_context(query_lens)  # fresh caches: the plain model, run directly
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(ids, positions), atol=1e-5, rtol=1e-5)

@@ -284,7 +284,8 @@ class VllmTokenDropBackend:
     def _rewrite(self, gm, info, report: VllmGraphReport):
         """The experimental vLLM rewrite (UNIPREFILL_VLLM_DROP=1); None, with the reason in the
         report, where it cannot run."""
-        from .passes.vllm_rewrite import rewrite_vllm_graph
+        from .passes.vllm_graph import analyze_vllm_graph
+        from .passes.vllm_rewrite import copy_graph_module, rewrite_vllm_graph
         from .runtime.vllm_drop import VllmDropRuntime
 
         if self.tensor_parallel != 1:
@@ -298,11 +299,13 @@ class VllmTokenDropBackend:
                                   hooks.context_fn, lambda name: self.block_size,
                                   num_prompt_tokens_fn=hooks.num_prompt_tokens_fn,
                                   request_ids_fn=hooks.request_ids_fn)
+        copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
-            rewrite_vllm_graph(gm, info, report.drop_layers, self.layer_kinds, runtime)
+            rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds, runtime)
         except (ValueError, KeyError) as exc:
             report.reason = f"the vLLM rewrite refused this graph: {exc}"
             return None
+        gm = copy
         hooks.listeners.add(runtime)
         self.runtimes.append(runtime)
         report.rewritten, report.reason = True, ""

@@ -44,6 +44,15 @@ class VllmRewriteResult:
     scattered: int  # outputs scattered back to all rows
 
 
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A GraphModule over a copy of `gm`'s graph (nodes and their meta) sharing its parameters,
+    so that a rewrite that fails half-way leaves `gm` as it was."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    return fx.GraphModule(gm, graph)
+
+
 def scatter_rows(value: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
     """`value` ([len(rows), ...]) placed at `rows` of a zero tensor of `num_rows` rows."""
     out = value.new_zeros((num_rows, *value.shape[1:]))
@@ -85,7 +94,10 @@ def _token_aligned(value, symbols: set[str]) -> bool:
 
 def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Sequence[int],
                        layer_kinds: Sequence[str], runtime) -> VllmRewriteResult:
-    """Rewrite `gm` in place (see the module docstring); `runtime` is a `VllmDropRuntime`."""
+    """Rewrite `gm` in place (see the module docstring); `runtime` is a `VllmDropRuntime`.
+
+    A ValueError can come after part of the graph was changed: rewrite a `copy_graph_module`
+    and keep the original for the unaccelerated path."""
     drop_layers = tuple(sorted(drop_layers))
     if not drop_layers:
         raise ValueError("no drop layers")
