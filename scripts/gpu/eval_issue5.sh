@@ -52,7 +52,8 @@ import gzip, json, sys
 source, target, retime = sys.argv[1], sys.argv[2], {int(x) for x in sys.argv[3].split(",") if x}
 with gzip.open(source, "rt") as f, gzip.open(target, "wt") as out:
     for line in f:
-        if line.strip() and not (retime and json.loads(line)["timed"] and json.loads(line)["length"] in retime):
+        record = json.loads(line) if line.strip() else None
+        if record is not None and not (record["timed"] and record["length"] in retime):
             out.write(line)
 PY
     SEED=/tmp/eval/seed.jsonl.gz

@@ -59,7 +59,6 @@ class DropPointRecord:
 class StepDrops:
     """What one forward's drop points did (for reports and the drop history)."""
 
-    layout: TokenLayout | None = None  # the layout the layers after the last drop point run on
     reasons: torch.Tensor | None = None  # host [R] SkipReason per request
     groups: dict[str, int] = field(default_factory=dict)  # layer name -> KV-cache group, as vLLM built them
     base: TokenLayout | None = None  # the batch as vLLM built it
@@ -67,6 +66,11 @@ class StepDrops:
     history_rows: torch.Tensor | None = None  # host [R]: row in the drop-history store (0: none)
     points: list[DropPointRecord] = field(default_factory=list)
     layouts: list[TokenLayout] = field(default_factory=list)  # after each drop point
+
+    @property
+    def layout(self) -> TokenLayout | None:
+        """The layout the layers after the last drop point run on (None before the first)."""
+        return self.layouts[-1] if self.layouts else None
 
 
 class VllmDropRuntime:
@@ -112,7 +116,7 @@ class VllmDropRuntime:
         drop_index = self.drop_layers.index(layer)
         if self.step.layout is None:
             self.step.groups = self._groups(context)  # before any drop point splits them per layer
-            layout = self.step.base = self._base_layout(context, name)
+            layout = self.step.base = self._base_layout(context, name, self.step.groups)
             self.step.reasons = self._reasons(layout)
             if self.request_ids_fn is not None:
                 self.step.request_ids = list(self.request_ids_fn())
@@ -134,7 +138,6 @@ class VllmDropRuntime:
                                {n: groups[n] for n in self.layer_names[layer + 1:] if n in groups}, out)
         self.step.points.append(DropPointRecord(layer, layout.query_lens_cpu.tolist(), counts.tolist(),
                                                 out.source_index))
-        self.step.layout = out
         self.step.layouts.append(out)
         if drop_index == len(self.drop_layers) - 1 and self.step.request_ids is not None and bool(eligible.any()):
             self.store.record_step(self.step.request_ids, self.step.base, self.step.layouts, eligible)
@@ -154,21 +157,22 @@ class VllmDropRuntime:
                 out[name] = order.setdefault(id(meta), len(order))
         return out
 
-    def _base_layout(self, context, name: str) -> TokenLayout:
+    def _base_layout(self, context, name: str, groups: dict[str, int]) -> TokenLayout:
         meta = context.attn_metadata[name]
         host = torch.cat([meta.query_start_loc.long(), meta.seq_lens.long()]).cpu()  # the step's one D2H copy here
         num_reqs = meta.seq_lens.numel()
         qsl_cpu, seq_lens_cpu = host[:num_reqs + 1], host[num_reqs + 1:]
         ctx = seq_lens_cpu - (qsl_cpu[1:] - qsl_cpu[:-1])
-        groups, seen = [], set()
-        for layer_name in self.layer_names:  # one representative layer per group, in group order
-            group_meta = context.attn_metadata.get(layer_name)
-            if group_meta is None or id(group_meta) in seen:
-                continue
-            seen.add(id(group_meta))
-            groups.append(KVCacheGroup(group_meta.block_table, self.block_size_fn(layer_name),
-                                       group_meta.slot_mapping))
-        return batch_layout(meta.query_start_loc, qsl_cpu, meta.seq_lens, ctx, groups)
+        first_layer = {}  # group -> its first layer, whose metadata stands for the group
+        for layer_name, group in groups.items():
+            first_layer.setdefault(group, layer_name)
+        kv_groups = []
+        for group in sorted(first_layer):
+            layer_name = first_layer[group]
+            group_meta = context.attn_metadata[layer_name]
+            kv_groups.append(KVCacheGroup(group_meta.block_table, self.block_size_fn(layer_name),
+                                          group_meta.slot_mapping))
+        return batch_layout(meta.query_start_loc, qsl_cpu, meta.seq_lens, ctx, kv_groups)
 
     def _reasons(self, layout: TokenLayout) -> torch.Tensor:
         qlen, ctx = layout.query_lens_cpu, layout.num_computed_tokens_cpu
