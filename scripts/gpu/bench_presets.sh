@@ -23,8 +23,9 @@ LENGTHS=${LENGTHS:-8k,32k,64k,128k}
 PER_LENGTH=${PER_LENGTH:-240}
 EXTRA=${EXTRA:-}  # more bench arguments, e.g. EXTRA="--num-layers 2 --device cpu" for a dry run
 OUT=/tmp/bench-out
-mkdir -p "$OUT" /tmp/pp && rm -rf /tmp/pp/uniprefill && cp -r uniprefill /tmp/pp/ && cp -r kernels /tmp/pp/uniprefill/kernels
-export PYTHONPATH=/tmp/pp PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+PP=/tmp/pp-bench  # its own copy: eval_issue5.sh replaces /tmp/pp, and both may run in one machine session
+mkdir -p "$OUT" "$PP" && rm -rf "$PP/uniprefill" && cp -r uniprefill "$PP/" && cp -r kernels "$PP/uniprefill/kernels"
+export PYTHONPATH=$PP PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 declare -A FIRST_DROP=([llama-3.1-8b]=7 [gemma-3-12b]=11 [qwen3-next-80b-a3b]=11)  # each preset's first "auto" drop layer
 for preset in $PRESETS; do
     for length in ${LENGTHS//,/ }; do  # one process per length: a timeout loses that length only
