@@ -193,3 +193,31 @@ def test_compare_systems_pairs_prompts_both_ran(tmp_path):
                          check=True).stdout
     # prompts 0 and 1 are paired (2 only A, 3 only B): A 100, B 50, B - A = -50
     assert "n=  2  A 100.0  B  50.0  B-A  -50.0" in out, out
+
+
+def test_presets_table_reads_what_bench_writes(tmp_path):
+    """benchmarks/presets_table.py on a real (tiny, CPU) `uniprefill bench --keep-ratio` run."""
+    import importlib.util
+    from pathlib import Path
+
+    from uniprefill.cli import main as cli
+
+    out = tmp_path / "bench-tiny-llama-512.json"
+    assert cli(["bench", "--model", "tiny-llama", "--device", "cpu", "--lengths", "512", "--keep-ratio", "0.5,0.25",
+                "--drop-layers", "0", "--measured-ideal", "--warmup", "0", "--repeats", "1", "--inputs", "random",
+                "--quiet", "--out", str(out)]) == 0
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "presets_table.py"
+    spec = importlib.util.spec_from_file_location("presets_table", path)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    rows = table.load_rows(tmp_path)
+    assert [r["keep"] for r in rows] == [0.5, 0.25]
+    for r in rows:
+        assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ms"])
+        assert r["ideal_measured"] > 0 and r["ideal_flops"] > 1 and r["drop_layers"] == [0]
+    text = table.markdown_table(rows)
+    assert text.count("\n") == 3 and "| tiny-llama | 0K | 0.5 |" in text  # header, rule, 2 rows
+    table.plot(rows, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    with pytest.raises(SystemExit, match="no bench"):
+        table.main([str(tmp_path / "empty")])

@@ -10,8 +10,12 @@
 # Gated DeltaNet runs transformers' PyTorch fallback here (no fla on the box): its baseline
 # is that fallback, and so is ours.
 #
+#   UNIPREFILL_GIT_COMMIT=<git rev-parse --short HEAD, here> \
 #   PRESETS="llama-3.1-8b gemma-3-12b qwen3-next-80b-a3b" LENGTHS=8k,32k,64k,128k \
 #       bash scripts/gpu/bench_presets.sh
+# (the box gets no .git: without UNIPREFILL_GIT_COMMIT the JSON files say git_commit null).
+# Measured 2026-12-01 (docs/benchmarks.md): Llama-3.1-8B 8K-128K in 7 min (128K 186 s);
+# Gemma-3-12B 8K 96 s, 32K 146 s, 128K > 240 s; Qwen3-Next (PyTorch fallbacks) 8K 136 s.
 # Writes /tmp/bench-out/bench-<preset>-<length>.json and .log, then packs them into
 # /tmp/bench-presets-<HHMM>.tar.gz (copy that to $OUT: at most 8 files come back per call).
 # Each (preset, length) is one process under `timeout $PER_LENGTH` (default 240 s; Llama-3.1-8B at 128K
