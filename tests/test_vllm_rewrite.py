@@ -21,7 +21,7 @@ from torch import nn
 from uniprefill.config import UniPrefillConfig
 from uniprefill.passes.vllm_graph import analyze_vllm_graph
 from uniprefill.passes.vllm_rewrite import rewrite_vllm_graph
-from uniprefill.runtime.vllm_drop import VllmDropRuntime
+from uniprefill.runtime.vllm_drop import VllmDropRuntime, WindowLayer
 
 HEADS, DIM, HIDDEN, LAYERS, VOCAB, BLOCK = 2, 16, 32, 4, 64, 16
 WORLD = types.SimpleNamespace(context=None)  # the fake vLLM's forward context (tests only)
@@ -68,11 +68,17 @@ def unified_attention_with_output(query: torch.Tensor, key: torch.Tensor, value:
     for r, seq_len in enumerate(seq_lens):
         rows = slice(qsl[r], qsl[r + 1])
         n_q = qsl[r + 1] - qsl[r]
-        logical = torch.arange(seq_len)
+        window = getattr(ctx, "windows", {}).get(layer_name, 0)
+        # FlashAttention's sliding window: the last `window` cache entries (it reads no others,
+        # so entries in blocks vLLM freed behind the window are never touched)
+        logical = torch.arange(max(0, seq_len - n_q - window + 1) if window else 0, seq_len)
         slots = meta.block_table[r, logical // BLOCK].long() * BLOCK + logical % BLOCK
-        k, v = cache[0, slots], cache[1, slots]  # [seq_len, heads, dim]
+        k, v = cache[0, slots], cache[1, slots]  # [entries, heads, dim]
         scores = torch.einsum("qhd,khd->hqk", query[rows], k) * DIM ** -0.5
-        visible = logical[None, :] <= (seq_len - n_q + torch.arange(n_q))[:, None]
+        own = (seq_len - n_q + torch.arange(n_q))[:, None]
+        visible = logical[None, :] <= own
+        if window:
+            visible &= logical[None, :] > own - window
         scores = scores.masked_fill(~visible, float("-inf"))
         output[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -114,14 +120,18 @@ class TinyBackbone(nn.Module):
             x = x + self.mlp[i](x)
         return x
 
-    def reference(self, ids: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
-        """One request alone; `kept[layer]` = rows kept right after that layer's attention."""
+    def reference(self, ids: torch.Tensor, kept: dict[int, torch.Tensor],
+                  windows: dict[int, int] | None = None) -> torch.Tensor:
+        """One request alone; `kept[layer]` = rows kept right after that layer's attention;
+        `windows[layer]`: a sliding window over ORIGINAL positions (the model's rule)."""
         x, positions = self.embed(ids), torch.arange(ids.numel())
         for i in range(LAYERS):
             q, k, v = self.qkv[i](x).view(-1, 3, HEADS, DIM).unbind(1)
             q, k = rope(q, positions), rope(k, positions)
             scores = torch.einsum("qhd,khd->hqk", q, k) * DIM ** -0.5
             causal = torch.ones(len(q), len(q), dtype=torch.bool).tril()
+            if windows and i in windows:
+                causal &= (positions[:, None] - positions[None, :]) < windows[i]
             out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
             x = x + self.o[i](out.reshape(-1, HEADS * DIM))
             if i in kept:
@@ -130,18 +140,29 @@ class TinyBackbone(nn.Module):
         return x[-1]
 
 
-def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops) -> tuple:
+def fake_window_layer(name: str) -> WindowLayer:
+    """The fake vLLM's cache of one layer as vLLM's FlashAttention views it: [blocks, B, H, D]."""
+    cache = WORLD.context.kv_caches[name]
+    return WindowLayer(cache[0].view(-1, BLOCK, HEADS, DIM), cache[1].view(-1, BLOCK, HEADS, DIM), DIM ** -0.5)
+
+
+def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, windows: dict[int, int] | None = None) -> tuple:
     """torch.compile(model) with a backend that rewrites the graph as the vLLM plugin does
     (mode 2: dynamo hands over the whole backbone once, with a symbolic token count)."""
     state = {}
+    windows = windows or {}
+    kinds = ["sliding" if i in windows else "full" for i in range(LAYERS)]
 
     def backend(gm, example_inputs):
         info = analyze_vllm_graph(gm)
-        runtime = VllmDropRuntime(config, [site.layer_name for site in info.sites], drops,
+        names = [site.layer_name for site in info.sites]
+        runtime = VllmDropRuntime(config, names, drops,
                                   context_fn=lambda: WORLD.context, block_size_fn=lambda name: BLOCK,
-                                  request_ids_fn=lambda: WORLD.context.request_ids)
+                                  request_ids_fn=lambda: WORLD.context.request_ids,
+                                  windows={names[i]: w for i, w in windows.items() if i > drops[0]},
+                                  window_layer_fn=fake_window_layer)
         state.update(info=info, runtime=runtime,
-                     result=rewrite_vllm_graph(gm, info, drops, ["full"] * LAYERS, runtime))
+                     result=rewrite_vllm_graph(gm, info, drops, kinds, runtime))
         return gm.forward
 
     return torch.compile(model, backend=backend, dynamic=True, fullgraph=True), state
@@ -164,7 +185,7 @@ def fake_context(query_lens: list[int], groups: int = 2, room: int = 8):
         tables.append(table)
     num_slots = (sum(blocks_per_req) + 1) * BLOCK
     world = types.SimpleNamespace(names=names, tables=tables, groups=groups, request_ids=[f"req-{r}" for r in range(len(query_lens))],
-                                  kv_caches={n: torch.zeros(2, num_slots, HEADS, DIM) for n in names})
+                                  kv_caches={n: torch.zeros(2, num_slots, HEADS, DIM) for n in names}, windows={})
     return step_context(world, [0] * len(query_lens), query_lens)
 
 
@@ -242,7 +263,7 @@ def test_rewrite_refuses_what_it_cannot_do_yet(model):
         torch.compile(model, backend=backend, dynamic=True, fullgraph=True)(
             torch.zeros(64, dtype=torch.long), torch.arange(64))
     torch._dynamo.reset()
-    assert "sliding-window layers [2]" in errors[0] and "no attention layer 7" in errors[1]
+    assert "sliding-window layers [2]" in errors[0] and "no window" in errors[0] and "no attention layer 7" in errors[1]
 
 
 
@@ -391,3 +412,141 @@ def test_a_refusal_half_way_leaves_vllms_graph_intact(monkeypatch):
     WORLD.context = fake_context(query_lens)  # fresh caches: the plain model, run directly
     with torch.no_grad():
         torch.testing.assert_close(out, model(ids, positions), atol=1e-5, rtol=1e-5)
+
+
+def free_blocks_behind_the_window(world, seq_lens: list[int], window: int, group: int = 0) -> int:
+    """What vLLM's sliding-window manager does after a step: blocks whose every entry lies more
+    than `window` entries behind the request's end may be freed and reused. Here they are
+    overwritten with NaN in every layer of the group, so reading one poisons the result."""
+    table, freed = world.tables[group], 0
+    for r, seq_len in enumerate(seq_lens):
+        for b in range(max(0, seq_len - window) // BLOCK):
+            slots = int(table[r, b]) * BLOCK + torch.arange(BLOCK)
+            for i, name in enumerate(world.names):
+                if i % world.groups == group:
+                    world.kv_caches[name][:, slots] = float("nan")
+            freed += 1
+    return freed
+
+
+def test_sliding_layers_after_a_drop_window_over_original_positions(model):
+    """Layers 0 and 2 slide (window 24, one KV-cache group), the drop is at layer 1: layer 2
+    runs `window_attention` over its right-aligned kept keys. Prefill, then vLLM frees the
+    blocks behind each window, then two decode steps: every request's hidden state equals the
+    reference whose sliding layers see the keys at original positions p - 24 < pos <= p."""
+    window = 24
+    windows = {0: window, 2: window}
+    config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, (1,), windows)
+    query_lens = [300, 40, 170]
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    world = WORLD.context = fake_context(query_lens)
+    world.windows = {world.names[i]: w for i, w in windows.items()}
+    with torch.no_grad():
+        hidden = compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
+    runtime, result = state["runtime"], state["result"]
+    assert result.windowed == 1 and set(runtime.step.window_rows) == {world.names[2]}
+    point = runtime.step.points[0]
+    kept = [set((point.source_rows[(point.source_rows >= qsl[r]) & (point.source_rows < qsl[r + 1])] - qsl[r]).tolist())
+            for r in range(3)]
+    assert len(kept[0]) < 0.5 * 300 and len(kept[1]) == 40
+    tokens = [ids[qsl[r]:qsl[r + 1]] for r in range(3)]
+    with torch.no_grad():
+        for r in range(3):
+            ref = model.reference(tokens[r], {1: torch.tensor(sorted(kept[r]))}, windows)
+            torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref, atol=1e-5, rtol=1e-5)
+    assert free_blocks_behind_the_window(world, query_lens, window) >= 20
+    for step in range(2):
+        new = torch.randint(0, VOCAB, (3,))
+        computed = [q + step for q in query_lens]
+        WORLD.context = step_context(world, computed, [1, 1, 1])
+        with torch.no_grad():
+            out = compiled(new, torch.tensor(computed))
+        for r in range(3):
+            tokens[r] = torch.cat([tokens[r], new[r:r + 1]])
+            keep = torch.tensor(sorted(kept[r] | set(range(query_lens[r], tokens[r].numel()))))
+            with torch.no_grad():
+                ref = model.reference(tokens[r], {1: keep}, windows)
+            torch.testing.assert_close(out[r], ref, atol=1e-5, rtol=1e-5)
+        free_blocks_behind_the_window(world, [c + 1 for c in computed], window)
+    torch._dynamo.reset()
+
+
+def test_a_window_over_cache_entries_would_differ(model):
+    """The check above has teeth: FlashAttention's window over cache entries (the released
+    code's rule) gives a different prefill result than the window over original positions."""
+    window, keep = 24, torch.tensor(sorted(set(range(0, 299, 4)) | {299}))
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        positions_rule = model.reference(ids, {1: keep}, {0: window, 2: window})
+        # a window of 24 ENTRIES after the drop reaches back 96 positions at this retention
+        entries_rule = model.reference(ids, {1: keep}, {0: window, 2: 4 * window})
+    assert not torch.allclose(positions_rule, entries_rule, atol=1e-3)
+
+
+def test_backend_drops_before_sliding_layers_with_the_models_window(model, monkeypatch):
+    """VllmTokenDropBackend with a sliding/full model config: the sliding layer after the drop
+    gets the config's window and the hooks' cache access; without a window it is refused."""
+    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+
+    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
+    window, kinds = 24, ["sliding", "full", "sliding", "full"]
+    config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    query_lens = [200, 120]
+    ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(7))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    hooks = VllmHooks(lambda: WORLD.context, lambda: WORLD.context.request_ids, lambda: None,
+                      hook.FinishedListeners(), fake_window_layer)
+    refused = VllmTokenDropBackend(config, layer_kinds=kinds, block_size=BLOCK, hooks=hooks)  # no window
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad(), pytest.warns(UserWarning, match="unaccelerated"):
+        torch.compile(model, backend=refused, dynamic=True, fullgraph=True)(ids, positions)
+    torch._dynamo.reset()
+    assert "no sliding_window" in refused.graphs[0].reason
+    backend = VllmTokenDropBackend(config, layer_kinds=kinds, block_size=BLOCK, hooks=hooks, sliding_window=window)
+    world = WORLD.context = fake_context(query_lens)
+    world.windows = {world.names[0]: window, world.names[2]: window}
+    with torch.no_grad():
+        hidden = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)(ids, positions)
+    torch._dynamo.reset()
+    runtime = backend.runtimes[0]
+    assert backend.graphs[0].rewritten and runtime.windows == {world.names[2]: window}
+    point, qsl = runtime.step.points[0], [0, query_lens[0], sum(query_lens)]
+    for r in range(2):
+        rows = point.source_rows[(point.source_rows >= qsl[r]) & (point.source_rows < qsl[r + 1])] - qsl[r]
+        assert rows.numel() < query_lens[r]
+        with torch.no_grad():
+            ref = model.reference(ids[qsl[r]:qsl[r + 1]], {1: rows}, {0: window, 2: window})
+        torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_vllm_window_layer_reads_flash_attentions_cache_layout(monkeypatch):
+    """The vLLM side of the window path, against a fake `vllm.forward_context`: K and V are the
+    halves of the (blocks, kv heads, block size, 2 x head size) cache; the window is read from
+    the layer's (left, 0) pair; a quantised cache or a bidirectional window is refused."""
+    import sys
+
+    from uniprefill.vllm_plugin import vllm_window_layer
+
+    kv = torch.randn(5, 2, BLOCK, 2 * DIM)
+    impl = types.SimpleNamespace(head_size=DIM, scale=0.25, sliding_window=(511, 0), logits_soft_cap=0.0,
+                                 kv_cache_dtype="auto")
+    layers = {"model.layers.2.self_attn.attn": types.SimpleNamespace(impl=impl, kv_cache=kv)}
+    fake = types.ModuleType("vllm.forward_context")
+    fake.get_forward_context = lambda: types.SimpleNamespace(no_compile_layers=layers)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.forward_context", fake)
+    got = vllm_window_layer("model.layers.2.self_attn.attn")
+    assert got.window == 512 and got.scale == 0.25 and got.softcap is None
+    assert got.key_cache.shape == (5, BLOCK, 2, DIM)
+    torch.testing.assert_close(got.key_cache[3, 7, 1], kv[3, 1, 7, :DIM])
+    torch.testing.assert_close(got.value_cache[3, 7, 1], kv[3, 1, 7, DIM:])
+    impl.sliding_window = (511, 511)
+    with pytest.raises(NotImplementedError, match="bidirectional"):
+        vllm_window_layer("model.layers.2.self_attn.attn")
+    impl.sliding_window, impl.kv_cache_dtype = (511, 0), "fp8"
+    with pytest.raises(NotImplementedError, match="quantised"):
+        vllm_window_layer("model.layers.2.self_attn.attn")

@@ -180,6 +180,7 @@ class VllmHooks:
     request_ids_fn: Any  # () -> the step's request ids, batch order
     num_prompt_tokens_fn: Any  # () -> host [R] prompt lengths
     listeners: Any  # .add(runtime): runtime.free(request_id) for finished requests
+    window_layer_fn: Any = None  # layer name -> runtime.vllm_drop.WindowLayer (sliding layers after a drop)
 
     @classmethod
     def from_vllm(cls) -> "VllmHooks":
@@ -190,7 +191,30 @@ class VllmHooks:
         from . import vllm_runner_hook as hook
 
         hook.install(GPUModelRunner)
-        return cls(get_forward_context, hook.request_ids, hook.num_prompt_tokens, hook.LISTENERS)
+        return cls(get_forward_context, hook.request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer)
+
+
+def vllm_window_layer(name: str):
+    """A vLLM 0.26 FlashAttention layer's paged cache, scale and window, for
+    `VllmDropRuntime.window_attention` ([read] in vLLM's flash_attn.py: the cache's logical
+    shape is (blocks, kv heads, block size, 2 x head size); K and V are its two halves)."""
+    from vllm.forward_context import get_forward_context
+
+    from .runtime.vllm_drop import WindowLayer
+
+    layer = get_forward_context().no_compile_layers[name]
+    impl = layer.impl
+    if getattr(impl, "kv_cache_dtype", "auto") != "auto":
+        raise NotImplementedError(f"{name}: a quantised KV cache ({impl.kv_cache_dtype}) after a drop point")
+    kv = layer.kv_cache
+    if isinstance(kv, (list, tuple)):  # one per virtual engine in older versions
+        kv = kv[0]
+    key_cache, value_cache = kv.transpose(1, 2).split(impl.head_size, dim=-1)
+    left, right = getattr(impl, "sliding_window", (-1, -1)) or (-1, -1)
+    if right not in (0, -1):
+        raise NotImplementedError(f"{name}: a bidirectional sliding window {impl.sliding_window}")
+    return WindowLayer(key_cache, value_cache, float(impl.scale), getattr(impl, "logits_soft_cap", None) or None,
+                       left + 1 if left >= 0 else None)
 
 
 class VllmTokenDropBackend:
@@ -200,19 +224,21 @@ class VllmTokenDropBackend:
     and kept in `graphs` (or raises under `strict=True`), and the report names the attention
     layers and the drop points the config would use. With `UNIPREFILL_VLLM_DROP=1` the graph
     is rewritten (`passes.vllm_rewrite`, `runtime.vllm_drop`, request ids from
-    `vllm_runner_hook`): tested on CPU in a fake vLLM only, refused with the reason for TP > 1
-    and for sliding-window layers after a drop point.
+    `vllm_runner_hook`; sliding-window layers after a drop through
+    `runtime.vllm_window`): tested on CPU in a fake vLLM only, refused with the reason for TP > 1.
     """
 
     def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None,
                  layer_kinds: list[str] | None = None, *, block_size: int | None = None,
-                 tensor_parallel: int = 1, hooks: Any = None) -> None:
-        """hooks: a `VllmHooks`, or a callable returning one (built when first needed)."""
+                 tensor_parallel: int = 1, hooks: Any = None, sliding_window: int | None = None) -> None:
+        """hooks: a `VllmHooks`, or a callable returning one (built when first needed).
+        sliding_window: the model's window (tokens) for its "sliding" layers."""
         self.config = config
         self.check = check or VllmCheck()
         self.layer_kinds = layer_kinds  # "full" / "sliding" / "linear" per layer, from the model config
         self.block_size = block_size  # vLLM's KV-cache block size (cache_config.block_size)
         self.tensor_parallel = tensor_parallel
+        self.sliding_window = sliding_window
         self._hooks = hooks if hooks is not None else VllmHooks.from_vllm
         self.graphs: list[VllmGraphReport] = []
         self.runtimes: list = []  # one VllmDropRuntime per rewritten graph
@@ -231,8 +257,11 @@ class VllmTokenDropBackend:
             logger.info("uniprefill: %s", note)
         cache = _get(vllm_config, "cache_config")
         parallel = _get(vllm_config, "parallel_config")
+        model_config = _get(vllm_config, "model_config")
+        hf_config = _get(model_config, "hf_text_config") or _get(model_config, "hf_config")
         return cls(config, check, _layer_kinds(vllm_config), block_size=_get(cache, "block_size"),
-                   tensor_parallel=int(_get(parallel, "tensor_parallel_size", 1) or 1))
+                   tensor_parallel=int(_get(parallel, "tensor_parallel_size", 1) or 1),
+                   sliding_window=_get(hf_config, "sliding_window"))
 
     def __call__(self, gm, example_inputs):
         names = [_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
@@ -294,11 +323,23 @@ class VllmTokenDropBackend:
         if not self.block_size or info.layers != tuple(range(len(info.layers))):
             report.reason = "unknown KV block size, or attention layers that are not 0..L-1"
             return None
+        first = min(report.drop_layers)
+        sliding = [site.layer_name for site in info.sites
+                   if site.layer > first and self.layer_kinds[site.layer] == "sliding"]
+        if sliding and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            report.reason = (f"sliding-window layers run after drop layer {first} but the model config gives no "
+                             f"sliding_window ({self.sliding_window!r})")
+            return None
         hooks = self._hooks() if callable(self._hooks) else self._hooks
+        if sliding and hooks.window_layer_fn is None:
+            report.reason = "sliding-window layers run after a drop point and the hooks give no window_layer_fn"
+            return None
         runtime = VllmDropRuntime(self.config, [site.layer_name for site in info.sites], report.drop_layers,
                                   hooks.context_fn, lambda name: self.block_size,
                                   num_prompt_tokens_fn=hooks.num_prompt_tokens_fn,
-                                  request_ids_fn=hooks.request_ids_fn)
+                                  request_ids_fn=hooks.request_ids_fn,
+                                  windows={name: self.sliding_window for name in sliding},
+                                  window_layer_fn=hooks.window_layer_fn)
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
             rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds, runtime)

@@ -16,9 +16,14 @@ the compacted batch. At the output, token-aligned results are scattered back to 
 of dropped tokens are zero): vLLM reads logits at each request's last token, which is always
 kept. The rewritten graph runs eagerly (no Inductor), as vLLM's mode 2 with this backend does.
 
+A sliding-window layer after a drop point keeps its KV-cache update (the runtime gave it
+right-aligned slots) and its attention becomes `runtime.window_attention(query, output, L)`:
+a window over ORIGINAL positions (`uniprefill.runtime.vllm_window`), not FlashAttention's
+window over cache entries.
+
 Refused with a ValueError naming the reason (the backend then runs the graph unaccelerated):
-a drop layer that is not an attention site, a sliding-window layer after a drop point (its
-window and KV storage are the open problem of docs/vllm.md), a value used after a drop point
+a drop layer that is not an attention site, a sliding-window layer after a drop point that
+the runtime has no window for, a value used after a drop point
 whose token axis is not its first, or a symbolic size derived from `s` (other than `s`).
 """
 
@@ -42,6 +47,7 @@ class VllmRewriteResult:
     gathered: int  # gather nodes inserted
     sizes_replaced: int  # uses of the token count replaced by a kept count
     scattered: int  # outputs scattered back to all rows
+    windowed: int = 0  # sliding-window attentions after a drop replaced by `runtime.window_attention`
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -104,11 +110,13 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     for layer in drop_layers:
         info.site(layer)  # KeyError -> not an attention site
     first = drop_layers[0]
-    sliding_after = [site.layer for site in info.sites if site.layer > first
+    sliding_after = [site for site in info.sites if site.layer > first
                      and site.layer < len(layer_kinds) and layer_kinds[site.layer] == "sliding"]
-    if sliding_after:
-        raise ValueError(f"sliding-window layers {sliding_after} run after drop layer {first}: their window over "
-                         "original positions is not supported in vLLM yet (docs/vllm.md)")
+    windows = getattr(runtime, "windows", {})
+    unknown = [site.layer for site in sliding_after if site.layer_name not in windows]
+    if unknown:
+        raise ValueError(f"sliding-window layers {unknown} run after drop layer {first} and the runtime has no "
+                         "window for them (their window over original positions needs one)")
     symbols = _token_symbols(gm, info)
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -154,6 +162,15 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
                 continue
             for user in later_users:
                 user.replace_input_with(node, replacement)
+    # sliding layers after a drop: a window over original positions instead of vLLM's attention
+    for site in sliding_after:
+        node = site.attention
+        dependency = node.kwargs.get("kv_cache_dummy_dep", site.kv_update)
+        with graph.inserting_before(node):
+            replacement = graph.call_function(runtime.window_attention, (node.args[0], node.args[3], site.layer),
+                                              {"dependency": dependency})
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
     # the output: scatter token-aligned results back to all rows
     output = next(n for n in graph.nodes if n.op == "output")
     with graph.inserting_before(output):
@@ -173,7 +190,7 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     output.args = map_aggregate(output.args, back)
     graph.lint()
     gm.recompile()
-    return VllmRewriteResult(drop_layers, gathered, sizes, scattered)
+    return VllmRewriteResult(drop_layers, gathered, sizes, scattered, len(sliding_after))
 
 
 def _descends_from(node: fx.Node, sources: set[fx.Node]) -> bool:

@@ -21,8 +21,9 @@ It never imports vLLM: the forward context comes from `context_fn` (in vLLM,
 `vllm.forward_context.get_forward_context`), and each layer's KV block size from
 `block_size_fn(layer_name)`. Per-step state (the current layout) lives in this object,
 which belongs to one compiled graph; `begin_step()` resets it (the graph calls it first).
-Sliding-window layers after a drop are not handled yet (docs/vllm.md, next steps 2): the
-rewrite refuses drop points with sliding layers after them.
+Sliding-window layers after a drop (`windows`): their KV is stored right-aligned and their
+attention runs `window_attention` (a window over ORIGINAL positions, `runtime.vllm_window`)
+instead of vLLM's FlashAttention, whose uniform window counts cache entries.
 """
 
 from __future__ import annotations
@@ -45,6 +46,28 @@ from .vllm_metadata import (
     drop_eligibility,
     install_layer_metadata,
 )
+from .vllm_window import paged_window_attention, row_logical, window_counts
+
+
+@dataclass(frozen=True)
+class WindowLayer:
+    """What `window_attention` needs of one vLLM sliding-window layer."""
+
+    key_cache: torch.Tensor  # [num_blocks, B, Hk, D] (a view of vLLM's FlashAttention cache)
+    value_cache: torch.Tensor
+    scale: float
+    softcap: float | None = None
+    window: int | None = None  # the layer's own window, when known: checked against the runtime's
+
+
+@dataclass(frozen=True)
+class WindowRows:
+    """A sliding layer's rows after a drop: request, own logical KV index and visible count."""
+
+    block_table: torch.Tensor
+    request: torch.Tensor
+    logical: torch.Tensor
+    count: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,8 @@ class StepDrops:
     history_rows: torch.Tensor | None = None  # host [R]: row in the drop-history store (0: none)
     points: list[DropPointRecord] = field(default_factory=list)
     layouts: list[TokenLayout] = field(default_factory=list)  # after each drop point
+    right_layouts: list[TokenLayout] = field(default_factory=list)  # the same, right-aligned (sliding layers)
+    window_rows: dict[str, WindowRows] = field(default_factory=dict)  # sliding layer name -> its rows
 
     @property
     def layout(self) -> TokenLayout | None:
@@ -80,7 +105,8 @@ class VllmDropRuntime:
                  context_fn: Callable[[], Any], block_size_fn: Callable[[str], int], *,
                  num_prompt_tokens_fn: Callable[[], torch.Tensor | None] | None = None,
                  request_ids_fn: Callable[[], Sequence[str]] | None = None,
-                 group=None) -> None:
+                 group=None, windows: dict[str, int] | None = None,
+                 window_layer_fn: Callable[[str], WindowLayer] | None = None) -> None:
         """layer_names: attention layer names in graph order (index = position in the list).
         drop_layers: the drop layers (indices into layer_names), in order.
         num_prompt_tokens_fn: host [R] prompt lengths of the step's requests, or None when the
@@ -91,7 +117,9 @@ class VllmDropRuntime:
             their later steps (decode) see, at every layer after a drop point, only the KV
             entries that layer holds. Without it nothing is remembered: only prefill-only
             use (e.g. scoring) is correct.
-        group: the tensor-parallel process group (block scores are summed across it)."""
+        group: the tensor-parallel process group (block scores are summed across it).
+        windows: sliding-window layer name -> window (tokens), for the sliding layers that run
+            after a drop point; `window_layer_fn(name)` gives each one's `WindowLayer`."""
         if config.policy != "cumulative":
             raise NotImplementedError(f"policy {config.policy!r}: the vLLM runtime drops cumulatively only")
         self.config = config
@@ -102,7 +130,12 @@ class VllmDropRuntime:
         self.num_prompt_tokens_fn = num_prompt_tokens_fn or (lambda: None)
         self.request_ids_fn = request_ids_fn
         self.group = group
-        self.store = DropHistoryStore(tuple(self.drop_layers), len(self.layer_names), "cumulative")
+        self.windows = dict(windows or {})
+        if self.windows and window_layer_fn is None:
+            raise ValueError("windows: sliding layers after a drop need window_layer_fn (their caches and scale)")
+        self.window_layer_fn = window_layer_fn
+        self.store = DropHistoryStore(tuple(self.drop_layers), len(self.layer_names), "cumulative",
+                                      max_window=max(self.windows.values(), default=0))
         self.step = StepDrops()
 
     def begin_step(self) -> None:
@@ -134,14 +167,56 @@ class VllmDropRuntime:
             removed = self.store.kv_removed(self.step.history_rows, drop_index + 1)
         out = compact(layout, kept, counts, kv_removed_cpu=removed)
         groups = self.step.groups
+        later = [n for n in self.layer_names[layer + 1:] if n in groups]
         install_layer_metadata(context.attn_metadata, context.slot_mapping,
-                               {n: groups[n] for n in self.layer_names[layer + 1:] if n in groups}, out)
+                               {n: groups[n] for n in later if n not in self.windows}, out)
+        sliding = [n for n in later if n in self.windows]
+        if sliding:
+            self._install_windows(context, kept, counts, eligible, layer, sliding)
         self.step.points.append(DropPointRecord(layer, layout.query_lens_cpu.tolist(), counts.tolist(),
                                                 out.source_index))
         self.step.layouts.append(out)
         if drop_index == len(self.drop_layers) - 1 and self.step.request_ids is not None and bool(eligible.any()):
             self.store.record_step(self.step.request_ids, self.step.base, self.step.layouts, eligible)
         return kept
+
+    def _install_windows(self, context, kept: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor,
+                         layer: int, names: list[str]) -> None:
+        """Right-aligned layout, slot mappings and visible counts of the sliding layers after `layer`."""
+        entering = self.step.right_layouts[-1] if self.step.right_layouts else self.step.base
+        right = compact(entering, kept, counts, align="right")
+        self.step.right_layouts.append(right)
+        groups = self.step.groups
+        install_layer_metadata(context.attn_metadata, context.slot_mapping, {n: groups[n] for n in names}, right)
+        request, logical = row_logical(right)
+        by_window = {}
+        for name in names:
+            window = self.windows[name]
+            if window not in by_window:
+                by_window[window] = window_counts(right, window, eligible, self.store, self.step.history_rows, layer + 1)
+            self.step.window_rows[name] = WindowRows(right.block_tables[groups[name]], request, logical,
+                                                     by_window[window])
+
+    def window_attention(self, query: torch.Tensor, output: torch.Tensor, layer: int,
+                         dependency: torch.Tensor | None = None) -> None:
+        """What the rewritten graph runs instead of vLLM's attention for a sliding layer after a
+        drop point: the window over original positions, from the paged cache (which the layer's
+        KV update has just written, at the right-aligned slots). Writes `output`."""
+        del dependency  # orders this call after the layer's KV-cache update
+        name = self.layer_names[layer]
+        rows = self.step.window_rows.get(name)
+        if rows is None:
+            raise RuntimeError(f"{name}: no window rows for this step (is it after a drop point?)")
+        cache = self.window_layer_fn(name)
+        if cache.window is not None and cache.window != self.windows[name]:
+            raise RuntimeError(f"{name}: the layer's sliding window is {cache.window}, the rewrite assumed "
+                               f"{self.windows[name]}")
+        tokens = rows.request.numel()
+        dim = cache.key_cache.shape[-1]
+        result = paged_window_attention(query[:tokens].reshape(tokens, -1, dim), cache.key_cache, cache.value_cache,
+                                        rows.block_table, rows.request, rows.logical, rows.count,
+                                        window=self.windows[name], scale=cache.scale, softcap=cache.softcap)
+        output[:tokens].copy_(result.reshape(output[:tokens].shape))
 
     def free(self, request_id: str) -> bool:
         """Forget a finished request's drop history (False if it had none)."""

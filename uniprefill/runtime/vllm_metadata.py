@@ -66,7 +66,7 @@ class TokenLayout:
     seq_lens: torch.Tensor  # [R] int32, device: KV entries per request once this step is written
     seq_lens_cpu: torch.Tensor  # [R] int64, host
     num_computed_tokens_cpu: torch.Tensor  # [R] int64, host: vLLM's context count (ctx_r)
-    kv_removed_cpu: torch.Tensor  # [R] int64, host: see the module docstring
+    kv_removed_cpu: torch.Tensor  # [R] int64, host: see the module docstring (negative: a right-aligned gap)
     block_tables: tuple[torch.Tensor, ...]  # per KV-cache group, [R, max_blocks]
     block_sizes: tuple[int, ...]
     slot_mappings: tuple[torch.Tensor, ...]  # per KV-cache group, [T] int64
@@ -233,6 +233,7 @@ def compact(
     kept_counts_cpu: torch.Tensor | None,
     *,
     kv_removed_cpu: torch.Tensor | None = None,
+    align: Literal["left", "right"] = "left",
     validate: Validate = "shapes",
 ) -> TokenLayout:
     """The layout of the layers after a drop point that keeps rows `kept` of `layout`.
@@ -243,6 +244,12 @@ def compact(
     kv_removed_cpu: host int [R], KV entries these layers hold fewer than vLLM counts for each
         request because of EARLIER steps' drops (from `DropHistoryStore.kv_removed`); default:
         the input layout's.
+    align: "left" (full-attention layers) puts request r's kept rows at logical indices
+        `ctx_r - kv_removed_r + i`; "right" (sliding-window layers, `runtime.vllm_window`) puts
+        them at the END of the span the entering rows had, `kv_base_r + (entering_r - kept_r) + i`,
+        and records the gap as a negative `kv_removed` (kv_base grows by it): the last kept row
+        keeps its logical index, and later decode tokens need no shift. `kv_removed_cpu` must
+        be None with "right".
     Requests whose rows are all kept (decode tokens, requests not eligible to drop) pass
     through: their rows, positions and, with kv_removed 0, slots are unchanged.
     """
@@ -261,10 +268,17 @@ def compact(
             raise ValueError(f"kept: expected a 1-D tensor of sum(kept_counts_cpu) = {int(counts.sum())} "
                              f"indices, got shape {tuple(kept.shape)}")
         _check_counts(counts, query_lens)
-    removed = layout.kv_removed_cpu if kv_removed_cpu is None else _host_int("kv_removed_cpu", kv_removed_cpu, 1)
-    _check_shape("kv_removed_cpu", removed, (num_reqs,))
     ctx = layout.num_computed_tokens_cpu
-    if ((removed < 0) | (removed > ctx)).any():
+    if align == "right":
+        if kv_removed_cpu is not None:
+            raise ValueError("kv_removed_cpu: right-aligned layouts shift nothing for earlier steps; pass None")
+        removed = layout.kv_removed_cpu - (query_lens - counts)  # a gap before the kept rows
+    elif align == "left":
+        removed = layout.kv_removed_cpu if kv_removed_cpu is None else _host_int("kv_removed_cpu", kv_removed_cpu, 1)
+    else:
+        raise ValueError(f"align={align!r} is not one of ('left', 'right')")
+    _check_shape("kv_removed_cpu", removed, (num_reqs,))
+    if align == "left" and ((removed < 0) | (removed > ctx)).any():
         raise ValueError(f"kv_removed_cpu must lie in [0, num_computed_tokens]; got {removed.tolist()} "
                          f"for num_computed_tokens {ctx.tolist()}")
     if kept is not None and validate == "full":
@@ -539,6 +553,10 @@ class DropHistoryStore:
         self._tail[row] = _ABSENT
         self._free_rows.append(row)
         return True
+
+    def has_history(self, rows: torch.Tensor) -> torch.Tensor:
+        """Host bool [R]: whether each store row holds a history (row 0 never does)."""
+        return self._has[rows.long()]
 
     def rows_for(self, request_ids: Sequence[str]) -> torch.Tensor:
         """Store row of each request (0 without history): one dict lookup per request."""

@@ -9,6 +9,9 @@
 #            the dump folder is packed into $OUT/vllm-dump.tar.gz                     ~1.5 min (cap 240 s)
 #   llama4   4-layer Llama-shaped dummy through the uniprefill channel (mode 2)      ~1.5 min (cap 240 s)
 #   llama4drop  the same with UNIPREFILL_VLLM_DROP=1: the experimental rewrite (drop at layer 1)  ~1.5 min
+#   gemmadrop  Gemma-3-270M through the uniprefill channel with UNIPREFILL_VLLM_DROP=1: drops at
+#            the "auto" layers (5, 11), sliding layers after them on the window over original
+#            positions (runtime.vllm_window); greedy texts to compare with the gemma step's  ~2 min
 #   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput
 #            8192,16384,32000 x 1,4,16                                                ~5 min  (cap 540 s)
 # A step that fails is logged and the next one runs. --budget (default 560 s from the start of
@@ -28,7 +31,7 @@ steps=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --budget) budget="$2"; shift 2 ;;
-    api|gemma|dump|llama4|llama4drop|llama8b) steps+=("$1"); shift ;;
+    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b) steps+=("$1"); shift ;;
     all) steps+=(api gemma dump llama4 llama8b); shift ;;
     *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama8b all; --budget S)" >&2; exit 2 ;;
   esac
@@ -99,6 +102,12 @@ for step in "${steps[@]}"; do
         --max-model-len 4096 --prompt-words 1000 \
         --uniprefill-settings '{"drop_layers": [1], "keep_ratio": 0.5, "min_tokens": 64}' \
         --out "$OUT/smoke-uniprefill-4l-drop.json"
+      unset UNIPREFILL_VLLM_DROP ;;
+    gemmadrop)
+      export UNIPREFILL_VLLM_DROP=1
+      run gemma-drop 300 $SMOKE --model-dir "$GEMMA_DIR" --uniprefill "${SHARED[@]}" --kv-cache-gib 4 \
+        --max-model-len 32768 --uniprefill-settings '{"p": 0.99, "min_tokens": 256}' \
+        --out "$OUT/gemma-vllm-drop.json"
       unset UNIPREFILL_VLLM_DROP ;;
     llama4)
       run llama4-uniprefill 240 $SMOKE --layers 4 --uniprefill "${SHARED[@]}" --kv-cache-gib 2 --max-model-len 4096 \

@@ -1,0 +1,117 @@
+"""Sliding windows over ORIGINAL positions after a drop, in vLLM's paged layout (CPU):
+right-aligned storage (`compact(..., align="right")`), the visible-entry counts and the
+paged attention, each against a brute force written from the rule 0 <= pos_q - pos_k < W."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from uniprefill.runtime.vllm_metadata import DropHistoryStore, DropRecord, RequestDropHistory, compact
+from uniprefill.runtime.vllm_window import paged_window_attention, row_logical, window_counts
+from tests.test_vllm_metadata import make_batch, random_drop
+
+DROPS, LAYERS = (1, 3), 6
+
+
+def test_right_aligned_rows_end_where_the_prompt_ends_and_compose():
+    # request 0 drops (no context), request 1 is a decode token, request 2 a short prefill that keeps everything
+    batch = make_batch([200, 1, 30], [0, 57, 0], block_sizes=(16, 32))
+    layout = batch.layout()
+    kept, counts = random_drop(batch, droppers={0}, seed=1)
+    right = compact(layout, torch.tensor(kept), torch.tensor(counts), align="right", validate="full")
+    _, logical = row_logical(right)
+    k0 = counts[0]
+    assert logical[:k0].tolist() == list(range(200 - k0, 200))  # right-aligned: the last kept row stays at 199
+    assert logical[k0:].tolist() == [57] + list(range(30))  # the others are where vLLM put them
+    assert right.positions.tolist() == layout.positions[torch.tensor(kept)].tolist()
+    for g, (table, block) in enumerate(zip(right.block_tables, right.block_sizes)):
+        req = torch.repeat_interleave(torch.arange(3), torch.tensor(counts))
+        expected = table[req, logical // block].long() * block + logical % block
+        assert torch.equal(right.slot_mappings[g], expected)
+    assert right.seq_lens_cpu.tolist() == [200, 58, 30]  # vLLM's own counts: blocks stay allocated
+    # a second drop point composes: still ending at the prompt's end
+    sub = list(range(0, k0, 2))
+    if sub[-1] != k0 - 1:
+        sub.append(k0 - 1)
+    again = compact(right, torch.tensor(sub + list(range(k0, right.num_actual_tokens))),
+                    torch.tensor([len(sub), 1, 30]), align="right")
+    _, logical2 = row_logical(again)
+    assert logical2[:len(sub)].tolist() == list(range(200 - len(sub), 200))
+    with pytest.raises(ValueError, match="kv_removed_cpu"):
+        compact(layout, torch.tensor(kept), torch.tensor(counts), align="right", kv_removed_cpu=torch.zeros(3))
+    with pytest.raises(ValueError, match="align"):
+        compact(layout, torch.tensor(kept), torch.tensor(counts), align="middle")
+
+
+def _history(request_id, prompt_len, seed):
+    gen = torch.Generator().manual_seed(seed)
+    drops, pool = [], torch.arange(prompt_len)
+    for layer in DROPS:
+        body = pool[:-1][torch.randperm(pool.numel() - 1, generator=gen)[: pool.numel() // 3]].sort().values
+        pool = torch.cat([body, pool[-1:]])
+        drops.append(DropRecord(layer, pool.numel(), pool.clone()))
+    return RequestDropHistory(request_id, 0, prompt_len, tuple(drops))
+
+
+@pytest.mark.parametrize("window", [1, 8, 40])
+def test_window_counts_match_the_position_rule(window):
+    """A step mixing a dropping prefill, a decode with a drop history, a decode without one and
+    a chunked prefill with context: each row's count = keys of its layer within the window."""
+    store = DropHistoryStore(DROPS, LAYERS, max_window=64)
+    hist = _history("h", 150, seed=3)
+    row_h = store.add(hist)
+    query_lens, ctx = [120, 1, 1, 20], [0, 150 + 4, 90, 64]  # "h" decodes its 5th token
+    batch = make_batch(query_lens, ctx)
+    kept, counts = random_drop(batch, droppers={0}, seed=5, keep=0.3)
+    right = compact(batch.layout(), torch.tensor(kept), torch.tensor(counts), align="right")
+    dropping = torch.tensor([True, False, False, False])
+    history_rows = torch.tensor([0, row_h, 0, 0])
+    layer = 2  # holds drop 0's kept tokens
+    got = window_counts(right, window, dropping, store, history_rows, layer).tolist()
+    positions = right.positions.tolist()
+    qsl = right.query_start_loc_cpu.tolist()
+    expected = []
+    for r in range(4):
+        rows = positions[qsl[r]:qsl[r + 1]]
+        for i, p in enumerate(rows):
+            if r == 0:
+                keys = rows[: i + 1]  # the kept rows of this step
+            elif r == 1:
+                keys = hist.key_positions(layer, 5).tolist()
+            else:
+                keys = list(range(p + 1))  # one entry per position
+            expected.append(sum(1 for k in keys if 0 <= p - k < window))
+    assert got == expected
+    assert max(got) <= window
+
+
+def test_paged_window_attention_matches_a_dense_reference():
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block, num_blocks, window = 4, 2, 8, 16, 40, 24
+    key_cache = torch.randn(num_blocks, block, kv_heads, dim)
+    value_cache = torch.randn(num_blocks, block, kv_heads, dim)
+    table = torch.randperm(num_blocks - 1)[:30].view(3, 10).int() + 1
+    rows = 50
+    request = torch.randint(0, 3, (rows,))
+    logical = torch.randint(0, 160, (rows,))
+    count = torch.minimum(torch.randint(1, window + 1, (rows,)), logical + 1)
+    query = torch.randn(rows, heads, dim)
+    scale, softcap = dim ** -0.5, 5.0
+    for cap in (None, softcap):
+        for budget in (1 << 26, 3 * window * kv_heads * dim):  # one chunk, and chunks of 3 rows
+            out = paged_window_attention(query, key_cache, value_cache, table, request, logical, count,
+                                         window=window, scale=scale, softcap=cap, max_elements=budget)
+            for t in range(rows):
+                idx = torch.arange(int(logical[t]) - int(count[t]) + 1, int(logical[t]) + 1)
+                blocks = table[request[t], idx // block].long()
+                k, v = key_cache[blocks, idx % block], value_cache[blocks, idx % block]  # [n, Hk, D]
+                k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+                s = torch.einsum("hd,nhd->hn", query[t], k) * scale
+                if cap:
+                    s = cap * torch.tanh(s / cap)
+                ref = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
+                torch.testing.assert_close(out[t], ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_window_attention(torch.randn(2, 3, dim), key_cache, value_cache, table, request[:2], logical[:2],
+                               count[:2], window=window, scale=scale)
