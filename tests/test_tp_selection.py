@@ -71,3 +71,67 @@ def test_ranks_with_head_shards_keep_the_same_blocks_as_one_process(tmp_path):
 def test_block_scores_must_be_float32_to_be_reduced():
     with pytest.raises(ValueError, match="float32"):
         api.reduce_block_scores(torch.zeros(4, dtype=torch.bfloat16), group=None)
+
+
+_RUNTIME_WORKER = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[6])  # the repository root: the fake vLLM of tests/test_vllm_rewrite.py
+from tests.test_vllm_rewrite import BLOCK, fake_context
+from uniprefill.config import UniPrefillConfig
+from uniprefill.runtime.vllm_drop import VllmDropRuntime
+rank, world, init_file, out_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+q, k, query_lens, hq_all, hk_all = torch.load(sys.argv[5])
+group = None
+if world > 1:
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=world)
+    group = dist.group.WORLD
+hq, hk = hq_all // world, hk_all // world
+context = fake_context(query_lens)
+config = UniPrefillConfig(p=0.9, block_size=BLOCK, last_q=32, sink=32, min_tokens=64, impl="torch")
+runtime = VllmDropRuntime(config, context.names, (1,), lambda: context, lambda name: BLOCK, group=group)
+runtime.begin_step()
+kept = runtime.drop(q[:, rank * hq:(rank + 1) * hq], k[:, rank * hk:(rank + 1) * hk], 1)
+layout = runtime.step.layout
+torch.save((kept, layout.query_start_loc_cpu, layout.slot_mappings, layout.positions), out_file)
+if group is not None:
+    dist.destroy_process_group()
+"""
+
+
+def test_vllm_runtime_ranks_compact_the_same_rows(tmp_path):
+    """`VllmDropRuntime.drop` under tensor parallelism (two gloo ranks, half of the heads each,
+    `group=` the TP group): both ranks keep the same rows and build the same compacted layout
+    (slots, positions, query_start_loc) as one process holding every head."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    query_lens = [300, 40, 170]
+    gen = torch.Generator().manual_seed(1)
+    total = sum(query_lens)
+    k = torch.randn(total, HK, D, generator=gen)
+    direction = torch.randn(HK, D, generator=gen)
+    # each KV head favours its own blocks, so the two ranks' halves of the heads disagree
+    blocks = torch.randn((total + BLOCK - 1) // BLOCK, HK, generator=gen).repeat_interleave(BLOCK, 0)[:total]
+    k += 2.0 * blocks[:, :, None] * direction
+    q = torch.randn(total, HQ, D, generator=gen) + direction.repeat_interleave(HQ // HK, 0)
+    torch.save((q, k, query_lens, HQ, HK), tmp_path / "inputs.pt")
+    (tmp_path / "worker.py").write_text(_RUNTIME_WORKER)
+
+    def run(world):
+        procs = [subprocess.Popen([sys.executable, "-P", str(tmp_path / "worker.py"), str(rank), str(world),
+                                   str(tmp_path / f"init{world}"), str(tmp_path / f"out{world}-{rank}.pt"),
+                                   str(tmp_path / "inputs.pt"), str(root)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in range(world)]
+        for proc in procs:
+            output, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, output[-2000:]
+        return [torch.load(tmp_path / f"out{world}-{rank}.pt") for rank in range(world)]
+
+    (whole,) = run(1)
+    ranks = run(2)
+    counts = (whole[1][1:] - whole[1][:-1]).tolist()
+    assert counts[1] == 40 and counts[0] < 300 and counts[2] < 170, "two requests must drop, one keeps all"
+    for kept, qsl, slots, positions in ranks:
+        assert torch.equal(kept, whole[0]) and torch.equal(qsl, whole[1]) and torch.equal(positions, whole[3])
+        assert all(torch.equal(a, b) for a, b in zip(slots, whole[2]))

@@ -550,3 +550,47 @@ def test_vllm_window_layer_reads_flash_attentions_cache_layout(monkeypatch):
     impl.sliding_window, impl.kv_cache_dtype = (511, 0), "fp8"
     with pytest.raises(NotImplementedError, match="quantised"):
         vllm_window_layer("model.layers.2.self_attn.attn")
+
+
+def test_backend_under_tensor_parallelism_sums_scores_over_the_tp_group(model, monkeypatch, tmp_path):
+    """TP > 1: refused without a way to reach the TP group; with one (here a one-rank gloo
+    group standing in for vLLM's) the runtime selects through it and matches the reference."""
+    import torch.distributed as dist
+
+    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+
+    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
+    config = UniPrefillConfig(p=0.9, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    query_lens = [200, 120]
+    ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(8))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    plain = VllmHooks(lambda: WORLD.context, lambda: WORLD.context.request_ids, lambda: None, hook.FinishedListeners())
+    refused = VllmTokenDropBackend(config, layer_kinds=["full"] * LAYERS, block_size=BLOCK, hooks=plain,
+                                   tensor_parallel=2)
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad(), pytest.warns(UserWarning, match="unaccelerated"):
+        torch.compile(model, backend=refused, dynamic=True, fullgraph=True)(ids, positions)
+    torch._dynamo.reset()
+    assert "tp_group_fn" in refused.graphs[0].reason
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        calls = []
+        hooks = dataclasses.replace(plain, tp_group_fn=lambda: calls.append(1) or dist.group.WORLD)
+        backend = VllmTokenDropBackend(config, layer_kinds=["full"] * LAYERS, block_size=BLOCK, hooks=hooks,
+                                       tensor_parallel=2)
+        WORLD.context = fake_context(query_lens)
+        with torch.no_grad():
+            hidden = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)(ids, positions)
+        torch._dynamo.reset()
+    finally:
+        dist.destroy_process_group()
+    runtime = backend.runtimes[0]
+    assert backend.graphs[0].rewritten and calls == [1] and runtime.group is not None
+    assert sum(runtime.step.points[0].kept) < sum(query_lens), "the case must drop tokens"
+    point, qsl = runtime.step.points[0], [0, query_lens[0], sum(query_lens)]
+    for r in range(2):
+        rows = point.source_rows[(point.source_rows >= qsl[r]) & (point.source_rows < qsl[r + 1])] - qsl[r]
+        with torch.no_grad():
+            ref = model.reference(ids[qsl[r]:qsl[r + 1]], {1: rows})
+        torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref, atol=1e-5, rtol=1e-5)

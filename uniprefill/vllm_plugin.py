@@ -146,7 +146,8 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
     if _get(vllm_config, "speculative_config") is not None:
         check.errors.append("speculative decoding is not supported yet")
     if (_get(parallel, "tensor_parallel_size", 1) or 1) > 1:
-        check.notes.append("tensor_parallel_size > 1: the rank-consistent selection is planned, not yet verified")
+        check.notes.append("tensor_parallel_size > 1: block scores are summed across the TP group (rank-consistent "
+                           "selection, tested with gloo ranks on CPU; not yet run on GPUs)")
     if _get(_get(vllm_config, "cache_config"), "enable_prefix_caching", False):
         check.notes.append("prefix caching: requests with cached context run unaccelerated")
     if _get(_get(vllm_config, "scheduler_config"), "enable_chunked_prefill", False):
@@ -181,6 +182,7 @@ class VllmHooks:
     num_prompt_tokens_fn: Any  # () -> host [R] prompt lengths
     listeners: Any  # .add(runtime): runtime.free(request_id) for finished requests
     window_layer_fn: Any = None  # layer name -> runtime.vllm_drop.WindowLayer (sliding layers after a drop)
+    tp_group_fn: Any = None  # () -> the tensor-parallel process group (block scores are summed across it)
 
     @classmethod
     def from_vllm(cls) -> "VllmHooks":
@@ -191,7 +193,15 @@ class VllmHooks:
         from . import vllm_runner_hook as hook
 
         hook.install(GPUModelRunner)
-        return cls(get_forward_context, hook.request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer)
+        return cls(get_forward_context, hook.request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer,
+                   vllm_tp_group)
+
+
+def vllm_tp_group():
+    """vLLM's tensor-parallel device group ([read] vllm.distributed.parallel_state, 0.26)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().device_group
 
 
 def vllm_window_layer(name: str):
@@ -225,7 +235,8 @@ class VllmTokenDropBackend:
     layers and the drop points the config would use. With `UNIPREFILL_VLLM_DROP=1` the graph
     is rewritten (`passes.vllm_rewrite`, `runtime.vllm_drop`, request ids from
     `vllm_runner_hook`; sliding-window layers after a drop through
-    `runtime.vllm_window`): tested on CPU in a fake vLLM only, refused with the reason for TP > 1.
+    `runtime.vllm_window`; under TP > 1 the block scores are summed across vLLM's TP group, so
+    every rank keeps the same rows): tested on CPU in a fake vLLM and with gloo ranks only.
     """
 
     def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None,
@@ -317,9 +328,6 @@ class VllmTokenDropBackend:
         from .passes.vllm_rewrite import copy_graph_module, rewrite_vllm_graph
         from .runtime.vllm_drop import VllmDropRuntime
 
-        if self.tensor_parallel != 1:
-            report.reason = f"tensor_parallel_size={self.tensor_parallel}: the vLLM rewrite is not validated beyond 1 yet"
-            return None
         if not self.block_size or info.layers != tuple(range(len(info.layers))):
             report.reason = "unknown KV block size, or attention layers that are not 0..L-1"
             return None
@@ -334,12 +342,18 @@ class VllmTokenDropBackend:
         if sliding and hooks.window_layer_fn is None:
             report.reason = "sliding-window layers run after a drop point and the hooks give no window_layer_fn"
             return None
+        group = None
+        if self.tensor_parallel != 1:
+            if hooks.tp_group_fn is None:
+                report.reason = f"tensor_parallel_size={self.tensor_parallel} and the hooks give no tp_group_fn"
+                return None
+            group = hooks.tp_group_fn()  # every rank sums the head-sharded block scores: one decision
         runtime = VllmDropRuntime(self.config, [site.layer_name for site in info.sites], report.drop_layers,
                                   hooks.context_fn, lambda name: self.block_size,
                                   num_prompt_tokens_fn=hooks.num_prompt_tokens_fn,
                                   request_ids_fn=hooks.request_ids_fn,
                                   windows={name: self.sliding_window for name in sliding},
-                                  window_layer_fn=hooks.window_layer_fn)
+                                  window_layer_fn=hooks.window_layer_fn, group=group)
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
             rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds, runtime)
