@@ -86,11 +86,16 @@ def test_window_counts_match_the_position_rule(window):
     assert max(got) <= window
 
 
-def test_paged_window_attention_matches_a_dense_reference():
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_paged_window_attention_matches_a_dense_reference(impl):
+    """The reference (one chunk and chunks of 3 rows) and the Triton kernel (CPU interpreter
+    here) against a per-row loop; softcap on and off; strided caches as vLLM's views are."""
+    from uniprefill.kernels.paged_window import paged_window_attention_torch
+
     torch.manual_seed(0)
     heads, kv_heads, dim, block, num_blocks, window = 4, 2, 8, 16, 40, 24
-    key_cache = torch.randn(num_blocks, block, kv_heads, dim)
-    value_cache = torch.randn(num_blocks, block, kv_heads, dim)
+    packed = torch.randn(num_blocks, kv_heads, block, 2 * dim)  # vLLM's FlashAttention layout
+    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
     table = torch.randperm(num_blocks - 1)[:30].view(3, 10).int() + 1
     rows = 50
     request = torch.randint(0, 3, (rows,))
@@ -99,9 +104,14 @@ def test_paged_window_attention_matches_a_dense_reference():
     query = torch.randn(rows, heads, dim)
     scale, softcap = dim ** -0.5, 5.0
     for cap in (None, softcap):
-        for budget in (1 << 26, 3 * window * kv_heads * dim):  # one chunk, and chunks of 3 rows
-            out = paged_window_attention(query, key_cache, value_cache, table, request, logical, count,
-                                         window=window, scale=scale, softcap=cap, max_elements=budget)
+        budgets = (1 << 26, 3 * window * kv_heads * dim) if impl == "torch" else (None,)
+        for budget in budgets:  # one chunk, and chunks of 3 rows
+            if impl == "torch":
+                out = paged_window_attention_torch(query, key_cache, value_cache, table, request, logical, count,
+                                                   window=window, scale=scale, softcap=cap, max_elements=budget)
+            else:
+                out = paged_window_attention(query, key_cache, value_cache, table, request, logical, count,
+                                             window=window, scale=scale, softcap=cap, impl="triton")
             for t in range(rows):
                 idx = torch.arange(int(logical[t]) - int(count[t]) + 1, int(logical[t]) + 1)
                 blocks = table[request[t], idx // block].long()
@@ -115,3 +125,29 @@ def test_paged_window_attention_matches_a_dense_reference():
     with pytest.raises(ValueError, match="multiple"):
         paged_window_attention(torch.randn(2, 3, dim), key_cache, value_cache, table, request[:2], logical[:2],
                                count[:2], window=window, scale=scale)
+    with pytest.raises(ValueError, match="row_count"):
+        paged_window_attention(query, key_cache, value_cache, table, request, logical, count[:3],
+                               window=window, scale=scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_paged_window_kernel_on_gemma_shapes(dtype):
+    """Gemma-3-270M's sliding layers (4 query heads, 1 KV head, head size 256, window 512),
+    vLLM's cache layout, 8K rows after a drop: the Triton kernel against the reference."""
+    from uniprefill.kernels.paged_window import paged_window_attention_torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, dim, block, window, rows = 4, 1, 256, 16, 512, 8192
+    packed = torch.randn(1200, kv_heads, block, 2 * dim, device="cuda", dtype=dtype, generator=gen)
+    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
+    table = torch.randperm(1199, device="cuda", generator=gen)[:1024].view(2, 512).int() + 1
+    request = torch.randint(0, 2, (rows,), device="cuda", generator=gen)
+    logical = torch.randint(0, 8000, (rows,), device="cuda", generator=gen)
+    count = torch.minimum(torch.randint(1, window + 1, (rows,), device="cuda", generator=gen), logical + 1)
+    query = torch.randn(rows, heads, dim, device="cuda", dtype=dtype, generator=gen)
+    args = (query, key_cache, value_cache, table, request, logical, count)
+    ref = paged_window_attention_torch(*args, window=window, scale=dim ** -0.5)
+    out = paged_window_attention(*args, window=window, scale=dim ** -0.5, impl="triton")
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err

@@ -215,7 +215,8 @@ class VllmDropRuntime:
         dim = cache.key_cache.shape[-1]
         result = paged_window_attention(query[:tokens].reshape(tokens, -1, dim), cache.key_cache, cache.value_cache,
                                         rows.block_table, rows.request, rows.logical, rows.count,
-                                        window=self.windows[name], scale=cache.scale, softcap=cache.softcap)
+                                        window=self.windows[name], scale=cache.scale, softcap=cache.softcap,
+                                        impl=self.config.impl)
         output[:tokens].copy_(result.reshape(output[:tokens].shape))
 
     def free(self, request_id: str) -> bool:

@@ -14,15 +14,16 @@ see (entry e holds a position <= e, and a visible entry has a position > p - W).
 
 Visibility is then a contiguous run of cache entries ending at the query's own entry:
 `[e_q - count_q + 1, e_q]`, with count_q <= W (kept positions are distinct and increasing).
-`window_counts` computes count_q for every row of a step; `paged_window_attention` gathers
-those entries from vLLM's paged cache and attends. Both are plain PyTorch and vectorised over
-rows (row chunks bound the memory; no loop over requests): the reference implementation
-a fused kernel would be tested against, and fast enough for stage 2 on the GPU.
+`window_counts` computes count_q for every row of a step (vectorised, no loop over
+requests); `paged_window_attention` (`uniprefill.kernels.paged_window`: a Triton kernel on
+CUDA, beside its PyTorch reference) reads those entries from vLLM's paged cache and attends.
 """
 
 from __future__ import annotations
 
 import torch
+
+from uniprefill.kernels.paged_window import paged_window_attention  # noqa: F401  (re-exported)
 
 from .vllm_metadata import DropHistoryStore, TokenLayout, _request_of_rows
 
@@ -82,49 +83,6 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
             _, count = store.window_first_visible(store_rows, pos, layer, window)
             counts = counts.index_copy(0, rows.to(device, non_blocking=True), count.to(device, non_blocking=True))
     return counts
-
-
-def paged_window_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_table: torch.Tensor, row_request: torch.Tensor, row_logical: torch.Tensor,
-                           row_count: torch.Tensor, *, window: int, scale: float,
-                           softcap: float | None = None, max_elements: int = 1 << 26) -> torch.Tensor:
-    """Attention of each query row over its `row_count` cache entries ending at `row_logical`.
-
-    query: [T, Hq, D]; key_cache, value_cache: [num_blocks, B, Hk, D] (vLLM's FlashAttention
-    cache views); block_table: [R, max_blocks]; row_request, row_logical, row_count: [T] (the
-    row's request, its own logical KV index, how many entries it sees, 1..window).
-    Returns [T, Hq, D] in the query's dtype; softmax in float32. Rows are processed in chunks
-    of at most `max_elements` gathered key elements.
-    """
-    tokens, heads, dim = query.shape
-    block = key_cache.shape[1]
-    kv_heads = key_cache.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"query heads {heads} are not a multiple of the cache's KV heads {kv_heads}")
-    out = torch.empty_like(query)
-    if tokens == 0:
-        return out
-    group = heads // kv_heads
-    offsets = torch.arange(window, device=query.device) - (window - 1)  # [W]: -W+1 .. 0
-    chunk = max(1, max_elements // (window * kv_heads * dim))
-    for start in range(0, tokens, chunk):
-        rows = slice(start, min(start + chunk, tokens))
-        logical = row_logical[rows, None].long() + offsets  # [t, W]
-        visible = offsets >= (1 - row_count[rows, None].long())
-        # entries outside the window are never read (their blocks may be freed and reused):
-        # the query's own entry stands in for them, and their scores are masked
-        logical = torch.where(visible, logical, row_logical[rows, None].long())
-        blocks = block_table[row_request[rows, None].long(), logical // block].long()
-        k = key_cache[blocks, logical % block].float()  # [t, W, Hk, D]
-        v = value_cache[blocks, logical % block].float()
-        q = query[rows].float().view(-1, kv_heads, group, dim)  # [t, Hk, G, D]
-        scores = torch.einsum("tkgd,twkd->tkgw", q, k) * scale
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-        probs = scores.softmax(-1)
-        out[rows] = torch.einsum("tkgw,twkd->tkgd", probs, v).reshape(-1, heads, dim).to(query.dtype)
-    return out
 
 
 def _offsets(lens: torch.Tensor) -> torch.Tensor:
