@@ -409,6 +409,13 @@ def test_drop_eligibility_reasons():
         SkipReason.DECODE, SkipReason.PARTIAL_CHUNK, SkipReason.HAS_CONTEXT, SkipReason.SHORT,
         SkipReason.ELIGIBLE, SkipReason.HAS_CONTEXT, SkipReason.DECODE]
     assert SkipReason(int(drop_eligibility(qlen, ctx, prompt, 256, allow_context=True)[2])) == SkipReason.ELIGIBLE
+    # prompt logprobs / an opt-out keep every row; a decode step stays a decode step
+    opted = torch.tensor([True, False, False, False, True, False, False])
+    reasons = drop_eligibility(qlen, ctx, prompt, 256, opted_out_cpu=opted)
+    assert [SkipReason(int(r)) for r in reasons][:5] == [
+        SkipReason.DECODE, SkipReason.PARTIAL_CHUNK, SkipReason.HAS_CONTEXT, SkipReason.SHORT, SkipReason.OPTED_OUT]
+    with pytest.raises(ValueError, match="opted_out_cpu"):
+        drop_eligibility(qlen, ctx, prompt, 256, opted_out_cpu=opted[:3])
 
 
 # ----------------------------------------------------------------------------- history

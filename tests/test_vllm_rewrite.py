@@ -22,6 +22,7 @@ from uniprefill.config import UniPrefillConfig
 from uniprefill.passes.vllm_graph import analyze_vllm_graph
 from uniprefill.passes.vllm_rewrite import rewrite_vllm_graph
 from uniprefill.runtime.vllm_drop import VllmDropRuntime, WindowLayer
+from uniprefill.runtime.vllm_metadata import SkipReason
 
 HEADS, DIM, HIDDEN, LAYERS, VOCAB, BLOCK = 2, 16, 32, 4, 64, 16
 WORLD = types.SimpleNamespace(context=None)  # the fake vLLM's forward context (tests only)
@@ -340,6 +341,38 @@ def test_runner_hook_supplies_request_ids_and_frees_finished_requests():
     assert freed == ["a"]
 
 
+def test_runner_hook_marks_requests_that_must_keep_every_row():
+    """Opt-outs: prompt logprobs (vLLM's `input_batch.num_prompt_logprobs`) and
+    `extra_args={"uniprefill": False}` seen when the request arrives; none -> None."""
+    from uniprefill import vllm_runner_hook as hook
+
+    seen = []
+
+    class Runner:
+        def __init__(self):
+            self.input_batch = types.SimpleNamespace(req_ids=["b", "c", "d"], num_prompt_logprobs={},
+                                                     num_prompt_tokens_cpu_tensor=torch.tensor([5, 7, 9], dtype=torch.int32))
+
+        def _update_states(self, scheduler_output):
+            return None
+
+        def _model_forward(self, input_ids=None, positions=None):
+            seen.append(hook.opted_out())
+
+    assert hook.install(Runner, hook.FinishedListeners())
+    runner = Runner()
+    runner._model_forward()
+    runner.input_batch.num_prompt_logprobs = {"c": 5}
+    arriving = [types.SimpleNamespace(req_id="d", sampling_params=types.SimpleNamespace(extra_args={"uniprefill": False})),
+                types.SimpleNamespace(req_id="e", sampling_params=types.SimpleNamespace(extra_args=None))]
+    runner._update_states(types.SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=arriving))
+    runner._model_forward()
+    runner.input_batch.num_prompt_logprobs = {}
+    runner._update_states(types.SimpleNamespace(finished_req_ids={"d"}, scheduled_new_reqs=[]))
+    runner._model_forward()
+    assert seen[0] is None and seen[1].tolist() == [False, True, True] and seen[2] is None
+
+
 def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_reference(model, monkeypatch):
     """VllmTokenDropBackend end to end in the fake vLLM, as vLLM would call it, with
     UNIPREFILL_VLLM_DROP=1: the graph is rewritten, the prefill and a decode step match the
@@ -594,3 +627,31 @@ def test_backend_under_tensor_parallelism_sums_scores_over_the_tp_group(model, m
         with torch.no_grad():
             ref = model.reference(ids[qsl[r]:qsl[r + 1]], {1: rows})
         torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_request_that_opted_out_keeps_every_row(model):
+    """A request asking for prompt logprobs (or opting out) keeps all its rows; the others drop."""
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    state = {}
+
+    def backend(gm, example_inputs):
+        info = analyze_vllm_graph(gm)
+        runtime = VllmDropRuntime(config, [s.layer_name for s in info.sites], (1,), lambda: WORLD.context,
+                                  lambda name: BLOCK, opted_out_fn=lambda: torch.tensor([True, False]))
+        state.update(runtime=runtime, result=rewrite_vllm_graph(gm, info, (1,), ["full"] * LAYERS, runtime))
+        return gm.forward
+
+    query_lens = [200, 120]
+    ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(9))
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        hidden = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)(
+            ids, torch.cat([torch.arange(q) for q in query_lens]))
+    torch._dynamo.reset()
+    runtime = state["runtime"]
+    kept = runtime.step.points[0].kept
+    assert kept[0] == 200 and kept[1] < 120
+    assert runtime.step.reasons.tolist() == [SkipReason.OPTED_OUT, SkipReason.ELIGIBLE]
+    with torch.no_grad():
+        ref = model.reference(ids[:200], {1: torch.arange(200)})
+    torch.testing.assert_close(hidden[199], ref, atol=1e-5, rtol=1e-5)

@@ -183,6 +183,7 @@ class VllmHooks:
     listeners: Any  # .add(runtime): runtime.free(request_id) for finished requests
     window_layer_fn: Any = None  # layer name -> runtime.vllm_drop.WindowLayer (sliding layers after a drop)
     tp_group_fn: Any = None  # () -> the tensor-parallel process group (block scores are summed across it)
+    opted_out_fn: Any = None  # () -> host bool [R] of requests that must not drop (prompt logprobs), or None
 
     @classmethod
     def from_vllm(cls) -> "VllmHooks":
@@ -194,7 +195,7 @@ class VllmHooks:
 
         hook.install(GPUModelRunner)
         return cls(get_forward_context, hook.request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer,
-                   vllm_tp_group)
+                   vllm_tp_group, hook.opted_out)
 
 
 def vllm_tp_group():
@@ -351,7 +352,7 @@ class VllmTokenDropBackend:
         runtime = VllmDropRuntime(self.config, [site.layer_name for site in info.sites], report.drop_layers,
                                   hooks.context_fn, lambda name: self.block_size,
                                   num_prompt_tokens_fn=hooks.num_prompt_tokens_fn,
-                                  request_ids_fn=hooks.request_ids_fn,
+                                  request_ids_fn=hooks.request_ids_fn, opted_out_fn=hooks.opted_out_fn,
                                   windows={name: self.sliding_window for name in sliding},
                                   window_layer_fn=hooks.window_layer_fn, group=group)
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact

@@ -9,6 +9,12 @@ wraps those two methods of a runner class (idempotent): the forward runs inside 
 `current_step()` context (a ContextVar, like vLLM's own forward context), and finished ids are
 handed to every registered `on_finished` listener (the runtimes free their histories).
 
+Requests that must not drop (`opted_out()`): those asking for prompt logprobs (vLLM reads
+the logits at every prompt position; `input_batch.num_prompt_logprobs`) and those whose
+sampling params say `extra_args={"uniprefill": False}` (recorded when the request arrives,
+`scheduler_output.scheduled_new_reqs`). When no live request opted out, nothing is computed
+per step.
+
 [read] in vLLM 0.26.0's source only: NOT yet run on the GPU, and private methods can change
 between vLLM versions; the plugin uses it only where `UNIPREFILL_VLLM_DROP=1` asks for the
 experimental vLLM rewrite (see `uniprefill.vllm_plugin`).
@@ -31,6 +37,7 @@ _MARK = "_uniprefill_wrapped"
 class StepRequests:
     request_ids: tuple[str, ...]  # batch order
     num_prompt_tokens: torch.Tensor  # host int64 [R]
+    opted_out: torch.Tensor | None = None  # host bool [R]; None: no request of the step opted out
 
 
 def current_step() -> StepRequests | None:
@@ -63,12 +70,15 @@ def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     if getattr(runner_cls._model_forward, _MARK, False):
         return False
     forward, update = runner_cls._model_forward, runner_cls._update_states
+    opted_out_ids: set[str] = set()  # requests whose sampling params opt out (extra_args)
 
     @functools.wraps(forward)
     def _model_forward(self, *args, **kwargs):
         batch = self.input_batch
         ids = tuple(batch.req_ids)
-        step = StepRequests(ids, batch.num_prompt_tokens_cpu_tensor[:len(ids)].to(torch.long))
+        out = opted_out_ids.union(getattr(batch, "num_prompt_logprobs", None) or ())
+        mask = torch.tensor([r in out for r in ids], dtype=torch.bool) if out else None
+        step = StepRequests(ids, batch.num_prompt_tokens_cpu_tensor[:len(ids)].to(torch.long), mask)
         token = _STEP.set(step)
         try:
             return forward(self, *args, **kwargs)
@@ -77,7 +87,13 @@ def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
 
     @functools.wraps(update)
     def _update_states(self, scheduler_output, *args, **kwargs):
-        listeners.notify(tuple(getattr(scheduler_output, "finished_req_ids", ()) or ()))
+        finished = tuple(getattr(scheduler_output, "finished_req_ids", ()) or ())
+        opted_out_ids.difference_update(finished)
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            extra = getattr(getattr(new, "sampling_params", None), "extra_args", None) or {}
+            if extra.get("uniprefill") is False:
+                opted_out_ids.add(new.req_id)
+        listeners.notify(finished)
         return update(self, scheduler_output, *args, **kwargs)
 
     for wrapped in (_model_forward, _update_states):
@@ -92,6 +108,14 @@ def request_ids() -> tuple[str, ...]:
     if step is None:
         raise RuntimeError("uniprefill: no request ids for this forward (vLLM's model runner is not wrapped)")
     return step.request_ids
+
+
+def opted_out() -> torch.Tensor | None:
+    """Host bool [R]: the step's requests that must keep every row; None when none must."""
+    step = current_step()
+    if step is None:
+        raise RuntimeError("uniprefill: no requests for this forward (vLLM's model runner is not wrapped)")
+    return step.opted_out
 
 
 def num_prompt_tokens() -> torch.Tensor:

@@ -105,6 +105,7 @@ class VllmDropRuntime:
                  context_fn: Callable[[], Any], block_size_fn: Callable[[str], int], *,
                  num_prompt_tokens_fn: Callable[[], torch.Tensor | None] | None = None,
                  request_ids_fn: Callable[[], Sequence[str]] | None = None,
+                 opted_out_fn: Callable[[], torch.Tensor | None] | None = None,
                  group=None, windows: dict[str, int] | None = None,
                  window_layer_fn: Callable[[str], WindowLayer] | None = None) -> None:
         """layer_names: attention layer names in graph order (index = position in the list).
@@ -117,6 +118,8 @@ class VllmDropRuntime:
             their later steps (decode) see, at every layer after a drop point, only the KV
             entries that layer holds. Without it nothing is remembered: only prefill-only
             use (e.g. scoring) is correct.
+        opted_out_fn: host bool [R] of the step's requests that must keep every row (prompt
+            logprobs, a per-request opt-out), or None when none does.
         group: the tensor-parallel process group (block scores are summed across it).
         windows: sliding-window layer name -> window (tokens), for the sliding layers that run
             after a drop point; `window_layer_fn(name)` gives each one's `WindowLayer`."""
@@ -129,6 +132,7 @@ class VllmDropRuntime:
         self.block_size_fn = block_size_fn
         self.num_prompt_tokens_fn = num_prompt_tokens_fn or (lambda: None)
         self.request_ids_fn = request_ids_fn
+        self.opted_out_fn = opted_out_fn or (lambda: None)
         self.group = group
         self.windows = dict(windows or {})
         if self.windows and window_layer_fn is None:
@@ -255,7 +259,8 @@ class VllmDropRuntime:
         prompt = self.num_prompt_tokens_fn()
         if prompt is None:  # no chunking: a request without context holds its whole prompt
             prompt = torch.where(ctx == 0, qlen, ctx)
-        return drop_eligibility(qlen, ctx, prompt, self.config.effective_min_tokens)
+        return drop_eligibility(qlen, ctx, prompt, self.config.effective_min_tokens,
+                                opted_out_cpu=self.opted_out_fn())
 
     def _select(self, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, eligible: torch.Tensor,
                 drop_index: int) -> tuple[torch.Tensor, torch.Tensor]:

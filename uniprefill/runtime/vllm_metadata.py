@@ -344,6 +344,7 @@ class SkipReason(enum.IntEnum):
     PARTIAL_CHUNK = 2  # chunked prefill, not at its last chunk
     HAS_CONTEXT = 3  # prefix-cached, or the last chunk of a chunked prefill
     SHORT = 4  # fewer tokens than min_tokens
+    OPTED_OUT = 5  # asked for prompt logprobs (every prompt row reaches the logits), or opted out
 
 
 def drop_eligibility(
@@ -352,12 +353,15 @@ def drop_eligibility(
     num_prompt_tokens_cpu: torch.Tensor,
     min_tokens: int,
     allow_context: bool = False,
+    opted_out_cpu: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Host int tensor [R] of `SkipReason` values; vectorised, no loop over requests.
 
     Stage-2 rule: a request drops only when its whole prompt is in this step with nothing
     cached before it. `allow_context=True` also lets the last chunk of a chunked prefill (or
     a prefix-cached prompt) drop; its context stays whole, only this step's tokens can go.
+    `opted_out_cpu` (host bool [R]): requests that must keep every row (prompt logprobs are
+    read at every prompt position; a per-request opt-out).
     """
     qlen = _host_int("query_lens_cpu", query_lens_cpu, 1)
     ctx = _host_int("num_computed_tokens_cpu", num_computed_tokens_cpu, 1)
@@ -368,6 +372,9 @@ def drop_eligibility(
     reason = torch.where(qlen < min_tokens, SkipReason.SHORT, reason)
     if not allow_context:
         reason = torch.where(ctx > 0, SkipReason.HAS_CONTEXT, reason)
+    if opted_out_cpu is not None:
+        _check_shape("opted_out_cpu", opted_out_cpu, tuple(qlen.shape))
+        reason = torch.where(opted_out_cpu.to(torch.bool), SkipReason.OPTED_OUT, reason)
     reason = torch.where(ctx + qlen < prompt, SkipReason.PARTIAL_CHUNK, reason)
     return torch.where(ctx >= prompt, SkipReason.DECODE, reason)
 
