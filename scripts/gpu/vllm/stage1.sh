@@ -12,6 +12,11 @@
 #   gemmadrop  Gemma-3-270M through the uniprefill channel with UNIPREFILL_VLLM_DROP=1: drops at
 #            the "auto" layers (5, 11), sliding layers after them on the window over original
 #            positions (runtime.vllm_window); greedy texts to compare with the gemma step's  ~2 min
+#   needles  needle parity (issue 6 stage 2): scripts/gpu/vllm/needle_parity.py on Gemma-3-270M,
+#            niah_single_1..3 + niah_multikey_1 at 8K/16K/32K, NEEDLE_SAMPLES (10) each, standard
+#            vLLM vs uniprefill p = 0.99 (UNIPREFILL_VLLM_DROP=1), then the paired comparison   ~6 min
+#   gemmadroptput  prefill throughput of Gemma-3-270M with uniprefill dropping (p = 0.95), $THROUGHPUT
+#   llama8bdrop    the same for the Llama-8B-shaped dummy, forced keep 0.3 at layer 7
 #   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput
 #            8192,16384,32000 x 1,4,16                                                ~5 min  (cap 540 s)
 # A step that fails is logged and the next one runs. --budget (default 560 s from the start of
@@ -31,7 +36,7 @@ steps=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --budget) budget="$2"; shift 2 ;;
-    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b) steps+=("$1"); shift ;;
+    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b|needles|gemmadroptput|llama8bdrop) steps+=("$1"); shift ;;
     all) steps+=(api gemma dump llama4 llama8b); shift ;;
     *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama8b all; --budget S)" >&2; exit 2 ;;
   esac
@@ -112,6 +117,29 @@ for step in "${steps[@]}"; do
     llama4)
       run llama4-uniprefill 240 $SMOKE --layers 4 --uniprefill "${SHARED[@]}" --kv-cache-gib 2 --max-model-len 4096 \
         --prompt-words 1000 --out "$OUT/smoke-uniprefill-4l.json" ;;
+    needles)
+      NP="python3 scripts/gpu/vllm/needle_parity.py"
+      HAYSTACK="${HAYSTACK:-.gpu_data/PaulGrahamEssays.json}"
+      NEEDLE=(--model-dir "$GEMMA_DIR" --haystack "$HAYSTACK" --samples "${NEEDLE_SAMPLES:-10}" --kv-cache-gib 8)
+      run needles-standard 300 $NP run --system standard "${NEEDLE[@]}" --out "$OUT/needles-standard.jsonl"
+      export UNIPREFILL_VLLM_DROP=1
+      run needles-p099 300 $NP run --system uniprefill --settings '{"p": 0.99}' "${NEEDLE[@]}" \
+        --out "$OUT/needles-p099.jsonl"
+      unset UNIPREFILL_VLLM_DROP
+      run needles-compare 60 $NP compare "$OUT/needles-standard.jsonl" "$OUT/needles-p099.jsonl" \
+        --out "$OUT/needles-compare-p099.json" ;;
+    gemmadroptput)
+      export UNIPREFILL_VLLM_DROP=1
+      run gemma-drop-tput 420 $SMOKE --model-dir "$GEMMA_DIR" --uniprefill "${SHARED[@]}" --kv-cache-gib 4 \
+        --max-model-len 32768 --uniprefill-settings '{"p": 0.95, "min_tokens": 256}' "${TPUT[@]}" \
+        --out "$OUT/gemma-vllm-drop-tput.json"
+      unset UNIPREFILL_VLLM_DROP ;;
+    llama8bdrop)
+      export UNIPREFILL_VLLM_DROP=1
+      run llama8b-drop 540 $SMOKE "${SHARED[@]}" --uniprefill --kv-cache-gib 8 --max-model-len 32768 \
+        --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256}' "${TPUT[@]}" \
+        --out "$OUT/llama8b-vllm-drop.json"
+      unset UNIPREFILL_VLLM_DROP ;;
     llama8b)
       run llama8b 540 $SMOKE "${SHARED[@]}" --kv-cache-gib 8 --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm.json" ;;

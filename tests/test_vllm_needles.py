@@ -1,0 +1,70 @@
+"""scripts/gpu/vllm/needle_parity.py on CPU: its prompts are `uniprefill eval`'s, its scoring
+and its paired comparison (the vLLM part runs on the GPU box only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+from uniprefill.eval.haystack import NOISE_SENTENCES
+from uniprefill.eval.tasks import make_sample
+from uniprefill.eval.toy import train_toy_tokenizer
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vllm" / "needle_parity.py"
+
+
+@pytest.fixture(scope="module")
+def needles():
+    spec = importlib.util.spec_from_file_location("needle_parity", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_toy_tokenizer(list(NOISE_SENTENCES) * 4, vocab_size=400)
+
+
+def test_prompts_are_the_evals_and_scoring_is_rulers(needles, tokenizer):
+    samples = needles.make_prompts(tokenizer, ["niah_single_1", "vt"], [900, 1200], 2, haystack=None, seed=3)
+    assert [(s.task, s.length, s.index) for s in samples][:3] == [("niah_single_1", 900, 0), ("niah_single_1", 900, 1),
+                                                                   ("vt", 900, 0)]
+    again = make_sample("vt", tokenizer, 1200, 1, seed=3)
+    assert samples[-1].prompt == again.prompt and samples[-1].answers == again.answers
+    texts = [" ".join(s.answers) if i % 2 == 0 else "no idea" for i, s in enumerate(samples)]
+    records = needles.score_records(samples, texts, "standard", {"engine_init_s": 1.0})
+    assert [r["score"] for r in records] == [1.0, 0.0] * 4
+    assert json.loads(json.dumps(records[0]))["engine_init_s"] == 1.0
+    with pytest.raises(ValueError, match="outputs"):
+        needles.score_records(samples, texts[:-1], "standard")
+
+
+def test_compare_pairs_the_prompts_both_runs_answered(needles):
+    def rec(length, index, score, prediction="x"):
+        return {"task": "niah_single_1", "length": length, "index": index, "seed": 0, "score": score,
+                "prediction": prediction}
+
+    base = [rec(8192, i, 1.0) for i in range(4)] + [rec(16384, 0, 0.0), rec(16384, 9, 1.0)]
+    other = [rec(8192, i, 1.0 if i < 3 else 0.0, "x" if i < 3 else "y") for i in range(4)] + [rec(16384, 0, 1.0)]
+    rows = {r["length"]: r for r in needles.compare(base, other, n_boot=200)}
+    assert rows[8192]["n"] == 4 and rows[8192]["delta"] == pytest.approx(-25.0) and rows[8192]["same_prediction"] == 3
+    assert rows[16384]["n"] == 1 and rows[16384]["delta"] == pytest.approx(100.0)  # index 9 is unpaired
+    assert rows["all"]["n"] == 5 and rows["all"]["ci"][0] <= rows["all"]["delta"] <= rows["all"]["ci"][1]
+    assert needles.compare(base, [], n_boot=10) == []
+
+
+def test_engine_settings_keep_prompts_whole_and_pick_the_channel(needles):
+    args = types.SimpleNamespace(system="uniprefill", settings='{"p": 0.95}', kv_cache_gib=4.0,
+                                 gpu_memory_utilization=0.3)
+    kwargs = needles._engine_kwargs(args, 32064)
+    assert kwargs["compilation_config"]["mode"] == 2
+    assert kwargs["compilation_config"]["inductor_compile_config"] == {"uniprefill": {"p": 0.95}}
+    assert not kwargs["enable_prefix_caching"] and not kwargs["enable_chunked_prefill"]
+    assert kwargs["max_num_batched_tokens"] >= kwargs["max_model_len"] == 32064
+    args.system = "standard"
+    assert "compilation_config" not in needles._engine_kwargs(args, 9000)  # vLLM's default: mode 3
