@@ -45,6 +45,8 @@ class FlashMeta:  # the fields of vLLM 0.26's FlashAttentionMetadata that attent
 @torch.library.custom_op("uniprefill_fakevllm::unified_kv_cache_update", mutates_args=())
 def unified_kv_cache_update(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
     ctx = WORLD.context
+    if ctx.attn_metadata is None:  # a dummy run: vLLM's slots are -1, nothing is written
+        return key.new_empty(0)
     cache = ctx.kv_caches[layer_name]  # [2, slots, heads, dim]
     slots = ctx.slot_mapping[layer_name]
     cache[0, slots] = key
@@ -62,6 +64,9 @@ def unified_attention_with_output(query: torch.Tensor, key: torch.Tensor, value:
                                   output: torch.Tensor, layer_name: str,
                                   kv_cache_dummy_dep: torch.Tensor | None = None) -> None:
     ctx = WORLD.context
+    if ctx.attn_metadata is None:  # a profiling run: vLLM's FlashAttention writes zeros
+        output.zero_()
+        return
     meta = ctx.attn_metadata[layer_name]
     cache = ctx.kv_caches[layer_name]
     qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
@@ -655,3 +660,43 @@ def test_a_request_that_opted_out_keeps_every_row(model):
     with torch.no_grad():
         ref = model.reference(ids[:200], {1: torch.arange(200)})
     torch.testing.assert_close(hidden[199], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_forward_without_attention_metadata_runs_through(model):
+    """vLLM's profiling and warm-up runs (`_dummy_run`) carry no attention metadata or no
+    request ids: the rewritten graph keeps every row and the sliding layer after the drop runs
+    vLLM's own op (zeros without metadata, the plain result with it); the next real step
+    drops as usual."""
+    window = 24
+    config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, (1,), {0: window, 2: window})
+    query_lens = [150, 90]
+    ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(10))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    world = fake_context(query_lens)
+    world.windows = {world.names[0]: window, world.names[2]: window}
+    world.attn_metadata = None  # a dummy run
+    world.request_ids = None
+    WORLD.context = world
+    with torch.no_grad():
+        out = compiled(ids, positions)
+    runtime = state["runtime"]
+    assert out.shape == (sum(query_lens), HIDDEN) and torch.isfinite(out).all()
+    assert runtime.step.profiling and not runtime.step.points and len(runtime.store) == 0
+    # a warm-up with attention metadata but outside a request step (no request ids): vLLM's
+    # own attention runs on vLLM's own metadata, so the result is the plain model's
+    warm = WORLD.context = fake_context(query_lens)
+    warm.windows, warm.request_ids = world.windows, None
+    with torch.no_grad():
+        out = compiled(ids, positions)
+    assert runtime.step.profiling
+    plain = WORLD.context = fake_context(query_lens)
+    plain.windows = world.windows
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(ids, positions), atol=1e-5, rtol=1e-5)
+    WORLD.context = fake_context(query_lens)
+    WORLD.context.windows = world.windows
+    with torch.no_grad():
+        compiled(ids, positions)
+    torch._dynamo.reset()
+    assert not runtime.step.profiling and runtime.step.points[0].kept[0] < 150

@@ -194,7 +194,7 @@ class VllmHooks:
         from . import vllm_runner_hook as hook
 
         hook.install(GPUModelRunner)
-        return cls(get_forward_context, hook.request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer,
+        return cls(get_forward_context, hook.step_request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer,
                    vllm_tp_group, hook.opted_out)
 
 

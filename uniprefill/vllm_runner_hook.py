@@ -103,6 +103,13 @@ def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     return True
 
 
+def step_request_ids() -> tuple[str, ...] | None:
+    """The step's request ids, or None outside a wrapped forward (vLLM's dummy and warm-up
+    runs call the model directly: no requests, nothing to drop)."""
+    step = current_step()
+    return None if step is None else step.request_ids
+
+
 def request_ids() -> tuple[str, ...]:
     step = current_step()
     if step is None:

@@ -17,7 +17,7 @@ of dropped tokens are zero): vLLM reads logits at each request's last token, whi
 kept. The rewritten graph runs eagerly (no Inductor), as vLLM's mode 2 with this backend does.
 
 A sliding-window layer after a drop point keeps its KV-cache update (the runtime gave it
-right-aligned slots) and its attention becomes `runtime.window_attention(query, output, L)`:
+right-aligned slots) and its attention becomes `runtime.window_attention(args, kwargs, L)`:
 a window over ORIGINAL positions (`uniprefill.runtime.vllm_window`), not FlashAttention's
 window over cache entries.
 
@@ -165,10 +165,9 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     # sliding layers after a drop: a window over original positions instead of vLLM's attention
     for site in sliding_after:
         node = site.attention
-        dependency = node.kwargs.get("kv_cache_dummy_dep", site.kv_update)
+        runtime.vllm_attention[site.layer] = node.target  # vLLM's op, for its dummy runs
         with graph.inserting_before(node):
-            replacement = graph.call_function(runtime.window_attention, (node.args[0], node.args[3], site.layer),
-                                              {"dependency": dependency})
+            replacement = graph.call_function(runtime.window_attention, (tuple(node.args), dict(node.kwargs), site.layer))
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
     # the output: scatter token-aligned results back to all rows

@@ -91,6 +91,7 @@ class StepDrops:
     layouts: list[TokenLayout] = field(default_factory=list)  # after each drop point
     right_layouts: list[TokenLayout] = field(default_factory=list)  # the same, right-aligned (sliding layers)
     window_rows: dict[str, WindowRows] = field(default_factory=dict)  # sliding layer name -> its rows
+    profiling: bool = False  # a forward without attention metadata (vLLM's dummy runs)
 
     @property
     def layout(self) -> TokenLayout | None:
@@ -138,6 +139,7 @@ class VllmDropRuntime:
         if self.windows and window_layer_fn is None:
             raise ValueError("windows: sliding layers after a drop need window_layer_fn (their caches and scale)")
         self.window_layer_fn = window_layer_fn
+        self.vllm_attention: dict[int, Callable] = {}  # layer -> vLLM's attention op the rewrite replaced
         self.store = DropHistoryStore(tuple(self.drop_layers), len(self.layer_names), "cumulative",
                                       max_window=max(self.windows.values(), default=0))
         self.step = StepDrops()
@@ -151,12 +153,19 @@ class VllmDropRuntime:
         context = self.context_fn()
         name = self.layer_names[layer]
         drop_index = self.drop_layers.index(layer)
+        metadata = getattr(context, "attn_metadata", None)
+        ids = self.request_ids_fn() if self.request_ids_fn is not None and self.step.layout is None else ()
+        if self.step.profiling or not isinstance(metadata, dict) or name not in metadata or ids is None:
+            # vLLM's profiling and warm-up runs (`_dummy_run`) carry no attention metadata, or
+            # no requests: nothing to drop, every row goes on (as vLLM's attention then writes zeros)
+            self.step.profiling = True
+            return torch.arange(q.shape[0], device=q.device)
         if self.step.layout is None:
             self.step.groups = self._groups(context)  # before any drop point splits them per layer
             layout = self.step.base = self._base_layout(context, name, self.step.groups)
             self.step.reasons = self._reasons(layout)
             if self.request_ids_fn is not None:
-                self.step.request_ids = list(self.request_ids_fn())
+                self.step.request_ids = list(ids)
                 self.step.history_rows = self.store.rows_for(self.step.request_ids)
         else:
             layout = self.step.layout
@@ -201,12 +210,17 @@ class VllmDropRuntime:
             self.step.window_rows[name] = WindowRows(right.block_tables[groups[name]], request, logical,
                                                      by_window[window])
 
-    def window_attention(self, query: torch.Tensor, output: torch.Tensor, layer: int,
-                         dependency: torch.Tensor | None = None) -> None:
-        """What the rewritten graph runs instead of vLLM's attention for a sliding layer after a
-        drop point: the window over original positions, from the paged cache (which the layer's
-        KV update has just written, at the right-aligned slots). Writes `output`."""
-        del dependency  # orders this call after the layer's KV-cache update
+    def window_attention(self, args: tuple, kwargs: dict, layer: int) -> None:
+        """What the rewritten graph runs instead of vLLM's attention op (`vllm_attention[layer]`,
+        args: query, key, value, output, layer name, ...) for a sliding layer after a drop
+        point: the window over original positions, from the paged cache (which the layer's KV
+        update has just written, at the right-aligned slots). Writes the output argument.
+        A forward that dropped nothing because it had no requests (vLLM's profiling and warm-up
+        runs) runs vLLM's own op on vLLM's own metadata."""
+        if self.step.profiling:
+            self.vllm_attention[layer](*args, **kwargs)
+            return
+        query, output = args[0], args[3]
         name = self.layer_names[layer]
         rows = self.step.window_rows.get(name)
         if rows is None:
