@@ -44,6 +44,8 @@ from .vllm_metadata import (
     batch_layout,
     compact,
     drop_eligibility,
+    _offsets,
+    _ranges,
     install_layer_metadata,
 )
 from .vllm_window import paged_window_attention, row_logical, window_counts
@@ -309,16 +311,3 @@ class VllmDropRuntime:
             rest = _ranges(qsl[:-1][others], qlen[others]).to(device, non_blocking=True)
             kept = torch.sort(torch.cat([kept, rest])).values  # requests' rows are disjoint ranges
         return kept, counts
-
-
-def _offsets(lens: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lens.numel() + 1, dtype=torch.long)
-    torch.cumsum(lens, 0, out=out[1:])
-    return out
-
-
-def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Concatenated [start, start + len) ranges, host int64, without a Python loop."""
-    total = int(lens.sum())
-    shift = torch.repeat_interleave(starts - _offsets(lens)[:-1], lens, output_size=total)
-    return shift + torch.arange(total)

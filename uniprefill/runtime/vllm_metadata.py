@@ -326,6 +326,19 @@ def relayout_kv(layout: TokenLayout, kv_removed_cpu: torch.Tensor) -> TokenLayou
     return compact(layout, None, None, kv_removed_cpu=kv_removed_cpu)
 
 
+def _offsets(lens: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lens.numel() + 1, dtype=torch.long)
+    torch.cumsum(lens, 0, out=out[1:])
+    return out
+
+
+def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Concatenated [start, start + len) ranges, host int64, without a Python loop."""
+    total = int(lens.sum())
+    shift = torch.repeat_interleave(starts - _offsets(lens)[:-1], lens, output_size=total)
+    return shift + torch.arange(total)
+
+
 def _request_of_rows(counts_cpu: torch.Tensor, tokens: int, device) -> torch.Tensor:
     requests = torch.arange(counts_cpu.numel(), device=device)
     return torch.repeat_interleave(requests, counts_cpu.to(device, non_blocking=True), output_size=tokens)

@@ -25,7 +25,7 @@ import torch
 
 from uniprefill.kernels.paged_window import paged_window_attention  # noqa: F401  (re-exported)
 
-from .vllm_metadata import DropHistoryStore, TokenLayout, _request_of_rows
+from .vllm_metadata import DropHistoryStore, TokenLayout, _ranges, _request_of_rows
 
 _SPAN = 1 << 40  # (request, position) keys: request * _SPAN + position (no host sync for a bound)
 
@@ -75,17 +75,9 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
             requests = torch.nonzero(has).flatten()
             qsl, qlen = layout.query_start_loc_cpu, layout.query_lens_cpu
             lens = qlen[requests]
-            rows = torch.repeat_interleave(qsl[:-1][requests] - _offsets(lens)[:-1], lens) + torch.arange(int(lens.sum()))
-            # these requests do not drop now: their positions are ctx + i, known on the host
-            pos = torch.repeat_interleave(layout.num_computed_tokens_cpu[requests] - _offsets(lens)[:-1], lens) \
-                + torch.arange(int(lens.sum()))
+            rows = _ranges(qsl[:-1][requests], lens)
+            pos = _ranges(layout.num_computed_tokens_cpu[requests], lens)  # not dropping now: ctx + i
             store_rows = torch.repeat_interleave(history_rows_cpu.long()[requests], lens)
             _, count = store.window_first_visible(store_rows, pos, layer, window)
             counts = counts.index_copy(0, rows.to(device, non_blocking=True), count.to(device, non_blocking=True))
     return counts
-
-
-def _offsets(lens: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lens.numel() + 1, dtype=torch.long)
-    torch.cumsum(lens, 0, out=out[1:])
-    return out
