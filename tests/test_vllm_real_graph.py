@@ -274,6 +274,11 @@ def test_the_rewrite_on_vllms_real_gemma_graph_matches_the_masked_reference(back
     ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(q) for q in query_lens])
     qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    dummy = WORLD.context = make_world(query_lens)  # vLLM's profiling run first: no metadata, no requests
+    dummy.attn_metadata, dummy.request_ids = None, None
+    with torch.no_grad():
+        assert torch.isfinite(compiled(ids.to(torch.int32), positions)).all()
+    assert state["runtime"].step.profiling and not state["runtime"].step.points
     world = WORLD.context = make_world(query_lens)
     with torch.no_grad():
         hidden = compiled(ids.to(torch.int32), positions)
