@@ -754,3 +754,15 @@ def test_install_layer_metadata_gives_each_later_layer_its_own_compacted_metadat
         install_layer_metadata(planned, {}, {"x": 0}, out)
     with pytest.raises(KeyError, match="no attention metadata"):
         install_layer_metadata({}, {}, {"x": 0}, out)
+
+
+def test_backend_reads_layer_kinds_window_and_block_size_from_the_vllm_config():
+    """What the rewrite needs of the model comes from vLLM's config: layer kinds and the
+    sliding window from its Hugging Face text config, the block size from the cache config."""
+    config = fake_vllm_config(settings={"p": 0.95})
+    types_ = ["sliding_attention"] * 5 + ["full_attention"]
+    config.model_config = NS(hf_text_config=NS(num_hidden_layers=18, layer_types=types_ * 3, sliding_window=512))
+    config.cache_config.block_size = 16
+    backend = VllmTokenDropBackend.from_vllm_config(config, "0.26.0", aot_compile=False)
+    assert backend.layer_kinds == (["sliding"] * 5 + ["full"]) * 3
+    assert backend.sliding_window == 512 and backend.block_size == 16 and backend.config.p == 0.95

@@ -269,11 +269,9 @@ class VllmTokenDropBackend:
             logger.info("uniprefill: %s", note)
         cache = _get(vllm_config, "cache_config")
         parallel = _get(vllm_config, "parallel_config")
-        model_config = _get(vllm_config, "model_config")
-        hf_config = _get(model_config, "hf_text_config") or _get(model_config, "hf_config")
         return cls(config, check, _layer_kinds(vllm_config), block_size=_get(cache, "block_size"),
                    tensor_parallel=int(_get(parallel, "tensor_parallel_size", 1) or 1),
-                   sliding_window=_get(hf_config, "sliding_window"))
+                   sliding_window=_get(_hf_text_config(vllm_config), "sliding_window"))
 
     def __call__(self, gm, example_inputs):
         names = [_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
@@ -370,12 +368,17 @@ class VllmTokenDropBackend:
         return gm.forward
 
 
+def _hf_text_config(vllm_config: Any) -> Any:
+    """vLLM's model config's Hugging Face text config (or its whole config), or None."""
+    model_config = _get(vllm_config, "model_config")
+    return _get(model_config, "hf_text_config") or _get(model_config, "hf_config")
+
+
 def _layer_kinds(vllm_config: Any) -> list[str] | None:
     """Layer kinds from vLLM's model config (its Hugging Face text config), or None."""
     from .passes.vllm_graph import layer_kinds_from_hf_config
 
-    model_config = _get(vllm_config, "model_config")
-    hf_config = _get(model_config, "hf_text_config") or _get(model_config, "hf_config")
+    hf_config = _hf_text_config(vllm_config)
     layers = _get(hf_config, "num_hidden_layers")
     if hf_config is None or not isinstance(layers, int):
         return None
