@@ -124,9 +124,10 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
             if impl == "torch":
                 out = paged_window_attention_torch(query, key_cache, value_cache, table, request, logical, count,
                                                    window=window, scale=scale, softcap=cap, max_elements=budget)
-            else:
-                out = paged_window_attention(query, key_cache, value_cache, table, request, logical, count,
-                                             window=window, scale=scale, softcap=cap, impl="triton")
+            else:  # the CPU interpreter here, the GPU where there is one (fp32 either way)
+                dev = "cuda" if torch.cuda.is_available() else "cpu"
+                moved = [t.to(dev) for t in (query, key_cache, value_cache, table, request, logical, count)]
+                out = paged_window_attention(*moved, window=window, scale=scale, softcap=cap, impl="triton").cpu()
             for t in range(rows):
                 idx = torch.arange(int(logical[t]) - int(count[t]) + 1, int(logical[t]) + 1)
                 blocks = table[request[t], idx // block].long()
