@@ -75,8 +75,8 @@ def test_block_scores_must_be_float32_to_be_reduced():
 
 _RUNTIME_WORKER = """
 import sys, torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[6])  # the repository root: the fake vLLM of tests/test_vllm_rewrite.py
-from tests.test_vllm_rewrite import BLOCK, fake_context
+sys.path.insert(0, sys.argv[6])  # tests/: the fake vLLM of test_vllm_rewrite.py and fake_vllm.py
+from test_vllm_rewrite import BLOCK, fake_context
 from uniprefill.config import UniPrefillConfig
 from uniprefill.runtime.vllm_drop import VllmDropRuntime
 rank, world, init_file, out_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -104,7 +104,7 @@ def test_vllm_runtime_ranks_compact_the_same_rows(tmp_path):
     (slots, positions, query_start_loc) as one process holding every head."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    tests_dir = Path(__file__).resolve().parent
     query_lens = [300, 40, 170]
     gen = torch.Generator().manual_seed(1)
     total = sum(query_lens)
@@ -120,7 +120,7 @@ def test_vllm_runtime_ranks_compact_the_same_rows(tmp_path):
     def run(world):
         procs = [subprocess.Popen([sys.executable, "-P", str(tmp_path / "worker.py"), str(rank), str(world),
                                    str(tmp_path / f"init{world}"), str(tmp_path / f"out{world}-{rank}.pt"),
-                                   str(tmp_path / "inputs.pt"), str(root)],
+                                   str(tmp_path / "inputs.pt"), str(tests_dir)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for rank in range(world)]
         for proc in procs:

@@ -18,7 +18,6 @@ compared, at prefill and at two decode steps.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import re
@@ -30,6 +29,7 @@ import pytest
 import torch
 import torch.fx as fx
 
+from fake_vllm import make_world, step
 from uniprefill.config import UniPrefillConfig
 from uniprefill.passes.vllm_graph import analyze_vllm_graph
 from uniprefill.passes.vllm_rewrite import rewrite_vllm_graph
@@ -40,19 +40,6 @@ LAYERS, FULL, GROUPS, BLOCK, WINDOW, VOCAB = 18, (5, 11, 17), 6, 16, 96, 1024
 KV_HEADS, HEAD = 1, 256
 NS = "uniprefill_realgraph"
 WORLD = types.SimpleNamespace(context=None)
-
-
-@dataclasses.dataclass
-class FlashMeta:
-    num_actual_tokens: int
-    max_query_len: int
-    query_start_loc: torch.Tensor
-    max_seq_len: int
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    use_cascade: bool = False
-    scheduler_metadata: object = None
 
 
 def _layer(name: str) -> int:
@@ -203,35 +190,10 @@ class VllmGemmaBackbone(torch.nn.Module):
         return self.dumped.forward(*args)[0]
 
 
-def make_world(query_lens: list[int], room: int = 8):
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    blocks = [-(-(q + room) // BLOCK) for q in query_lens]
-    tables = []
-    for g in range(GROUPS):
-        ids = torch.randperm(sum(blocks), generator=torch.Generator().manual_seed(g)) + 1
-        table = torch.zeros(len(query_lens), max(blocks), dtype=torch.int32)
-        start = 0
-        for r, n in enumerate(blocks):
-            table[r, :n] = ids[start:start + n]
-            start += n
-        tables.append(table)
-    slots = (sum(blocks) + 1) * BLOCK
-    world = types.SimpleNamespace(names=names, tables=tables, visible=None, request_ids=[f"r{r}" for r in range(len(query_lens))],
-                                  kv_caches={n: torch.zeros(2, slots, KV_HEADS, HEAD) for n in names})
-    return step(world, [0] * len(query_lens), query_lens)
-
-
-def step(world, computed: list[int], query_lens: list[int]):
-    qsl = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
-    seq_lens = torch.tensor([c + q for c, q in zip(computed, query_lens)], dtype=torch.int32)
-    metas, slot_maps = [], []
-    for table in world.tables:
-        logical = [torch.arange(c, c + q) for c, q in zip(computed, query_lens)]
-        slot_maps.append(torch.cat([table[r, i // BLOCK].long() * BLOCK + i % BLOCK for r, i in enumerate(logical)]))
-        metas.append(FlashMeta(int(qsl[-1]), max(query_lens), qsl, int(seq_lens.max()), seq_lens, table, slot_maps[-1]))
-    world.attn_metadata = {n: metas[i % GROUPS] for i, n in enumerate(world.names)}
-    world.slot_mapping = {n: slot_maps[i % GROUPS] for i, n in enumerate(world.names)}
-    return world
+def new_world(query_lens: list[int]):
+    """vLLM's KV-cache groups for this model: layer i in group i % 6 ({0, 6, 12}, ...)."""
+    return make_world(query_lens, layers=LAYERS, groups=GROUPS, block=BLOCK, kv_heads=KV_HEADS, head_size=HEAD,
+                      request_prefix="r")
 
 
 def window_layer(name: str) -> WindowLayer:
@@ -274,12 +236,12 @@ def test_the_rewrite_on_vllms_real_gemma_graph_matches_the_masked_reference(back
     ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(q) for q in query_lens])
     qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
-    dummy = WORLD.context = make_world(query_lens)  # vLLM's profiling run first: no metadata, no requests
+    dummy = WORLD.context = new_world(query_lens)  # vLLM's profiling run first: no metadata, no requests
     dummy.attn_metadata, dummy.request_ids = None, None
     with torch.no_grad():
         assert torch.isfinite(compiled(ids.to(torch.int32), positions)).all()
     assert state["runtime"].step.profiling and not state["runtime"].step.points
-    world = WORLD.context = make_world(query_lens)
+    world = WORLD.context = new_world(query_lens)
     with torch.no_grad():
         hidden = compiled(ids.to(torch.int32), positions)
     info, runtime, result = state["info"], state["runtime"], state["result"]
@@ -292,7 +254,7 @@ def test_the_rewrite_on_vllms_real_gemma_graph_matches_the_masked_reference(back
     def masked_reference(tokens: list[torch.Tensor], extra: int):
         """The plain graph with each layer after a drop attending only to the keys it holds."""
         lens = [t.numel() for t in tokens]
-        ref_world = WORLD.context = make_world(lens)
+        ref_world = WORLD.context = new_world(lens)
         ref_world.visible = {}
         for layer in range(LAYERS):
             point = sum(1 for d in drops if d < layer) - 1

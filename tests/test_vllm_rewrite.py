@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fake_vllm import make_world, step
 from uniprefill.config import UniPrefillConfig
 from uniprefill.passes.vllm_graph import analyze_vllm_graph
 from uniprefill.passes.vllm_rewrite import rewrite_vllm_graph
@@ -26,20 +27,6 @@ from uniprefill.runtime.vllm_metadata import SkipReason
 
 HEADS, DIM, HIDDEN, LAYERS, VOCAB, BLOCK = 2, 16, 32, 4, 64, 16
 WORLD = types.SimpleNamespace(context=None)  # the fake vLLM's forward context (tests only)
-
-
-@dataclasses.dataclass
-class FlashMeta:  # the fields of vLLM 0.26's FlashAttentionMetadata that attention reads
-    num_actual_tokens: int
-    max_query_len: int
-    query_start_loc: torch.Tensor
-    max_seq_len: int
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    slot_mapping: torch.Tensor
-    use_cascade: bool = False
-    scheduler_metadata: object = None
-    causal: bool = True
 
 
 @torch.library.custom_op("uniprefill_fakevllm::unified_kv_cache_update", mutates_args=())
@@ -175,40 +162,11 @@ def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, window
 
 
 def fake_context(query_lens: list[int], groups: int = 2, room: int = 8):
-    """A prefill-only step: per KV-cache group (layers i, i + groups, ...) one block table,
-    one shared metadata object and one slot mapping; per layer its own paged cache. Blocks
-    for `room` more tokens per request are allocated (decode steps)."""
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-    blocks_per_req = [-(-(q + room) // BLOCK) for q in query_lens]
-    tables = []
-    for g in range(groups):
-        ids = torch.randperm(sum(blocks_per_req), generator=torch.Generator().manual_seed(g)) + 1  # 0 = null block
-        table = torch.zeros(len(query_lens), max(blocks_per_req), dtype=torch.int32)
-        start = 0
-        for r, n in enumerate(blocks_per_req):
-            table[r, :n] = ids[start:start + n]
-            start += n
-        tables.append(table)
-    num_slots = (sum(blocks_per_req) + 1) * BLOCK
-    world = types.SimpleNamespace(names=names, tables=tables, groups=groups, request_ids=[f"req-{r}" for r in range(len(query_lens))],
-                                  kv_caches={n: torch.zeros(2, num_slots, HEADS, DIM) for n in names}, windows={})
-    return step_context(world, [0] * len(query_lens), query_lens)
+    """A prefill-only step in the fake vLLM (tests/fake_vllm.py): layer i in KV-cache group i % groups."""
+    return make_world(query_lens, layers=LAYERS, groups=groups, block=BLOCK, kv_heads=HEADS, head_size=DIM, room=room)
 
 
-def step_context(world, computed: list[int], query_lens: list[int]):
-    """vLLM's metadata for a step in which request r has `computed[r]` tokens cached and
-    `query_lens[r]` new ones (one shared object per group, slots by vLLM's formula)."""
-    qsl = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
-    seq_lens = torch.tensor([c + q for c, q in zip(computed, query_lens)], dtype=torch.int32)
-    metas, slots_of_group = [], []
-    for table in world.tables:
-        logical = [torch.arange(c, c + q) for c, q in zip(computed, query_lens)]
-        slots = torch.cat([table[r, idx // BLOCK].long() * BLOCK + idx % BLOCK for r, idx in enumerate(logical)])
-        metas.append(FlashMeta(int(qsl[-1]), max(query_lens), qsl, int(seq_lens.max()), seq_lens, table, slots))
-        slots_of_group.append(slots)
-    world.attn_metadata = {n: metas[i % world.groups] for i, n in enumerate(world.names)}
-    world.slot_mapping = {n: slots_of_group[i % world.groups] for i, n in enumerate(world.names)}
-    return world
+step_context = step
 
 
 @pytest.fixture(scope="module")

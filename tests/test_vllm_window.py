@@ -7,24 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import importlib.util
-import sys
-from pathlib import Path
-
+from test_vllm_metadata import make_batch, random_drop  # tests/ is on the path (pyproject.toml)
 from uniprefill.runtime.vllm_metadata import DropHistoryStore, DropRecord, RequestDropHistory, compact
 from uniprefill.runtime.vllm_window import paged_window_attention, row_logical, window_counts
-
-
-def _load_fakes():
-    """The batch fakes of tests/test_vllm_metadata.py (tests are not a package: import-mode=importlib)."""
-    spec = importlib.util.spec_from_file_location("vllm_metadata_fakes", Path(__file__).with_name("test_vllm_metadata.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.make_batch, module.random_drop
-
-
-make_batch, random_drop = _load_fakes()
 
 DROPS, LAYERS = (1, 3), 6
 
