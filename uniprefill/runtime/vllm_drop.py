@@ -208,7 +208,8 @@ class VllmDropRuntime:
         for name in names:
             window = self.windows[name]
             if window not in by_window:
-                by_window[window] = window_counts(right, window, eligible, self.store, self.step.history_rows, layer + 1)
+                by_window[window] = window_counts(right, window, eligible, self.store, self.step.history_rows, layer + 1,
+                                                  request)
             self.step.window_rows[name] = WindowRows(right.block_tables[groups[name]], request, logical,
                                                      by_window[window])
 

@@ -43,7 +43,7 @@ def row_logical(layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
 
 def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
                   store: DropHistoryStore | None = None, history_rows_cpu: torch.Tensor | None = None,
-                  layer: int | None = None) -> torch.Tensor:
+                  layer: int | None = None, request: torch.Tensor | None = None) -> torch.Tensor:
     """Device [T]: how many cache entries each row's query sees under a window over positions.
 
     layout: the rows after a drop point (positions ORIGINAL, requests' rows in order).
@@ -52,6 +52,7 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
     store / history_rows_cpu / layer: requests with a drop history (decode after a dropped
         prefill) count their kept prompt keys through `store.window_first_visible`; without a
         history a request holds one entry per position, so its count is min(W, pos + 1).
+    request: each row's request (device [T]) when the caller has it (`row_logical`).
     """
     if window < 1:
         raise ValueError(f"window={window}: expected >= 1")
@@ -60,7 +61,8 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
     counts = torch.clamp(positions + 1, max=window)  # one entry per position
     dropping = dropping_cpu.to(torch.bool)
     if bool(dropping.any()):
-        request, _ = row_logical(layout)
+        if request is None:
+            request, _ = row_logical(layout)
         # rows of one request are contiguous with increasing positions: the first visible row of
         # each query is a binary search over (request, position) keys
         keys = request * _SPAN + positions
