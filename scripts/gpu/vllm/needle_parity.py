@@ -92,6 +92,10 @@ def _engine_kwargs(args, max_len: int) -> dict:
 def run(args) -> None:
     import os
 
+    if args.system == "uniprefill":
+        # mode 2 with vLLM's AOT compile needs a serialisable compiled function (docs/vllm.md);
+        # set before vLLM is imported, and inherited by its EngineCore process
+        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
