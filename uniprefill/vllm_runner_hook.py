@@ -76,8 +76,10 @@ def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     def _model_forward(self, *args, **kwargs):
         batch = self.input_batch
         ids = tuple(batch.req_ids)
-        out = opted_out_ids.union(getattr(batch, "num_prompt_logprobs", None) or ())
-        mask = torch.tensor([r in out for r in ids], dtype=torch.bool) if out else None
+        logprobs = getattr(batch, "num_prompt_logprobs", None) or {}  # vLLM's {req_id: n}, usually empty
+        mask = None
+        if opted_out_ids or logprobs:
+            mask = torch.tensor([r in opted_out_ids or r in logprobs for r in ids], dtype=torch.bool)
         step = StepRequests(ids, batch.num_prompt_tokens_cpu_tensor[:len(ids)].to(torch.long), mask)
         token = _STEP.set(step)
         try:

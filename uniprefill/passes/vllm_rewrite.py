@@ -112,8 +112,7 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     first = drop_layers[0]
     sliding_after = [site for site in info.sites if site.layer > first
                      and site.layer < len(layer_kinds) and layer_kinds[site.layer] == "sliding"]
-    windows = getattr(runtime, "windows", {})
-    unknown = [site.layer for site in sliding_after if site.layer_name not in windows]
+    unknown = [site.layer for site in sliding_after if site.layer_name not in runtime.windows]
     if unknown:
         raise ValueError(f"sliding-window layers {unknown} run after drop layer {first} and the runtime has no "
                          "window for them (their window over original positions needs one)")

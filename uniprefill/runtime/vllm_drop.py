@@ -48,7 +48,9 @@ from .vllm_metadata import (
     _ranges,
     install_layer_metadata,
 )
-from .vllm_window import paged_window_attention, row_logical, window_counts
+from uniprefill.kernels.paged_window import paged_window_attention
+
+from .vllm_window import row_logical, window_counts
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class StepDrops:
     history_rows: torch.Tensor | None = None  # host [R]: row in the drop-history store (0: none)
     points: list[DropPointRecord] = field(default_factory=list)
     layouts: list[TokenLayout] = field(default_factory=list)  # after each drop point
-    right_layouts: list[TokenLayout] = field(default_factory=list)  # the same, right-aligned (sliding layers)
+    right_layout: TokenLayout | None = None  # after the last drop point, right-aligned (sliding layers)
     window_rows: dict[str, WindowRows] = field(default_factory=dict)  # sliding layer name -> its rows
     profiling: bool = False  # a forward without attention metadata (vLLM's dummy runs)
 
@@ -198,9 +200,8 @@ class VllmDropRuntime:
     def _install_windows(self, context, kept: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor,
                          layer: int, names: list[str]) -> None:
         """Right-aligned layout, slot mappings and visible counts of the sliding layers after `layer`."""
-        entering = self.step.right_layouts[-1] if self.step.right_layouts else self.step.base
-        right = compact(entering, kept, counts, align="right")
-        self.step.right_layouts.append(right)
+        entering = self.step.right_layout or self.step.base
+        right = self.step.right_layout = compact(entering, kept, counts, align="right")
         groups = self.step.groups
         install_layer_metadata(context.attn_metadata, context.slot_mapping, {n: groups[n] for n in names}, right)
         request, logical = row_logical(right)

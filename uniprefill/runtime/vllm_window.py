@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from uniprefill.kernels.paged_window import paged_window_attention  # noqa: F401  (re-exported)
-
 from .vllm_metadata import DropHistoryStore, TokenLayout, _ranges, _request_of_rows
 
 _SPAN = 1 << 40  # (request, position) keys: request * _SPAN + position (no host sync for a bound)
