@@ -749,9 +749,10 @@ def test_install_layer_metadata_gives_each_later_layer_its_own_compacted_metadat
     cascade = {"x": dataclasses.replace(shared[0], use_cascade=True)}
     with pytest.raises(NotImplementedError, match="cascade"):
         install_layer_metadata(cascade, {}, {"x": 0}, out)
-    planned = {"x": dataclasses.replace(shared[0], scheduler_metadata=torch.zeros(1))}
-    with pytest.raises(NotImplementedError, match="scheduler metadata"):
-        install_layer_metadata(planned, {}, {"x": 0}, out)
+    planned = {"x": dataclasses.replace(shared[0], scheduler_metadata=torch.zeros(1)), "y": shared[0]}
+    install_layer_metadata(planned, {}, {"x": 0}, out)  # FA3's plan for the full batch: cleared on the copy
+    assert planned["x"].scheduler_metadata is None and planned["x"].num_actual_tokens == len(kept)
+    assert planned["y"] is shared[0]  # layers not named keep vLLM's object (and its plan)
     with pytest.raises(KeyError, match="no attention metadata"):
         install_layer_metadata({}, {}, {"x": 0}, out)
 

@@ -145,8 +145,10 @@ def install_layer_metadata(attn_metadata: dict, slot_mapping: dict, layers: dict
         one metadata object among the layers of a KV-cache group; a group spans layers before
         and after a drop, so each layer named here gets its own copy).
     layers: layer name -> index of its KV-cache group in `layout`.
-    Metadata that a compacted batch cannot be described by (cascade attention, FA3's
-    ahead-of-time scheduler metadata, both computed for the uncompacted batch) raises.
+    FA3's ahead-of-time scheduler metadata (planned for the uncompacted batch; vLLM 0.26 plans
+    it whenever FA3 runs and the model has at most one sliding-window size, e.g. Llama) is
+    cleared: `flash_attn_varlen_func` then schedules the compacted batch itself.
+    Cascade attention (shared-prefix metadata, also computed for the uncompacted batch) raises.
     """
     import dataclasses
 
@@ -156,9 +158,9 @@ def install_layer_metadata(attn_metadata: dict, slot_mapping: dict, layers: dict
         meta = attn_metadata[name]
         if getattr(meta, "use_cascade", False):
             raise NotImplementedError(f"{name}: cascade attention (shared-prefix metadata) after a drop")
-        if getattr(meta, "scheduler_metadata", None) is not None:
-            raise NotImplementedError(f"{name}: FA3 scheduler metadata was planned for the uncompacted batch")
         fields = layout.flash_attention_fields(group)
+        if getattr(meta, "scheduler_metadata", None) is not None:
+            fields["scheduler_metadata"] = None
         missing = sorted(set(fields) - {f.name for f in dataclasses.fields(meta)})
         if missing:
             raise TypeError(f"{name}: {type(meta).__name__} has no field(s) {missing}")

@@ -49,7 +49,7 @@ mkdir -p "$OUT"
 # shellcheck source=/dev/null
 source scripts/gpu/vllm/env.sh
 SMOKE="python3 scripts/gpu/vllm/smoke_llm.py"
-SHARED=(--gpu-memory-utilization 0.3)
+SHARED=(--gpu-memory-utilization "${GPU_UTIL:-0.3}")  # GPU_UTIL: lower it when another job holds most of the GPU
 THROUGHPUT="${THROUGHPUT:-8192,16384,32000 1,4,16}"
 if [[ "$THROUGHPUT" == none ]]; then
   TPUT=()
