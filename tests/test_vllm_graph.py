@@ -13,7 +13,12 @@ import torch
 import torch.fx as fx
 from transformers import Gemma3TextConfig, LlamaConfig
 
-from uniprefill.passes.vllm_graph import analyze_vllm_graph, layer_kinds_from_hf_config, layer_name_of
+from uniprefill.passes.vllm_graph import (
+    analyze_vllm_graph,
+    attach_example_inputs,
+    layer_kinds_from_hf_config,
+    layer_name_of,
+)
 from uniprefill.vllm_plugin import VllmTokenDropBackend, config_from_compilation_config
 
 DUMP = Path(__file__).resolve().parent.parent / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
@@ -92,6 +97,36 @@ def test_unreadable_names_are_errors_that_name_the_node():
     with pytest.raises(ValueError, match="neither a string nor a hoisted LayerName"):
         analyze_vllm_graph(gm)
     assert layer_name_of("a") == "a" and layer_name_of(LayerName("b")) == "b" and layer_name_of(None) is None
+
+
+class FakeScriptObject:
+    """Stands in for the wrapper Dynamo records in a placeholder's meta for a script object."""
+
+    def __init__(self, real_obj) -> None:
+        self.real_obj = real_obj
+
+
+def test_layer_names_only_the_example_inputs_carry_are_attached_to_their_placeholders():
+    """As vLLM 0.26 hands them on the H200: the placeholders' meta hold no readable LayerName,
+    the backend's example inputs do (the first GPU run of the rewrite stopped here)."""
+    gm = vllm_like_graph(3)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        node.meta.pop("example_value", None)
+    with pytest.raises(ValueError, match="neither a string nor a hoisted LayerName"):
+        analyze_vllm_graph(gm)
+    names = [LayerName(f"model.layers.{i}.self_attn.attn") for i in range(3)]
+    assert attach_example_inputs(gm, [torch.zeros(4), torch.arange(4)]) == 0  # not one per placeholder
+    assert attach_example_inputs(gm, [torch.zeros(4), torch.arange(4), *names]) == 3
+    assert placeholders[0].meta.get("example_value") is None  # tensors are not touched
+    assert analyze_vllm_graph(gm).layers == (0, 1, 2)
+    assert attach_example_inputs(gm, [torch.zeros(4), torch.arange(4), *names]) == 0  # already known
+    wrapped = vllm_like_graph(2)
+    for node in wrapped.graph.nodes:
+        if node.name.startswith("synthetic"):
+            node.meta["example_value"] = FakeScriptObject(node.meta["example_value"])
+    assert [s.layer_name for s in analyze_vllm_graph(wrapped).sites] == [
+        "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 
 
 def test_layer_kinds_from_hf_configs():

@@ -274,6 +274,9 @@ class VllmTokenDropBackend:
                    sliding_window=_get(_hf_text_config(vllm_config), "sliding_window"))
 
     def __call__(self, gm, example_inputs):
+        from .passes.vllm_graph import attach_example_inputs
+
+        attach_example_inputs(gm, example_inputs)
         names = [_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
         report = VllmGraphReport(
             rewritten=False,
@@ -285,6 +288,8 @@ class VllmTokenDropBackend:
             placeholders=sum(1 for n in gm.graph.nodes if n.op == "placeholder"),
         )
         info = self._plan(gm, report)
+        if info is None and env.vllm_drop_enabled():
+            report.reason = f"its graph could not be read ({report.plan_error})"
         if info is not None and env.vllm_drop_enabled():
             rewritten = self._rewrite(gm, info, report)
             if rewritten is not None:

@@ -70,13 +70,35 @@ class VllmGraphInfo:
 
 
 def layer_name_of(value) -> str | None:
-    """The layer name a value carries: a string, or vLLM's `LayerName` (its `.value`)."""
+    """The layer name a value carries: a string, or vLLM's `LayerName` (its `.value`), also
+    inside the `FakeScriptObject` that Dynamo records for it (its `.real_obj`)."""
     if isinstance(value, str):
         return value
-    inner = getattr(value, "value", None)
-    if type(value).__name__ == "LayerName" and isinstance(inner, str):
-        return inner
+    for candidate in (value, getattr(value, "real_obj", None)):
+        inner = getattr(candidate, "value", None)
+        if type(candidate).__name__ == "LayerName" and isinstance(inner, str):
+            return inner
     return None
+
+
+def attach_example_inputs(gm: fx.GraphModule, example_inputs) -> int:
+    """Record each hoisted layer name that only the backend's `example_inputs` carry on its
+    placeholder (`meta["example_value"]`), where `analyze_vllm_graph` reads it; the count.
+
+    vLLM (0.26, on the H200) hands the names as placeholders whose meta holds no readable
+    `LayerName`; the example input at the placeholder's position does. Inputs that do not
+    line up one to one with the placeholders are left alone (the analysis then names the node).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return 0
+    attached = 0
+    for node, value in zip(placeholders, example_inputs):
+        known = layer_name_of(node.meta.get("example_value", node.meta.get("val")))
+        if known is None and not isinstance(value, str) and layer_name_of(value) is not None:
+            node.meta["example_value"] = value
+            attached += 1
+    return attached
 
 
 def _is_op(name: str, op: str) -> bool:
