@@ -611,6 +611,8 @@ def test_config_parsing_errors(settings, match):
 def test_vllm_config_checks():
     ok = check_vllm_config(fake_vllm_config(settings={}), "0.26.0")
     assert ok.errors == [] and any("prefix caching" in n for n in ok.notes)
+    dropping = check_vllm_config(fake_vllm_config(settings={}), "0.26.0", drop_enabled=True)
+    assert len(dropping.errors) == 1 and "enable_prefix_caching=False" in dropping.errors[0]
     assert check_vllm_config(fake_vllm_config(mode="DYNAMO_TRACE_ONCE")).errors == []
     bad = check_vllm_config(fake_vllm_config(mode=3, backend="inductor", pp=2, spec=object()), "0.33.0")
     assert len(bad.errors) == 4 and "mode=3" in bad.errors[0] and "expected 'uniprefill.vllm_plugin" in bad.errors[1]

@@ -272,6 +272,32 @@ def test_decode_after_a_dropped_prefill_sees_each_layers_kept_keys(model, drops)
     assert runtime.free("req-0") and not runtime.free("req-1") and len(runtime.store) == 1
 
 
+def test_a_request_recomputed_from_scratch_replaces_its_history_and_totals_count_drops(model):
+    """vLLM may preempt a request, free its KV and later prefill it again from position 0
+    under the same id: the old history is forgotten (it described KV that no longer exists)
+    and the new prefill drops exactly as the first did. The runtime's totals count both."""
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, (1,))
+    query_lens = [300, 40, 170]
+    torch.manual_seed(4)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    outputs, histories = [], []
+    for _ in range(2):
+        WORLD.context = fake_context(query_lens)
+        with torch.no_grad():
+            outputs.append(compiled(ids, positions))
+        histories.append(state["runtime"].store.get("req-0"))
+    torch._dynamo.reset()
+    runtime = state["runtime"]
+    last = [q - 1 for q in torch.tensor(query_lens).cumsum(0).tolist()]
+    torch.testing.assert_close(outputs[1][last], outputs[0][last], atol=0, rtol=0)
+    assert histories[0] is not None and histories[1] is not histories[0] and len(runtime.store) == 2
+    totals = runtime.totals
+    assert (totals.forwards, totals.dropping_forwards, totals.requests_dropped) == (2, 2, 4)
+    assert totals.rows_in == 2 * (300 + 170) and totals.rows_kept < 0.6 * totals.rows_in
+
+
 def test_runner_hook_supplies_request_ids_and_frees_finished_requests():
     from uniprefill import vllm_runner_hook as hook
 
@@ -334,6 +360,63 @@ def test_runner_hook_marks_requests_that_must_keep_every_row():
     runner._update_states(types.SimpleNamespace(finished_req_ids={"d"}, scheduled_new_reqs=[]))
     runner._model_forward()
     assert seen[0] is None and seen[1].tolist() == [False, True, True] and seen[2] is None
+
+
+def test_runner_hook_v2_supplies_requests_from_the_prepared_batch():
+    """vLLM 0.26's model runner V2 (its default for Llama and Gemma-3): the forward inside
+    `execute_model` sees the batch `prepare_inputs` built (ids, prefill lengths); a dummy run
+    sees no step; finished and preempted requests are freed; opt-outs come from the
+    arriving requests' sampling params (extra_args, prompt logprobs)."""
+    import numpy as np
+
+    from uniprefill import vllm_runner_hook as hook
+
+    seen = []
+
+    class RunnerV2:  # the two methods of vllm.v1.worker.gpu.model_runner.GPUModelRunner it wraps
+        def __init__(self):
+            self.batch = types.SimpleNamespace(req_ids=["a", "b", "c"], prefill_len_np=np.array([300, 40, 171, 0]))
+
+        def prepare_inputs(self, scheduler_output, batch_desc):
+            return self.batch
+
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, **kwargs):
+            seen.append(hook.current_step())  # before the batch is prepared
+            if not dummy_run:
+                self.prepare_inputs(scheduler_output, None)
+            step = hook.current_step()
+            seen.append(None if step is None else (step.request_ids, step.num_prompt_tokens.tolist(),
+                                                   None if step.opted_out is None else step.opted_out.tolist()))
+            return "output"
+
+    listeners = hook.FinishedListeners()
+    freed = []
+
+    class Listener:
+        free = staticmethod(freed.append)
+
+    listener = Listener()
+    listeners.add(listener)
+    assert hook.install_v2(RunnerV2, listeners) and not hook.install_v2(RunnerV2, listeners)
+    runner = RunnerV2()
+    plain = types.SimpleNamespace(finished_req_ids=set(), preempted_req_ids=None, scheduled_new_reqs=[])
+    assert runner.execute_model(plain) == "output"
+    assert seen == [None, (("a", "b", "c"), [300, 40, 171], None)] and hook.current_step() is None
+    seen.clear()
+    runner.execute_model(plain, dummy_run=True)
+    runner.execute_model(plain, None, True)
+    assert seen == [None, None, None, None]  # dummy runs: no requests, nothing drops
+    seen.clear()
+    arriving = [types.SimpleNamespace(req_id="b", sampling_params=types.SimpleNamespace(extra_args=None, prompt_logprobs=3)),
+                types.SimpleNamespace(req_id="c", sampling_params=types.SimpleNamespace(extra_args={"uniprefill": False},
+                                                                                        prompt_logprobs=None)),
+                types.SimpleNamespace(req_id="a", sampling_params=types.SimpleNamespace(extra_args={}, prompt_logprobs=None))]
+    runner.execute_model(types.SimpleNamespace(finished_req_ids={"x"}, preempted_req_ids={"y"},
+                                               scheduled_new_reqs=arriving))
+    assert seen[1][2] == [False, True, True] and sorted(freed) == ["x", "y"]
+    seen.clear()
+    runner.execute_model(types.SimpleNamespace(finished_req_ids={"b", "c"}, preempted_req_ids=None, scheduled_new_reqs=[]))
+    assert seen[1][2] is None  # the opted-out requests finished: no mask again
 
 
 def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_reference(model, monkeypatch):

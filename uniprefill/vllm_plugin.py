@@ -119,10 +119,12 @@ class VllmCheck:
             raise ValueError("uniprefill cannot run with this vLLM configuration:\n  - " + "\n  - ".join(self.errors))
 
 
-def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_compile: bool | None = None) -> VllmCheck:
+def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_compile: bool | None = None,
+                      drop_enabled: bool = False) -> VllmCheck:
     """Check the parts of a `VllmConfig` (or a duck-typed fake) uniprefill depends on.
 
     aot_compile: vLLM's `envs.VLLM_USE_AOT_COMPILE` (on by default with torch >= 2.10).
+    drop_enabled: the experimental rewrite will drop tokens (`UNIPREFILL_VLLM_DROP=1`).
     """
     check = VllmCheck()
     cc = _get(vllm_config, "compilation_config")
@@ -149,7 +151,13 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         check.notes.append("tensor_parallel_size > 1: block scores are summed across the TP group (rank-consistent "
                            "selection, tested with gloo ranks on CPU; not yet run on GPUs)")
     if _get(_get(vllm_config, "cache_config"), "enable_prefix_caching", False):
-        check.notes.append("prefix caching: requests with cached context run unaccelerated")
+        if drop_enabled:
+            check.errors.append(
+                "enable_prefix_caching=True (vLLM's default) with token dropping: after a drop point a dropped "
+                "request's KV blocks hold only its kept tokens, and the prefix cache would hand those blocks to "
+                "later requests with the same prefix as if they held every token; pass enable_prefix_caching=False")
+        else:
+            check.notes.append("prefix caching: requests with cached context run unaccelerated")
     if _get(_get(vllm_config, "scheduler_config"), "enable_chunked_prefill", False):
         check.notes.append("chunked prefill: prompts split over several steps run unaccelerated")
     if vllm_version is not None and vllm_version.split("+")[0] not in VERIFIED_VLLM_VERSIONS:
@@ -187,13 +195,19 @@ class VllmHooks:
 
     @classmethod
     def from_vllm(cls) -> "VllmHooks":
-        """vLLM 0.26's forward context, and its GPU model runner wrapped (`vllm_runner_hook`)."""
+        """vLLM 0.26's forward context, and its GPU model runners (V1 and V2) wrapped (`vllm_runner_hook`)."""
         from vllm.forward_context import get_forward_context
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         from . import vllm_runner_hook as hook
 
         hook.install(GPUModelRunner)
+        try:  # vLLM 0.26's model runner V2, its default for non-MoE, non-hybrid models
+            from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+        except ImportError:
+            GPUModelRunnerV2 = None
+        if GPUModelRunnerV2 is not None:
+            hook.install_v2(GPUModelRunnerV2)
         return cls(get_forward_context, hook.step_request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer,
                    vllm_tp_group, hook.opted_out)
 
@@ -263,7 +277,7 @@ class VllmTokenDropBackend:
             raise ValueError(f"compilation_config.backend is {BACKEND_QUALNAME!r} but compilation_config."
                              f"inductor_compile_config has no {CONFIG_KEY!r} entry; give one (an empty dict "
                              "takes the defaults)")
-        check = check_vllm_config(vllm_config, vllm_version, aot_compile)
+        check = check_vllm_config(vllm_config, vllm_version, aot_compile, drop_enabled=env.vllm_drop_enabled())
         check.raise_if_errors()
         for note in check.notes:
             logger.info("uniprefill: %s", note)

@@ -1,5 +1,9 @@
 """Request identity for uniprefill inside vLLM: which request each batch row belongs to.
 
+vLLM 0.26 has two GPU model runners: V1 (`vllm.v1.worker.gpu_model_runner`, below) and V2
+(`vllm.v1.worker.gpu.model_runner`, the default for non-MoE, non-hybrid models): `install`
+wraps V1, `install_v2` wraps V2 (see its docstring); the plugin wraps both.
+
 vLLM 0.26's forward context has per-layer attention metadata but no request ids (the H200 dump,
 docs/vllm.md), and a drop history is per request. The model runner has them: while
 `GPUModelRunner._model_forward` runs, `self.input_batch.req_ids` lists the step's requests in
@@ -102,6 +106,60 @@ def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
         setattr(wrapped, _MARK, True)
     runner_cls._model_forward = _model_forward
     runner_cls._update_states = _update_states
+    return True
+
+
+def install_v2(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
+    """Wrap vLLM 0.26's model runner V2 (`vllm.v1.worker.gpu.model_runner.GPUModelRunner`, the
+    default there for non-MoE, non-hybrid generate models such as Llama and Gemma-3; the H200
+    run of 2026-12-01 found the rewrite idle because only V1 was wrapped). False if already wrapped.
+
+    `execute_model(scheduler_output, ..., dummy_run=False)` frees finished AND preempted
+    requests (V2 drops a preempted request's state; it is prefilled anew later) and records
+    opt-outs of arriving requests (`extra_args={"uniprefill": False}`, or prompt logprobs,
+    which V2 reads from the sampling params); its forward runs with no step until
+    `prepare_inputs(scheduler_output, batch_desc)` returns the batch: `req_ids` (batch order)
+    and `prefill_len_np` (tokens the request prefills: its prompt, plus earlier outputs
+    after a preemption). A dummy run never calls `prepare_inputs`: no step, nothing drops.
+    """
+    if getattr(runner_cls.execute_model, _MARK, False):
+        return False
+    execute, prepare = runner_cls.execute_model, runner_cls.prepare_inputs
+    opted_out_ids: set[str] = set()
+
+    @functools.wraps(execute)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if not kwargs.get("dummy_run", args[1] if len(args) > 1 else False):
+            finished = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
+            finished |= set(getattr(scheduler_output, "preempted_req_ids", ()) or ())
+            opted_out_ids.difference_update(finished)
+            for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+                params = getattr(new, "sampling_params", None)
+                extra = getattr(params, "extra_args", None) or {}
+                if extra.get("uniprefill") is False or getattr(params, "prompt_logprobs", None) is not None:
+                    opted_out_ids.add(new.req_id)
+            listeners.notify(finished)
+        token = _STEP.set(None)
+        try:
+            return execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            _STEP.reset(token)
+
+    @functools.wraps(prepare)
+    def prepare_inputs(self, scheduler_output, *args, **kwargs):
+        batch = prepare(self, scheduler_output, *args, **kwargs)
+        ids = tuple(batch.req_ids)
+        mask = None
+        if opted_out_ids:
+            mask = torch.tensor([r in opted_out_ids for r in ids], dtype=torch.bool)
+        prefill = torch.as_tensor(batch.prefill_len_np[:len(ids)]).to(torch.long)
+        _STEP.set(StepRequests(ids, prefill, mask))  # seen by the forward execute_model runs next
+        return batch
+
+    for wrapped in (execute_model, prepare_inputs):
+        setattr(wrapped, _MARK, True)
+    runner_cls.execute_model = execute_model
+    runner_cls.prepare_inputs = prepare_inputs
     return True
 
 

@@ -28,6 +28,7 @@ instead of vLLM's FlashAttention, whose uniform window counts cache entries.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,8 @@ from .vllm_metadata import (
 from uniprefill.kernels.paged_window import paged_window_attention
 
 from .vllm_window import row_logical, window_counts
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,17 @@ class DropPointRecord:
     entering: list[int]  # rows per request entering the drop point
     kept: list[int]  # rows per request kept
     source_rows: torch.Tensor  # device int64: the kept rows as rows of the step's original batch
+
+
+@dataclass
+class DropTotals:
+    """Running totals of one runtime (one compiled graph): what dropping did so far."""
+
+    forwards: int = 0  # forwards with attention metadata and requests (not vLLM's dummy runs)
+    dropping_forwards: int = 0  # ... in which at least one request dropped
+    requests_dropped: int = 0
+    rows_in: int = 0  # prompt rows of the dropping requests entering the first drop point
+    rows_kept: int = 0  # ... left after the last drop point
 
 
 @dataclass
@@ -147,6 +161,7 @@ class VllmDropRuntime:
         self.store = DropHistoryStore(tuple(self.drop_layers), len(self.layer_names), "cumulative",
                                       max_window=max(self.windows.values(), default=0))
         self.step = StepDrops()
+        self.totals = DropTotals()
 
     def begin_step(self) -> None:
         self.step = StepDrops()
@@ -170,7 +185,7 @@ class VllmDropRuntime:
             self.step.reasons = self._reasons(layout)
             if self.request_ids_fn is not None:
                 self.step.request_ids = list(ids)
-                self.step.history_rows = self.store.rows_for(self.step.request_ids)
+                self.step.history_rows = self._live_history_rows(self.step.request_ids, layout)
         else:
             layout = self.step.layout
         eligible = self.step.reasons == SkipReason.ELIGIBLE
@@ -195,7 +210,40 @@ class VllmDropRuntime:
         self.step.layouts.append(out)
         if drop_index == len(self.drop_layers) - 1 and self.step.request_ids is not None and bool(eligible.any()):
             self.store.record_step(self.step.request_ids, self.step.base, self.step.layouts, eligible)
+        if drop_index == len(self.drop_layers) - 1:
+            self._count(eligible)
         return kept
+
+    def _live_history_rows(self, request_ids: list[str], layout: TokenLayout) -> torch.Tensor:
+        """Store rows of the step's requests; a request that prefills from position 0 although
+        it has a history (vLLM preempted it, freed its KV and now recomputes it, or reused its
+        id) loses that history first: its KV is about to be written anew."""
+        rows = self.store.rows_for(request_ids)
+        stale = (rows > 0) & (layout.num_computed_tokens_cpu == 0)
+        if bool(stale.any()):
+            for r in torch.nonzero(stale).flatten().tolist():
+                self.store.free(request_ids[r])
+            rows = torch.where(stale, torch.zeros_like(rows), rows)
+        return rows
+
+    def _count(self, eligible: torch.Tensor) -> None:
+        """Running totals of the forwards that reached the last drop point; the first forward
+        that drops is logged (a run can then tell that dropping happened inside the engine)."""
+        totals = self.totals
+        totals.forwards += 1
+        if not bool(eligible.any()):
+            return
+        base, last = self.step.base, self.step.layouts[-1]
+        rows_in = int(base.query_lens_cpu[eligible].sum())
+        rows_kept = int(last.query_lens_cpu[eligible].sum())
+        totals.dropping_forwards += 1
+        totals.requests_dropped += int(eligible.sum())
+        totals.rows_in += rows_in
+        totals.rows_kept += rows_kept
+        if totals.dropping_forwards == 1:
+            logger.warning("uniprefill: first token drop in this engine: %d of %d requests dropped, their %d prompt "
+                           "rows -> %d after drop layers %s", int(eligible.sum()), base.num_reqs, rows_in, rows_kept,
+                           self.drop_layers)
 
     def _install_windows(self, context, kept: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor,
                          layer: int, names: list[str]) -> None:

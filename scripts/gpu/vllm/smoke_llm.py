@@ -148,6 +148,8 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
             "backend": "uniprefill.vllm_plugin.vllm_backend",
             "inductor_compile_config": {"uniprefill": json.loads(args.uniprefill_settings)},
         }
+        # token dropping refuses prefix caching (a dropped request's blocks must not be reused)
+        kwargs["enable_prefix_caching"] = False
     elif args.dump_graph:
         kwargs["compilation_config"] = {"mode": 2, "backend": "dump_backend.backend"}
     return kwargs, {"max_model_len": max_model_len}
