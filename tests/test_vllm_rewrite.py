@@ -296,6 +296,11 @@ def test_a_request_recomputed_from_scratch_replaces_its_history_and_totals_count
     totals = runtime.totals
     assert (totals.forwards, totals.dropping_forwards, totals.requests_dropped) == (2, 2, 4)
     assert totals.rows_in == 2 * (300 + 170) and totals.rows_kept < 0.6 * totals.rows_in
+    from uniprefill import vllm_runner_hook as hook
+
+    listeners = hook.FinishedListeners()  # as vLLM's collective_rpc(drop_totals) reads them in a worker
+    listeners.add(runtime)
+    assert listeners.totals() == [dataclasses.asdict(totals)] and isinstance(hook.drop_totals(object()), list)
 
 
 def test_runner_hook_supplies_request_ids_and_frees_finished_requests():

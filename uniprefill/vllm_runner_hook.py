@@ -59,6 +59,13 @@ class FinishedListeners:
         """`listener.free(request_id)` is called for every finished request."""
         self._listeners.add(listener)
 
+    def totals(self) -> list[dict]:
+        """The running drop totals of every registered runtime (those that keep `totals`)."""
+        import dataclasses
+
+        return [dataclasses.asdict(listener.totals) for listener in list(self._listeners)
+                if dataclasses.is_dataclass(getattr(listener, "totals", None))]
+
     def notify(self, request_ids) -> None:
         for listener in list(self._listeners):
             for request_id in request_ids:
@@ -161,6 +168,15 @@ def install_v2(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     runner_cls.execute_model = execute_model
     runner_cls.prepare_inputs = prepare_inputs
     return True
+
+
+def drop_totals(worker=None) -> list[dict]:
+    """What the runtimes of this process dropped so far (one dict per compiled graph).
+
+    Shaped for vLLM's `LLM.collective_rpc(drop_totals)`, which calls it in every worker (the
+    EngineCore process, where the runtimes live) with the worker as argument; an empty list
+    there means the rewrite never ran in that process."""
+    return LISTENERS.totals()
 
 
 def step_request_ids() -> tuple[str, ...] | None:

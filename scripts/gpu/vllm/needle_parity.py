@@ -96,6 +96,8 @@ def run(args) -> None:
         # mode 2 with vLLM's AOT compile needs a serialisable compiled function (docs/vllm.md);
         # set before vLLM is imported, and inherited by its EngineCore process
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+        # collective_rpc(drop_totals) below sends a function: pickle on vLLM's IPC
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -114,6 +116,14 @@ def run(args) -> None:
     wall = time.perf_counter() - start
     extra = {"settings": json.loads(args.settings) if args.system == "uniprefill" else None,
              "vllm_drop": os.environ.get("UNIPREFILL_VLLM_DROP", "0"), "generate_wall_s": wall, "engine_init_s": built}
+    if args.system == "uniprefill":  # did requests drop inside the engine? (the runtimes' totals, per worker)
+        try:
+            from uniprefill.vllm_runner_hook import drop_totals
+
+            extra["drop_totals"] = llm.collective_rpc(drop_totals, timeout=60)
+        except Exception as exc:  # noqa: BLE001 - informative only
+            extra["drop_totals"] = f"unavailable: {type(exc).__name__}: {str(exc)[:200]}"
+        print(f"drop totals: {extra['drop_totals']}", flush=True)
     records = score_records(samples, [o.outputs[0].text for o in outputs], args.system, extra)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
     by_length = defaultdict(list)

@@ -150,7 +150,7 @@ done
 for log in "$LOGS"/*.log; do
   name="$(basename "$log" .log)"
   echo "=== $name"
-  grep -E "throughput: L=|^text: |attention backend|Using .* backend|unaccelerated|first token drop|EXPERIMENTAL|probe: |\"ok\"|Error|error:|Traceback" "$log" \
+  grep -E "throughput: L=|^text: |attention backend|Using .* backend|unaccelerated|first token drop|drop totals|EXPERIMENTAL|probe: |\"ok\"|Error|error:|Traceback" "$log" \
     | grep -v "^ *\"error\": null" | head -20 | cut -c1-240
   tail -2 "$log" | cut -c1-240
 done > "$LOGS/highlights.txt"
