@@ -746,3 +746,23 @@ def test_a_forward_without_attention_metadata_runs_through(model):
         compiled(ids, positions)
     torch._dynamo.reset()
     assert not runtime.step.profiling and runtime.step.points[0].kept[0] < 150
+    assert (runtime.totals.forwards_without_requests, runtime.totals.forwards) == (1, 1)  # the warm-up; the step
+
+
+def test_many_forwards_without_request_ids_are_reported_once(model, caplog):
+    """An unwrapped model runner (vLLM's V2 before its hook) shows up as forwards with attention
+    metadata and no request ids: after a handful (dummy runs) the runtime says so, once."""
+    from uniprefill.runtime import vllm_drop
+
+    config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, (1,))
+    ids = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(11))
+    with caplog.at_level("WARNING", logger=vllm_drop.__name__), torch.no_grad():
+        for _ in range(vllm_drop._SILENT_DUMMY_RUNS + 3):
+            WORLD.context = fake_context([100])
+            WORLD.context.request_ids = None
+            compiled(ids, torch.arange(100))
+    torch._dynamo.reset()
+    warnings = [r for r in caplog.records if "no request ids" in r.getMessage()]
+    assert len(warnings) == 1 and "not one uniprefill wraps" in warnings[0].getMessage()
+    assert state["runtime"].totals.forwards_without_requests == vllm_drop._SILENT_DUMMY_RUNS + 3

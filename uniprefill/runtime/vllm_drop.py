@@ -54,6 +54,9 @@ from uniprefill.kernels.paged_window import paged_window_attention
 from .vllm_window import row_logical, window_counts
 
 logger = logging.getLogger(__name__)
+# Forwards with metadata but no request ids that pass silently before a runtime that has seen
+# no real step warns (vLLM's profiling, warm-up and capture runs are a handful).
+_SILENT_DUMMY_RUNS = 64
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class DropTotals:
     """Running totals of one runtime (one compiled graph): what dropping did so far."""
 
     forwards: int = 0  # forwards with attention metadata and requests (not vLLM's dummy runs)
+    forwards_without_requests: int = 0  # with attention metadata but no request ids (dummy runs, or an unwrapped runner)
     dropping_forwards: int = 0  # ... in which at least one request dropped
     requests_dropped: int = 0
     rows_in: int = 0  # prompt rows of the dropping requests entering the first drop point
@@ -177,6 +181,8 @@ class VllmDropRuntime:
         if self.step.profiling or not isinstance(metadata, dict) or name not in metadata or ids is None:
             # vLLM's profiling and warm-up runs (`_dummy_run`) carry no attention metadata, or
             # no requests: nothing to drop, every row goes on (as vLLM's attention then writes zeros)
+            if not self.step.profiling and ids is None and isinstance(metadata, dict) and name in metadata:
+                self._note_forward_without_requests()
             self.step.profiling = True
             return torch.arange(q.shape[0], device=q.device)
         if self.step.layout is None:
@@ -225,6 +231,17 @@ class VllmDropRuntime:
                 self.store.free(request_ids[r])
             rows = torch.where(stale, torch.zeros_like(rows), rows)
         return rows
+
+    def _note_forward_without_requests(self) -> None:
+        """A forward with attention metadata but no request ids is a dummy run, or a model
+        runner the hook does not wrap; many of them and no real step means the latter (the
+        H200 run of 2026-12-01 met vLLM's runner V2 this way): say so once, nothing drops."""
+        totals = self.totals
+        totals.forwards_without_requests += 1
+        if totals.forwards_without_requests == _SILENT_DUMMY_RUNS and totals.forwards == 0:
+            logger.warning("uniprefill: %d forwards carried attention metadata but no request ids and none had "
+                           "them: vLLM's model runner is not one uniprefill wraps (vllm_runner_hook), so nothing "
+                           "drops", totals.forwards_without_requests)
 
     def _count(self, eligible: torch.Tensor) -> None:
         """Running totals of the forwards that reached the last drop point; the first forward
