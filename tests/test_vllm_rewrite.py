@@ -466,6 +466,78 @@ def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_referen
     assert len(runtime.store) == 1 and runtime.store.get("req-0") is None
 
 
+def test_backend_under_model_runner_v2_drops_decodes_and_frees(model, monkeypatch):
+    """The same end to end, with request ids from the V2 hook (vLLM 0.26's default runner for
+    Llama and Gemma-3) rather than from the fake world: a fake V2 runner whose `execute_model`
+    prepares the batch and runs the compiled model. A dummy run drops nothing; the prefill
+    drops; the decode step matches the reference; a finished request's history is freed by the
+    next `execute_model`."""
+    import numpy as np
+
+    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+
+    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
+    listeners = hook.FinishedListeners()
+    hooks = VllmHooks(lambda: WORLD.context, hook.step_request_ids, hook.num_prompt_tokens, listeners,
+                      opted_out_fn=hook.opted_out)
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    backend = VllmTokenDropBackend(config, layer_kinds=["full"] * LAYERS, block_size=BLOCK, hooks=hooks)
+    compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
+    prompts = {"req-0": 200, "req-1": 120}
+
+    class RunnerV2:
+        def prepare_inputs(self, scheduler_output, batch_desc):
+            ids = list(WORLD.context.request_ids)
+            return types.SimpleNamespace(req_ids=ids, prefill_len_np=np.array([prompts[r] for r in ids]))
+
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+            if not dummy_run:
+                self.prepare_inputs(scheduler_output, None)
+            with torch.no_grad():
+                return compiled(*scheduler_output.inputs)
+
+    assert hook.install_v2(RunnerV2, listeners)
+    runner = RunnerV2()
+
+    def output(inputs, finished=()):
+        return types.SimpleNamespace(inputs=inputs, finished_req_ids=set(finished), preempted_req_ids=None,
+                                     scheduled_new_reqs=[])
+
+    query_lens = list(prompts.values())
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    WORLD.context = fake_context(query_lens)
+    runner.execute_model(output((ids, positions)), dummy_run=True)
+    runtime = backend.runtimes[0]
+    assert runtime.step.profiling and len(runtime.store) == 0
+    world = WORLD.context = fake_context(query_lens)
+    hidden = runner.execute_model(output((ids, positions)))
+    assert runtime.totals.dropping_forwards == 1 and len(runtime.store) == 2
+    qsl = [0, query_lens[0], sum(query_lens)]
+    point = runtime.step.points[0]
+    kept = [set((point.source_rows[(point.source_rows >= qsl[r]) & (point.source_rows < qsl[r + 1])] - qsl[r]).tolist())
+            for r in range(2)]
+    assert all(len(k) < q for k, q in zip(kept, query_lens))  # both prompts dropped rows
+    new = torch.randint(0, VOCAB, (2,))
+    WORLD.context = step_context(world, query_lens, [1, 1])
+    step = runner.execute_model(output((new, torch.tensor(query_lens))))
+    torch._dynamo.reset()
+    for r, q in enumerate(query_lens):
+        prompt = ids[qsl[r]:qsl[r + 1]]
+        with torch.no_grad():
+            ref_prefill = model.reference(prompt, {1: torch.tensor(sorted(kept[r]))})
+            ref_decode = model.reference(torch.cat([prompt, new[r:r + 1]]), {1: torch.tensor(sorted(kept[r] | {q}))})
+        torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref_prefill, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step[r], ref_decode, atol=1e-5, rtol=1e-5)
+    runner.execute_model(output((new, torch.tensor(query_lens)), finished=["req-0"]), dummy_run=True)
+    assert len(runtime.store) == 2  # a dummy run frees nothing: finished ids arrive with real steps
+    WORLD.context = step_context(world, [q + 1 for q in query_lens], [1, 1])
+    runner.execute_model(output((new, torch.tensor(query_lens) + 1), finished=["req-0"]))
+    assert len(runtime.store) == 1 and runtime.store.get("req-0") is None
+
+
 class TokenAxisSecond(TinyBackbone):
     """Carries a [1, s] value across the drop point: the rewrite cannot follow it."""
 
