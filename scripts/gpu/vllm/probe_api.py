@@ -60,8 +60,18 @@ def main() -> None:
         ("vllm.model_executor.layers.attention.attention", "unified_attention_with_output"),
         ("vllm.model_executor.layers.attention.attention", "unified_kv_cache_update"),
         ("vllm.plugins", "load_general_plugins"),
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),  # V1: _model_forward, _update_states
+        ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),  # V2: execute_model, prepare_inputs
+        ("vllm.v1.worker.gpu.input_batch", "InputBatch"),  # V2: req_ids, prefill_len_np
     ]
     report["names"] = {f"{m}.{a}": probe(m, a) for m, a in names}
+    runner_methods = {"vllm.v1.worker.gpu_model_runner": ("_model_forward", "_update_states"),
+                      "vllm.v1.worker.gpu.model_runner": ("execute_model", "prepare_inputs")}
+    for module, methods in runner_methods.items():  # what vllm_runner_hook wraps
+        key = f"{module}.GPUModelRunner"
+        if report["names"][key]["ok"]:
+            cls = importlib.import_module(module).GPUModelRunner
+            report["names"][key]["methods"] = {m: callable(getattr(cls, m, None)) for m in methods}
     try:
         import torch
 
