@@ -93,7 +93,7 @@ def select_blocks(
     cu_blocks: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     *,
-    p: float,
+    p: float | torch.Tensor,
     keep_ratio: float | None,
     block_size: int,
     sink: int,
@@ -111,7 +111,9 @@ def select_blocks(
       blocks and whose score sum is >= p * (the sum of all the sequence's block scores).
       Blocks are taken in the order: forced first, then the others by descending score,
       ties to the lower block index; the prefix sums are float32, and a block is kept
-      while the sum before it is below the target. p >= 1 keeps every block.
+      while the sum before it is below the target. p >= 1 keeps every block. `p` is one
+      number, or a host float32 tensor [B] with each sequence's own p (checked on the host,
+      copied to the device without a sync; a serving engine's per-request p).
     - Keep ratio r: keep the forced blocks, then the highest-scoring blocks (same order)
       until the kept TOKEN count is >= ceil(r * len_i).
 
@@ -192,7 +194,7 @@ def score_and_select(
     *,
     scale: float,
     block_size: int,
-    p: float,
+    p: float | torch.Tensor,
     keep_ratio: float | None,
     sink: int,
     last_q: int,

@@ -89,25 +89,27 @@ def select_blocks_reference(
     cu_blocks: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     *,
-    p: float,
+    p: float | torch.Tensor,
     keep_ratio: float | None,
     block_size: int,
     sink: int,
     last_q: int,
     min_tokens: int,
 ) -> torch.Tensor:
-    """Block keep flags, bool [total_blocks]; see `api.select_blocks` for the rule."""
+    """Block keep flags, bool [total_blocks]; see `api.select_blocks` for the rule (p: one
+    number, or a host tensor with one per sequence)."""
     keep = torch.zeros_like(block_scores, dtype=torch.bool)
     blocks, tokens = cu_blocks.tolist(), cu_seqlens_k.tolist()
     min_len = max(min_tokens, sink + last_q)
+    ps = p.tolist() if isinstance(p, torch.Tensor) else [p] * (len(blocks) - 1)  # one p per sequence
     for b in range(len(blocks) - 1):
         n_tokens = tokens[b + 1] - tokens[b]
         scores = block_scores[blocks[b] : blocks[b + 1]]
-        if n_tokens < min_len or (keep_ratio is None and p >= 1.0):
+        if n_tokens < min_len or (keep_ratio is None and ps[b] >= 1.0):
             keep[blocks[b] : blocks[b + 1]] = True
             continue
         keep[blocks[b] : blocks[b + 1]] = _select_one(
-            scores, n_tokens, p=p, keep_ratio=keep_ratio, block_size=block_size, sink=sink, last_q=last_q
+            scores, n_tokens, p=ps[b], keep_ratio=keep_ratio, block_size=block_size, sink=sink, last_q=last_q
         )
     return keep
 

@@ -32,11 +32,13 @@ _KEEP_EVERYTHING = 2**31 - 1  # as min_len: every sequence is shorter, so all is
 
 @triton.jit
 def _select_blocks_kernel(
-    scores_ptr, cu_blocks_ptr, cu_k_ptr, target_tokens_ptr, keep_ptr,
+    scores_ptr, cu_blocks_ptr, cu_k_ptr, target_tokens_ptr, keep_ptr, p_ptr,
     p, block_size, sink, last_q, min_len,
-    TOP_P: tl.constexpr, BLOCK: tl.constexpr,
+    TOP_P: tl.constexpr, PER_SEQUENCE_P: tl.constexpr, BLOCK: tl.constexpr,
 ):
     seq = tl.program_id(0)
+    if PER_SEQUENCE_P:
+        p = tl.load(p_ptr + seq)
     first = tl.load(cu_blocks_ptr + seq)
     n_blocks = tl.load(cu_blocks_ptr + seq + 1) - first
     n_k = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
@@ -66,6 +68,8 @@ def _select_blocks_kernel(
     n_keep = tl.sum((sorted_ok & (prefix < target)).to(tl.int32), 0) + 1
     # The key at the last kept position; -1 (keep all) when n_keep runs past the blocks.
     threshold = tl.max(tl.where(offs == n_keep - 1, key_sorted, -1), 0)
+    if PER_SEQUENCE_P:  # p >= 1 keeps every block (the host decides this for one shared p)
+        threshold = tl.where(p >= 1.0, -1, threshold)
     keep = forced | (key >= threshold) | (n_k < min_len)
     tl.store(keep_ptr + first + offs, keep.to(tl.int8), mask=valid)
 
@@ -76,7 +80,7 @@ def select_blocks_fwd(
     cu_seqlens_k: torch.Tensor,
     *,
     max_blocks_per_sequence: int,
-    p: float,
+    p: float | torch.Tensor,
     keep_ratio: float | None,
     block_size: int,
     sink: int,
@@ -95,7 +99,9 @@ def select_blocks_fwd(
     if block_scores.shape[0] == 0:
         return keep.view(torch.bool)
     min_len = max(min_tokens, sink + last_q)
-    if keep_ratio is None and p >= 1.0:
+    per_sequence = isinstance(p, torch.Tensor)
+    p_values = p.to(block_scores.device, non_blocking=True) if per_sequence else block_scores  # (unused if one p)
+    if keep_ratio is None and not per_sequence and p >= 1.0:
         min_len = _KEEP_EVERYTHING
     if keep_ratio is None:
         target_tokens = cu_seqlens_k  # unused by the top-p variant
@@ -107,9 +113,9 @@ def select_blocks_fwd(
     # interpreter runs each sorting stage in Python, so it gets the smallest block.
     block = max(256 if block_scores.is_cuda else 16, next_power_of_2(max_blocks_per_sequence))
     _select_blocks_kernel[(batch,)](
-        block_scores, cu_blocks, cu_seqlens_k, target_tokens, keep,
-        float(p), block_size, sink, last_q, min(min_len, _KEEP_EVERYTHING),
-        TOP_P=keep_ratio is None, BLOCK=block,
+        block_scores, cu_blocks, cu_seqlens_k, target_tokens, keep, p_values,
+        1.0 if per_sequence else float(p), block_size, sink, last_q, min(min_len, _KEEP_EVERYTHING),
+        TOP_P=keep_ratio is None, PER_SEQUENCE_P=per_sequence and keep_ratio is None, BLOCK=block,
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )
     return keep.view(torch.bool)

@@ -133,8 +133,15 @@ def check_select_inputs(block_scores, cu_blocks, cu_seqlens_k, *, p, keep_ratio,
         raise ValueError(f"block_scores.dtype must be torch.float32, got {block_scores.dtype}")
     _check_cu("cu_blocks", cu_blocks, block_scores.device)
     _check_cu("cu_seqlens_k", cu_seqlens_k, block_scores.device, batch=cu_blocks.shape[0] - 1)
-    if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-        raise ValueError(f"p={p!r} must be a number in (0, 1]")
+    if isinstance(p, torch.Tensor):  # one p per sequence (a host tensor: checked here, moved by the caller)
+        batch = cu_blocks.shape[0] - 1
+        if p.dim() != 1 or p.shape[0] != batch or p.dtype != torch.float32 or p.device.type != "cpu":
+            raise ValueError(f"p as a tensor must be a host float32 tensor [B] = [{batch}] (one p per sequence), "
+                             f"got {p.dtype} {tuple(p.shape)} on {p.device}")
+        if batch and not bool(((p > 0.0) & (p <= 1.0)).all()):
+            raise ValueError(f"p: every sequence's p must lie in (0, 1]; got {p.tolist()[:8]}")
+    elif isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+        raise ValueError(f"p={p!r} must be a number in (0, 1] (or a host float32 tensor [B], one per sequence)")
     if keep_ratio is not None and (
         isinstance(keep_ratio, bool)
         or not isinstance(keep_ratio, (int, float))

@@ -238,6 +238,37 @@ def test_triton_selection_matches_reference(case, p, keep_ratio):
     check_selection(scores, out, cu_blocks, lens, **settings)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("case", SELECT_CASES[:4], ids=[c[0] for c in SELECT_CASES[:4]])
+def test_one_p_per_sequence_equals_each_sequence_with_its_own_p(case, impl):
+    """A serving engine's per-request p: a host tensor [B] selects, for every sequence, exactly
+    what a call with that sequence's p alone selects (p = 1 keeps all of its blocks)."""
+    _, lens, block, sink, last_q, min_tokens = case
+    cu_k = cumsum0(lens)
+    cu_blocks = cumsum0([math.ceil(n / block) for n in lens])
+    scores = integer_scores(cu_blocks.tolist(), seed=3 * len(lens) + block)
+    ps = [0.3, 1.0, 0.8, 0.95, 0.5][: len(lens)]
+    settings = dict(keep_ratio=None, block_size=block, sink=sink, last_q=last_q, min_tokens=min_tokens)
+    out = api.select_blocks(scores, cu_blocks, cu_k, p=torch.tensor(ps), impl=impl, max_seqlen_k=max(lens), **settings)
+    bounds = cu_blocks.tolist()
+    for b, p in enumerate(ps):
+        alone = api.select_blocks(scores, cu_blocks, cu_k, p=p, impl=impl, max_seqlen_k=max(lens), **settings)
+        assert torch.equal(out[bounds[b]:bounds[b + 1]], alone[bounds[b]:bounds[b + 1]]), f"sequence {b}, p = {p}"
+    ratio = api.select_blocks(scores, cu_blocks, cu_k, p=torch.tensor(ps), impl=impl, **{**settings, "keep_ratio": 0.3})
+    assert torch.equal(ratio, api.select_blocks(scores, cu_blocks, cu_k, p=0.9, impl=impl,
+                                                **{**settings, "keep_ratio": 0.3}))  # a keep ratio ignores p
+
+
+def test_per_sequence_p_is_checked():
+    cu_k, cu_blocks = cumsum0([64, 64]), cumsum0([4, 4])
+    scores = torch.ones(8, device=DEVICE)
+    settings = dict(keep_ratio=None, block_size=16, sink=0, last_q=1, min_tokens=0)
+    for bad, message in ((torch.tensor([0.5]), r"\[B\] = \[2\]"), (torch.tensor([0.5, 0.0]), r"in \(0, 1\]"),
+                         (torch.tensor([0.5, 0.9], dtype=torch.float64), "float32")):
+        with pytest.raises(ValueError, match=message):
+            api.select_blocks(scores, cu_blocks, cu_k, p=bad, **settings)
+
+
 def check_selection(scores, keep, cu_blocks, lens, *, p, keep_ratio, block_size, sink, last_q, min_tokens):
     """The properties of a selection, sequence by sequence."""
     bounds = cu_blocks.tolist()

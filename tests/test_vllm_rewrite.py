@@ -11,6 +11,7 @@ attention on all tokens, everything after on the kept tokens at their original p
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 
 import pytest
@@ -152,6 +153,7 @@ def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, window
         runtime = VllmDropRuntime(config, names, drops,
                                   context_fn=lambda: WORLD.context, block_size_fn=lambda name: BLOCK,
                                   request_ids_fn=lambda: WORLD.context.request_ids,
+                                  request_p_fn=lambda: getattr(WORLD.context, "request_p", None),
                                   windows={names[i]: w for i, w in windows.items() if i > drops[0]},
                                   window_layer_fn=fake_window_layer)
         state.update(info=info, runtime=runtime,
@@ -303,6 +305,33 @@ def test_a_request_recomputed_from_scratch_replaces_its_history_and_totals_count
     assert listeners.totals() == [dataclasses.asdict(totals)] and isinstance(hook.drop_totals(object()), list)
 
 
+def test_each_request_may_bring_its_own_p(model):
+    """Per-request p (`extra_args={"uniprefill": {"p": x}}` through the runner hook): in one
+    batch, every request keeps exactly the rows a batch of engines with that request's p alone
+    would keep; a request without its own p takes the config's."""
+    query_lens = [300, 170, 250]
+    torch.manual_seed(6)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+
+    def kept_rows(p: float, request_p=None) -> list[set]:
+        config = UniPrefillConfig(p=p, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+        compiled, state = compile_with_drops(model, config, (1,))
+        WORLD.context = fake_context(query_lens)
+        WORLD.context.request_p = request_p
+        with torch.no_grad():
+            compiled(ids, positions)
+        torch._dynamo.reset()
+        rows = state["runtime"].step.points[0].source_rows
+        return [set(rows[(rows >= qsl[r]) & (rows < qsl[r + 1])].tolist()) for r in range(len(query_lens))]
+
+    mixed = kept_rows(0.9, torch.tensor([0.5, math.nan, 0.99]))
+    low, default, high = kept_rows(0.5), kept_rows(0.9), kept_rows(0.99)
+    assert mixed == [low[0], default[1], high[2]]
+    assert len(low[0]) < len(high[0])  # the p values do differ in what they keep
+
+
 def test_runner_hook_supplies_request_ids_and_frees_finished_requests():
     from uniprefill import vllm_runner_hook as hook
 
@@ -422,6 +451,34 @@ def test_runner_hook_v2_supplies_requests_from_the_prepared_batch():
     seen.clear()
     runner.execute_model(types.SimpleNamespace(finished_req_ids={"b", "c"}, preempted_req_ids=None, scheduled_new_reqs=[]))
     assert seen[1][2] is None  # the opted-out requests finished: no mask again
+
+
+def test_request_settings_from_sampling_params(caplog):
+    """extra_args["uniprefill"]: {"p": x} gives the request its own p until it finishes; False
+    or a bad setting (logged) keep every row; prompt logprobs opt out where read from params."""
+    from uniprefill import vllm_runner_hook as hook
+
+    def arriving(req_id, setting=None, logprobs=None):
+        extra = None if setting is None else {"uniprefill": setting}
+        return types.SimpleNamespace(req_id=req_id, sampling_params=types.SimpleNamespace(extra_args=extra,
+                                                                                          prompt_logprobs=logprobs))
+
+    settings = hook.RequestSettings()
+    ids = ("a", "b", "c", "d", "e", "f")
+    assert settings.of_step(ids) == (None, None)  # nothing live: nothing computed
+    with caplog.at_level("WARNING", logger=hook.__name__):
+        settings.arrive([arriving("a", {"p": 0.8}), arriving("b", False), arriving("c", {"p": 1.5}),
+                         arriving("d", {"p": 0.9, "x": 1}), arriving("e", logprobs=2), arriving("f", True)],
+                        logprobs_in_params=True)
+    mask, p = settings.of_step(ids)
+    assert mask.tolist() == [False, True, True, True, True, False]
+    assert p[0].item() == pytest.approx(0.8) and torch.isnan(p[1:]).all()
+    assert sum("keeps every row" in r.getMessage() for r in caplog.records) == 2  # c and d
+    settings.finish({"a", "b", "c", "d", "e"})
+    assert settings.of_step(ids) == (None, None)
+    v1 = hook.RequestSettings()
+    v1.arrive([arriving("e", logprobs=2)], logprobs_in_params=False)  # V1 reads logprobs from its batch
+    assert v1.of_step(("e",)) == (None, None) and v1.of_step(("e",), {"e": 2})[0].tolist() == [True]
 
 
 def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_reference(model, monkeypatch):

@@ -192,6 +192,7 @@ class VllmHooks:
     window_layer_fn: Any = None  # layer name -> runtime.vllm_drop.WindowLayer (sliding layers after a drop)
     tp_group_fn: Any = None  # () -> the tensor-parallel process group (block scores are summed across it)
     opted_out_fn: Any = None  # () -> host bool [R] of requests that must not drop (prompt logprobs), or None
+    request_p_fn: Any = None  # () -> host float32 [R] of requests' own p (NaN: the config's), or None
 
     @classmethod
     def from_vllm(cls) -> "VllmHooks":
@@ -209,7 +210,7 @@ class VllmHooks:
         if GPUModelRunnerV2 is not None:
             hook.install_v2(GPUModelRunnerV2)
         return cls(get_forward_context, hook.step_request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer,
-                   vllm_tp_group, hook.opted_out)
+                   vllm_tp_group, hook.opted_out, hook.request_p)
 
 
 def vllm_tp_group():
@@ -370,6 +371,7 @@ class VllmTokenDropBackend:
                                   hooks.context_fn, lambda name: self.block_size,
                                   num_prompt_tokens_fn=hooks.num_prompt_tokens_fn,
                                   request_ids_fn=hooks.request_ids_fn, opted_out_fn=hooks.opted_out_fn,
+                                  request_p_fn=hooks.request_p_fn,
                                   windows={name: self.sliding_window for name in sliding},
                                   window_layer_fn=hooks.window_layer_fn, group=group)
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact

@@ -16,8 +16,9 @@ handed to every registered `on_finished` listener (the runtimes free their histo
 Requests that must not drop (`opted_out()`): those asking for prompt logprobs (vLLM reads
 the logits at every prompt position; `input_batch.num_prompt_logprobs`) and those whose
 sampling params say `extra_args={"uniprefill": False}` (recorded when the request arrives,
-`scheduler_output.scheduled_new_reqs`). When no live request opted out, nothing is computed
-per step.
+`scheduler_output.scheduled_new_reqs`). `extra_args={"uniprefill": {"p": x}}` gives a request
+its own top-p (`request_p()`); see `RequestSettings`. When no live request has a setting,
+nothing is computed per step.
 
 [read] in vLLM 0.26.0's source only: NOT yet run on the GPU, and private methods can change
 between vLLM versions; the plugin uses it only where `UNIPREFILL_VLLM_DROP=1` asks for the
@@ -28,6 +29,8 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import logging
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -42,6 +45,7 @@ class StepRequests:
     request_ids: tuple[str, ...]  # batch order
     num_prompt_tokens: torch.Tensor  # host int64 [R]
     opted_out: torch.Tensor | None = None  # host bool [R]; None: no request of the step opted out
+    p: torch.Tensor | None = None  # host float32 [R], a request's own p (NaN: the engine's); None: none has one
 
 
 def current_step() -> StepRequests | None:
@@ -75,23 +79,71 @@ class FinishedListeners:
 # Process-wide, like the runner class it wraps: the runtimes of this process's graphs.
 LISTENERS = FinishedListeners()
 
+logger = logging.getLogger(__name__)
+
+
+class RequestSettings:
+    """Per-request settings of the live requests, read when a request arrives.
+
+    `SamplingParams.extra_args["uniprefill"]`: False keeps every row of the request (opt-out);
+    `{"p": x}` with 0 < x <= 1 gives it its own top-p (ignored where a keep ratio is forced).
+    Anything else is logged and the request keeps every row: a bad setting never silently
+    changes an answer. Prompt logprobs opt out too (`logprobs_in_params`: V2 reads them from
+    the sampling params; V1 from its batch). Nothing per step is computed while no live request
+    has a setting."""
+
+    def __init__(self) -> None:
+        self.opted_out: set[str] = set()
+        self.p: dict[str, float] = {}
+
+    def arrive(self, new_requests, logprobs_in_params: bool) -> None:
+        for new in new_requests or ():
+            params = getattr(new, "sampling_params", None)
+            setting = (getattr(params, "extra_args", None) or {}).get("uniprefill")
+            if logprobs_in_params and getattr(params, "prompt_logprobs", None) is not None:
+                self.opted_out.add(new.req_id)
+            if setting is None or setting is True:
+                continue
+            if setting is False:
+                self.opted_out.add(new.req_id)
+                continue
+            p = setting.get("p") if isinstance(setting, dict) and set(setting) == {"p"} else None
+            if isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 < p <= 1.0:
+                self.p[new.req_id] = float(p)
+            else:
+                logger.warning("uniprefill: request %s: extra_args['uniprefill']=%r is not False or {'p': x} with "
+                               "0 < x <= 1; it keeps every row", new.req_id, setting)
+                self.opted_out.add(new.req_id)
+
+    def finish(self, request_ids) -> None:
+        self.opted_out.difference_update(request_ids)
+        for request_id in request_ids:
+            self.p.pop(request_id, None)
+
+    def of_step(self, ids: tuple[str, ...], also_opted_out=()) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(opted_out mask, per-request p) for the step's requests, each None when empty."""
+        mask = p = None
+        if self.opted_out or also_opted_out:
+            mask = torch.tensor([r in self.opted_out or r in also_opted_out for r in ids], dtype=torch.bool)
+        if self.p:
+            p = torch.tensor([self.p.get(r, math.nan) for r in ids], dtype=torch.float32)
+        return mask, p
+
 
 def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     """Wrap `runner_cls._model_forward` and `_update_states`; False if already wrapped."""
     if getattr(runner_cls._model_forward, _MARK, False):
         return False
     forward, update = runner_cls._model_forward, runner_cls._update_states
-    opted_out_ids: set[str] = set()  # requests whose sampling params opt out (extra_args)
+    settings = RequestSettings()
 
     @functools.wraps(forward)
     def _model_forward(self, *args, **kwargs):
         batch = self.input_batch
         ids = tuple(batch.req_ids)
         logprobs = getattr(batch, "num_prompt_logprobs", None) or {}  # vLLM's {req_id: n}, usually empty
-        mask = None
-        if opted_out_ids or logprobs:
-            mask = torch.tensor([r in opted_out_ids or r in logprobs for r in ids], dtype=torch.bool)
-        step = StepRequests(ids, batch.num_prompt_tokens_cpu_tensor[:len(ids)].to(torch.long), mask)
+        mask, p = settings.of_step(ids, logprobs)
+        step = StepRequests(ids, batch.num_prompt_tokens_cpu_tensor[:len(ids)].to(torch.long), mask, p)
         token = _STEP.set(step)
         try:
             return forward(self, *args, **kwargs)
@@ -101,11 +153,8 @@ def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     @functools.wraps(update)
     def _update_states(self, scheduler_output, *args, **kwargs):
         finished = tuple(getattr(scheduler_output, "finished_req_ids", ()) or ())
-        opted_out_ids.difference_update(finished)
-        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
-            extra = getattr(getattr(new, "sampling_params", None), "extra_args", None) or {}
-            if extra.get("uniprefill") is False:
-                opted_out_ids.add(new.req_id)
+        settings.finish(finished)
+        settings.arrive(getattr(scheduler_output, "scheduled_new_reqs", ()), logprobs_in_params=False)
         listeners.notify(finished)
         return update(self, scheduler_output, *args, **kwargs)
 
@@ -132,19 +181,15 @@ def install_v2(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     if getattr(runner_cls.execute_model, _MARK, False):
         return False
     execute, prepare = runner_cls.execute_model, runner_cls.prepare_inputs
-    opted_out_ids: set[str] = set()
+    settings = RequestSettings()
 
     @functools.wraps(execute)
     def execute_model(self, scheduler_output, *args, **kwargs):
         if not kwargs.get("dummy_run", args[1] if len(args) > 1 else False):
             finished = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
             finished |= set(getattr(scheduler_output, "preempted_req_ids", ()) or ())
-            opted_out_ids.difference_update(finished)
-            for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
-                params = getattr(new, "sampling_params", None)
-                extra = getattr(params, "extra_args", None) or {}
-                if extra.get("uniprefill") is False or getattr(params, "prompt_logprobs", None) is not None:
-                    opted_out_ids.add(new.req_id)
+            settings.finish(finished)
+            settings.arrive(getattr(scheduler_output, "scheduled_new_reqs", ()), logprobs_in_params=True)
             listeners.notify(finished)
         token = _STEP.set(None)
         try:
@@ -156,11 +201,9 @@ def install_v2(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     def prepare_inputs(self, scheduler_output, *args, **kwargs):
         batch = prepare(self, scheduler_output, *args, **kwargs)
         ids = tuple(batch.req_ids)
-        mask = None
-        if opted_out_ids:
-            mask = torch.tensor([r in opted_out_ids for r in ids], dtype=torch.bool)
+        mask, p = settings.of_step(ids)
         prefill = torch.as_tensor(batch.prefill_len_np[:len(ids)]).to(torch.long)
-        _STEP.set(StepRequests(ids, prefill, mask))  # seen by the forward execute_model runs next
+        _STEP.set(StepRequests(ids, prefill, mask, p))  # seen by the forward execute_model runs next
         return batch
 
     for wrapped in (execute_model, prepare_inputs):
@@ -199,6 +242,14 @@ def opted_out() -> torch.Tensor | None:
     if step is None:
         raise RuntimeError("uniprefill: no requests for this forward (vLLM's model runner is not wrapped)")
     return step.opted_out
+
+
+def request_p() -> torch.Tensor | None:
+    """Host float32 [R]: each request's own p (NaN: the engine's); None when none has one."""
+    step = current_step()
+    if step is None:
+        raise RuntimeError("uniprefill: no requests for this forward (vLLM's model runner is not wrapped)")
+    return step.p
 
 
 def num_prompt_tokens() -> torch.Tensor:

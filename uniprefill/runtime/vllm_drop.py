@@ -129,6 +129,7 @@ class VllmDropRuntime:
                  num_prompt_tokens_fn: Callable[[], torch.Tensor | None] | None = None,
                  request_ids_fn: Callable[[], Sequence[str]] | None = None,
                  opted_out_fn: Callable[[], torch.Tensor | None] | None = None,
+                 request_p_fn: Callable[[], torch.Tensor | None] | None = None,
                  group=None, windows: dict[str, int] | None = None,
                  window_layer_fn: Callable[[str], WindowLayer] | None = None) -> None:
         """layer_names: attention layer names in graph order (index = position in the list).
@@ -143,6 +144,8 @@ class VllmDropRuntime:
             use (e.g. scoring) is correct.
         opted_out_fn: host bool [R] of the step's requests that must keep every row (prompt
             logprobs, a per-request opt-out), or None when none does.
+        request_p_fn: host float32 [R], each request's own top-p (NaN: `config.p`), or None
+            when no request has one; not used where the config forces a keep ratio.
         group: the tensor-parallel process group (block scores are summed across it).
         windows: sliding-window layer name -> window (tokens), for the sliding layers that run
             after a drop point; `window_layer_fn(name)` gives each one's `WindowLayer`."""
@@ -156,6 +159,7 @@ class VllmDropRuntime:
         self.num_prompt_tokens_fn = num_prompt_tokens_fn or (lambda: None)
         self.request_ids_fn = request_ids_fn
         self.opted_out_fn = opted_out_fn or (lambda: None)
+        self.request_p_fn = request_p_fn or (lambda: None)
         self.group = group
         self.windows = dict(windows or {})
         if self.windows and window_layer_fn is None:
@@ -231,6 +235,15 @@ class VllmDropRuntime:
                 self.store.free(request_ids[r])
             rows = torch.where(stale, torch.zeros_like(rows), rows)
         return rows
+
+    def _p_of(self, chosen: torch.Tensor) -> float | torch.Tensor:
+        """The top-p of the chosen requests: `config.p`, or a host tensor when one of them has
+        its own (`request_p_fn`)."""
+        own = self.request_p_fn()
+        if own is None:
+            return self.config.p
+        p = torch.where(torch.isnan(own[chosen]), torch.tensor(self.config.p, dtype=torch.float32), own[chosen])
+        return self.config.p if bool((p == self.config.p).all()) else p
 
     def _note_forward_without_requests(self) -> None:
         """A forward with attention metadata but no request ids is a dummy run, or a model
@@ -362,11 +375,12 @@ class VllmDropRuntime:
         query_rows = _ranges(ends - n_q, n_q)
         cu_k, cu_q = _offsets(lens), _offsets(n_q)
         key_rows_d = key_rows.to(device, non_blocking=True)
+        keep_ratio = cfg.keep_ratio_at(drop_index, len(self.drop_layers))
         selection = score_and_select(
             q[query_rows.to(device, non_blocking=True)], k[key_rows_d],
             cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(lens.max()),
-            scale=q.shape[-1] ** -0.5, block_size=cfg.block_size, p=cfg.p,
-            keep_ratio=cfg.keep_ratio_at(drop_index, len(self.drop_layers)),
+            scale=q.shape[-1] ** -0.5, block_size=cfg.block_size,
+            p=cfg.p if keep_ratio is not None else self._p_of(chosen), keep_ratio=keep_ratio,
             sink=cfg.sink, last_q=cfg.last_q, min_tokens=cfg.effective_min_tokens, impl=cfg.impl,
             host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()), group=self.group,
         )
