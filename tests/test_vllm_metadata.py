@@ -543,8 +543,12 @@ def test_record_step_free_and_reuse():
                 keys = hist.key_positions(layer, pos - hist.prompt_end + 1)
                 idx = torch.nonzero(window_visibility(torch.tensor([pos]), keys, window)[0]).flatten()
                 assert (int(first[0]), int(count[0])) == (keys.numel() - idx.numel(), idx.numel())
+    batch = ["p2", "p1", "x"]
+    decode = store.rows_for(batch)
+    assert store.rows_for(tuple(batch)) is decode  # the same batch again: no lookups (decode steps)
     assert store.free("p1") and not store.free("p1") and not store.free("never-seen")
     assert "p1" not in store and store.rows_for(["p1"]).tolist() == [0]
+    assert store.rows_for(batch).tolist() == [decode[0].item(), 0, 0]  # the store changed: looked up again
     assert store.layer_kv_lens(torch.tensor([1]), torch.tensor([9])).tolist() == [[9] * NUM_LAYERS]  # row zeroed
     assert store.add(make_history("new", 0, 300, seed=5)) == 1  # freed row reused
     with pytest.raises(ValueError, match=r"request 'new' already has a drop history"):

@@ -492,6 +492,8 @@ class DropHistoryStore:
     _histories: dict = field(default_factory=dict, init=False, repr=False)
     _rows: dict = field(default_factory=dict, init=False, repr=False)
     _free_rows: list = field(default_factory=list, init=False, repr=False)
+    _version: int = field(default=0, init=False, repr=False)  # bumped by add / free
+    _rows_cache: tuple | None = field(default=None, init=False, repr=False)  # (version, ids, rows)
 
     def __post_init__(self) -> None:
         self.drop_layers = tuple(int(d) for d in self.drop_layers)
@@ -540,6 +542,7 @@ class DropHistoryStore:
         if not self._free_rows:
             self._grow()
         row = self._free_rows.pop()
+        self._version += 1
         self._rows[history.request_id] = row
         self._histories[history.request_id] = history
         end = history.prompt_end
@@ -568,6 +571,7 @@ class DropHistoryStore:
         row = self._rows.pop(request_id, None)
         if row is None:
             return False
+        self._version += 1
         del self._histories[request_id]
         self._removed[row] = 0
         self._prompt_end[row] = 0
@@ -581,8 +585,16 @@ class DropHistoryStore:
         return self._has[rows.long()]
 
     def rows_for(self, request_ids: Sequence[str]) -> torch.Tensor:
-        """Store row of each request (0 without history): one dict lookup per request."""
-        return torch.tensor([self._rows.get(r, 0) for r in request_ids], dtype=torch.long)
+        """Store row of each request (0 without history), read-only. One dict lookup per
+        request, except when the requests and the store are those of the previous call (a run
+        of decode steps of one batch): then the previous answer, after one tuple comparison."""
+        ids = tuple(request_ids)
+        cached = self._rows_cache
+        if cached is not None and cached[0] == self._version and cached[1] == ids:
+            return cached[2]
+        rows = torch.tensor([self._rows.get(r, 0) for r in ids], dtype=torch.long)
+        self._rows_cache = (self._version, ids, rows)
+        return rows
 
     def record_step(self, request_ids: Sequence[str], base: TokenLayout, drop_layouts: Sequence[TokenLayout],
                     dropped: torch.Tensor) -> list[int]:
