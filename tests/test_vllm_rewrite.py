@@ -481,6 +481,26 @@ def test_request_settings_from_sampling_params(caplog):
     assert v1.of_step(("e",)) == (None, None) and v1.of_step(("e",), {"e": 2})[0].tolist() == [True]
 
 
+def kept_per_request(point, query_lens: list[int]) -> list[set[int]]:
+    """The prompt positions each request of a prefill batch kept at a drop point."""
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    rows = point.source_rows
+    return [set((rows[(rows >= qsl[r]) & (rows < qsl[r + 1])] - qsl[r]).tolist()) for r in range(len(query_lens))]
+
+
+def assert_prefill_and_decode_match_the_reference(model, ids, query_lens, kept, hidden, new, step) -> None:
+    """One drop at layer 1: each request's last prefill row and its decode row equal the plain
+    model run on its kept positions (plus the decoded token)."""
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    for r, q in enumerate(query_lens):
+        prompt = ids[qsl[r]:qsl[r + 1]]
+        with torch.no_grad():
+            ref_prefill = model.reference(prompt, {1: torch.tensor(sorted(kept[r]))})
+            ref_decode = model.reference(torch.cat([prompt, new[r:r + 1]]), {1: torch.tensor(sorted(kept[r] | {q}))})
+        torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref_prefill, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(step[r], ref_decode, atol=1e-5, rtol=1e-5)
+
+
 def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_reference(model, monkeypatch):
     """VllmTokenDropBackend end to end in the fake vLLM, as vLLM would call it, with
     UNIPREFILL_VLLM_DROP=1: the graph is rewritten, the prefill and a decode step match the
@@ -502,22 +522,13 @@ def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_referen
         hidden = compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
     report, runtime = backend.graphs[0], backend.runtimes[0]
     assert report.rewritten and report.drop_layers == (1,) and not report.reason
-    qsl = [0, query_lens[0], sum(query_lens)]
-    kept = [set((runtime.step.points[0].source_rows[(runtime.step.points[0].source_rows >= qsl[r])
-                                                    & (runtime.step.points[0].source_rows < qsl[r + 1])] - qsl[r]).tolist())
-            for r in range(2)]
+    kept = kept_per_request(runtime.step.points[0], query_lens)
     new = torch.randint(0, VOCAB, (2,))
     WORLD.context = step_context(world, query_lens, [1, 1])
     with torch.no_grad():
         step = compiled(new, torch.tensor(query_lens))
     torch._dynamo.reset()
-    for r, q in enumerate(query_lens):
-        prompt = ids[qsl[r]:qsl[r + 1]]
-        with torch.no_grad():
-            ref_prefill = model.reference(prompt, {1: torch.tensor(sorted(kept[r]))})
-            ref_decode = model.reference(torch.cat([prompt, new[r:r + 1]]), {1: torch.tensor(sorted(kept[r] | {q}))})
-        torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref_prefill, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(step[r], ref_decode, atol=1e-5, rtol=1e-5)
+    assert_prefill_and_decode_match_the_reference(model, ids, query_lens, kept, hidden, new, step)
     assert len(runtime.store) == 2
     listeners.notify(["req-0"])
     assert len(runtime.store) == 1 and runtime.store.get("req-0") is None
@@ -572,22 +583,13 @@ def test_backend_under_model_runner_v2_drops_decodes_and_frees(model, monkeypatc
     world = WORLD.context = fake_context(query_lens)
     hidden = runner.execute_model(output((ids, positions)))
     assert runtime.totals.dropping_forwards == 1 and len(runtime.store) == 2
-    qsl = [0, query_lens[0], sum(query_lens)]
-    point = runtime.step.points[0]
-    kept = [set((point.source_rows[(point.source_rows >= qsl[r]) & (point.source_rows < qsl[r + 1])] - qsl[r]).tolist())
-            for r in range(2)]
+    kept = kept_per_request(runtime.step.points[0], query_lens)
     assert all(len(k) < q for k, q in zip(kept, query_lens))  # both prompts dropped rows
     new = torch.randint(0, VOCAB, (2,))
     WORLD.context = step_context(world, query_lens, [1, 1])
     step = runner.execute_model(output((new, torch.tensor(query_lens))))
     torch._dynamo.reset()
-    for r, q in enumerate(query_lens):
-        prompt = ids[qsl[r]:qsl[r + 1]]
-        with torch.no_grad():
-            ref_prefill = model.reference(prompt, {1: torch.tensor(sorted(kept[r]))})
-            ref_decode = model.reference(torch.cat([prompt, new[r:r + 1]]), {1: torch.tensor(sorted(kept[r] | {q}))})
-        torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref_prefill, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(step[r], ref_decode, atol=1e-5, rtol=1e-5)
+    assert_prefill_and_decode_match_the_reference(model, ids, query_lens, kept, hidden, new, step)
     runner.execute_model(output((new, torch.tensor(query_lens)), finished=["req-0"]), dummy_run=True)
     assert len(runtime.store) == 2  # a dummy run frees nothing: finished ids arrive with real steps
     WORLD.context = step_context(world, [q + 1 for q in query_lens], [1, 1])
