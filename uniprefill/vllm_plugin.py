@@ -158,8 +158,16 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
                 "later requests with the same prefix as if they held every token; pass enable_prefix_caching=False")
         else:
             check.notes.append("prefix caching: requests with cached context run unaccelerated")
-    if _get(_get(vllm_config, "scheduler_config"), "enable_chunked_prefill", False):
-        check.notes.append("chunked prefill: prompts split over several steps run unaccelerated")
+    scheduler = _get(vllm_config, "scheduler_config")
+    if _get(scheduler, "enable_chunked_prefill", False):
+        budget = _get(scheduler, "max_num_batched_tokens")
+        longest = _get(_get(vllm_config, "model_config"), "max_model_len")
+        if budget and longest and budget < longest:
+            check.notes.append(f"chunked prefill with max_num_batched_tokens={budget} < max_model_len={longest}: prompts "
+                               f"longer than {budget} tokens are split over several steps and run unaccelerated; "
+                               "raise max_num_batched_tokens to accelerate them")
+        else:
+            check.notes.append("chunked prefill: prompts split over several steps run unaccelerated")
     if vllm_version is not None and vllm_version.split("+")[0] not in VERIFIED_VLLM_VERSIONS:
         check.notes.append(f"vLLM {vllm_version} is untested; the channel was read in {list(VERIFIED_VLLM_VERSIONS)}")
     return check
@@ -280,8 +288,8 @@ class VllmTokenDropBackend:
                              "takes the defaults)")
         check = check_vllm_config(vllm_config, vllm_version, aot_compile, drop_enabled=env.vllm_drop_enabled())
         check.raise_if_errors()
-        for note in check.notes:
-            logger.info("uniprefill: %s", note)
+        for note in check.notes:  # what will run unaccelerated: a warning, so that it shows without logging set up
+            logger.warning("uniprefill: %s", note)
         cache = _get(vllm_config, "cache_config")
         parallel = _get(vllm_config, "parallel_config")
         return cls(config, check, _layer_kinds(vllm_config), block_size=_get(cache, "block_size"),
