@@ -304,6 +304,17 @@ def test_a_request_recomputed_from_scratch_replaces_its_history_and_totals_count
     listeners.add(runtime)
     assert listeners.totals() == [dataclasses.asdict(totals)] and isinstance(hook.drop_totals(object()), list)
 
+    class LLM:  # vLLM's LLM.collective_rpc calls the function in each worker
+        def collective_rpc(self, fn, timeout=None):
+            return [fn("worker-0")]
+
+    class Broken:
+        def collective_rpc(self, fn, timeout=None):
+            raise RuntimeError("insecure serialization is off")
+
+    assert hook.collect_drop_totals(LLM()) == [hook.drop_totals()]
+    assert hook.collect_drop_totals(Broken()).startswith("unavailable: RuntimeError")
+
 
 def test_each_request_may_bring_its_own_p(model):
     """Per-request p (`extra_args={"uniprefill": {"p": x}}` through the runner hook): in one

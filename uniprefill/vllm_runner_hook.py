@@ -244,6 +244,17 @@ def opted_out() -> torch.Tensor | None:
     return step.opted_out
 
 
+def collect_drop_totals(llm) -> list | str:
+    """`drop_totals` of every worker of a `vllm.LLM` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1:
+    collective_rpc sends a function), printed; what went wrong instead, as text, if it cannot."""
+    try:
+        totals = llm.collective_rpc(drop_totals, timeout=60)
+    except Exception as exc:  # noqa: BLE001 - evidence for a run's log, never a reason to fail it
+        totals = f"unavailable: {type(exc).__name__}: {str(exc)[:200]}"
+    print(f"drop totals: {totals}", flush=True)
+    return totals
+
+
 def request_p() -> torch.Tensor | None:
     """Host float32 [R]: each request's own p (NaN: the engine's); None when none has one."""
     step = current_step()

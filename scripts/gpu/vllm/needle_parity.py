@@ -117,13 +117,9 @@ def run(args) -> None:
     extra = {"settings": json.loads(args.settings) if args.system == "uniprefill" else None,
              "vllm_drop": os.environ.get("UNIPREFILL_VLLM_DROP", "0"), "generate_wall_s": wall, "engine_init_s": built}
     if args.system == "uniprefill":  # did requests drop inside the engine? (the runtimes' totals, per worker)
-        try:
-            from uniprefill.vllm_runner_hook import drop_totals
+        from uniprefill.vllm_runner_hook import collect_drop_totals
 
-            extra["drop_totals"] = llm.collective_rpc(drop_totals, timeout=60)
-        except Exception as exc:  # noqa: BLE001 - informative only
-            extra["drop_totals"] = f"unavailable: {type(exc).__name__}: {str(exc)[:200]}"
-        print(f"drop totals: {extra['drop_totals']}", flush=True)
+        extra["drop_totals"] = collect_drop_totals(llm)
     records = score_records(samples, [o.outputs[0].text for o in outputs], args.system, extra)
     args.out.write_text("".join(json.dumps(r) + "\n" for r in records))
     by_length = defaultdict(list)

@@ -155,20 +155,6 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
     return kwargs, {"max_model_len": max_model_len}
 
 
-def record_drop_totals(llm, summary: dict) -> None:
-    """What uniprefill's runtimes dropped inside the engine (`drop_totals` per worker), printed
-    and recorded: the evidence that dropping happened, or did not."""
-    if not os.environ.get("UNIPREFILL_VLLM_DROP"):
-        return
-    try:
-        from uniprefill.vllm_runner_hook import drop_totals
-
-        summary["drop_totals"] = llm.collective_rpc(drop_totals, timeout=60)
-    except Exception as exc:  # noqa: BLE001 - informative only
-        summary["drop_totals"] = f"unavailable: {type(exc).__name__}: {str(exc)[:200]}"
-    print(f"drop totals: {summary['drop_totals']}", flush=True)
-
-
 def attention_backends(worker) -> list[dict]:
     """Run in the worker (collective_rpc): the attention backend of each attention group."""
     runner = getattr(worker, "model_runner", None)
@@ -367,7 +353,10 @@ def main(argv=None) -> int:
         run_throughput(llm, lengths, args.throughput_batches, vocab_size, summary["throughput"]["points"], save)
         checks.append(all(p["prompt_lengths_ok"] and p["cached_tokens"] == 0 for p in summary["throughput"]["points"]))
 
-    record_drop_totals(llm, summary)
+    if os.environ.get("UNIPREFILL_VLLM_DROP"):  # the evidence that dropping happened inside the engine, or not
+        from uniprefill.vllm_runner_hook import collect_drop_totals
+
+        summary["drop_totals"] = collect_drop_totals(llm)
     summary["ok"] = bool(checks) and all(checks)
     save()
     text = json.dumps(summary, indent=1, default=str)
