@@ -14,8 +14,10 @@ Read:
     UNIPREFILL_HAYSTACK: essay haystack file for `uniprefill demo/eval` when --haystack is not
         given (`haystack_path()`).
     UNIPREFILL_VLLM_DROP: "1" turns on the experimental token dropping inside vLLM
-        (`vllm_drop_enabled()`; `uniprefill.vllm_plugin`). Not yet run on a GPU: off by
-        default, and vLLM then runs unaccelerated with the reason logged.
+        (`vllm_drop_enabled()`; `uniprefill.vllm_plugin`). First GPU runs on 2026-12-01
+        (docs/vllm.md): off by default, and vLLM then runs unaccelerated with the reason logged.
+    UNIPREFILL_VLLM_REWRITE_DUMP: a folder; when set, the vLLM plugin writes each rewritten
+        graph's code there (`rewrite_dump_dir()`), for debugging on the GPU box.
     TRITON_INTERPRET: Triton's own switch ("1": run Triton kernels in its CPU interpreter);
         `uniprefill.kernels` reads it (kernels/_common.py) to allow Triton on CPU tensors.
         tests/conftest.py sets it when there is no CUDA device.
@@ -32,7 +34,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "haystack_path", "smollm2_dir", "vllm_drop_enabled"]
+__all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "haystack_path", "rewrite_dump_dir", "smollm2_dir",
+           "vllm_drop_enabled"]
 
 
 def _path_from_env(name: str, default: Path) -> Path:
@@ -69,3 +72,9 @@ def haystack_path() -> str | None:
 def vllm_drop_enabled() -> bool:
     """UNIPREFILL_VLLM_DROP == "1": the experimental vLLM rewrite may run."""
     return os.environ.get("UNIPREFILL_VLLM_DROP", "").strip() == "1"
+
+
+def rewrite_dump_dir() -> Path | None:
+    """UNIPREFILL_VLLM_REWRITE_DUMP, or None when unset or empty."""
+    value = os.environ.get("UNIPREFILL_VLLM_REWRITE_DUMP", "").strip()
+    return Path(value).expanduser() if value else None

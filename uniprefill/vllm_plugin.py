@@ -36,6 +36,7 @@ vLLM at module level; `import uniprefill` never imports this module.
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -384,16 +385,20 @@ class VllmTokenDropBackend:
                                   window_layer_fn=hooks.window_layer_fn, group=group)
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
-            rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds, runtime)
+            result = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds, runtime)
         except (ValueError, KeyError) as exc:
             report.reason = f"the vLLM rewrite refused this graph: {exc}"
             return None
         gm = copy
+        dump = env.rewrite_dump_dir()  # debugging: the rewritten graph's code, with the rewrite's counts
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / f"rewritten-{os.getpid()}-{len(self.runtimes)}.py").write_text(f"# {result}\n{gm.code}")
         hooks.listeners.add(runtime)
         self.runtimes.append(runtime)
         report.rewritten, report.reason = True, ""
         logger.warning("uniprefill: EXPERIMENTAL token dropping inside vLLM at layers %s (UNIPREFILL_VLLM_DROP=1; "
-                       "not yet validated on a GPU)", list(report.drop_layers))
+                       "first GPU runs on 2026-12-01, docs/vllm.md)", list(report.drop_layers))
         return gm.forward
 
 

@@ -179,7 +179,9 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
 
     def back(arg):
         nonlocal scattered
-        if isinstance(arg, fx.Node) and (arg in aligned or _descends_from(arg, aligned)):
+        # computed after a drop: from a gathered value, or from a kept count (vLLM fills buffers made with
+        # `torch.empty((kept, ...))` in place, e.g. silu_and_mul's output: no FX edge to a gathered value)
+        if isinstance(arg, fx.Node) and (arg in aligned or _descends_from(arg, aligned | counts)):
             with graph.inserting_before(output):
                 scattered += 1
                 return graph.call_function(scatter_rows, (arg, rows, num_tokens))

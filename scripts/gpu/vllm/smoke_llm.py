@@ -20,7 +20,9 @@ unaccelerated" with the number of attention ops it saw (the check that vLLM hand
 whole backbone graph); with UNIPREFILL_VLLM_DROP=1 in the environment it runs the experimental
 rewrite and logs "EXPERIMENTAL token dropping inside vLLM". `--dump-graph` uses mode 2 with
 scripts/gpu/vllm/dump_backend.py, which writes the graph and the forward context of its first
-calls into $UNIPREFILL_VLLM_DUMP_DIR (default /tmp/vllm-dump).
+calls into $UNIPREFILL_VLLM_DUMP_DIR (default /tmp/vllm-dump). Debugging: SMOKE_CUDAGRAPH_MODE
+(e.g. NONE) sets the channel's `compilation_config.cudagraph_mode`; UNIPREFILL_VLLM_REWRITE_DUMP
+(uniprefill.env) writes the rewritten graph's code.
 
 Memory. On a GPU shared with another job, pass `--kv-cache-gib G` (vLLM's
 `kv_cache_memory_bytes`: the KV cache gets exactly G GiB and vLLM skips its memory profiling)
@@ -148,6 +150,8 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
             "backend": "uniprefill.vllm_plugin.vllm_backend",
             "inductor_compile_config": {"uniprefill": json.loads(args.uniprefill_settings)},
         }
+        if os.environ.get("SMOKE_CUDAGRAPH_MODE"):  # debugging: e.g. NONE (no CUDA graphs at all)
+            kwargs["compilation_config"]["cudagraph_mode"] = os.environ["SMOKE_CUDAGRAPH_MODE"]
         # token dropping refuses prefix caching (a dropped request's blocks must not be reused)
         kwargs["enable_prefix_caching"] = False
     elif args.dump_graph:

@@ -9,9 +9,10 @@
 #            the dump folder is packed into $OUT/vllm-dump.tar.gz                     ~1.5 min (cap 240 s)
 #   llama4   4-layer Llama-shaped dummy through the uniprefill channel (mode 2)      ~1.5 min (cap 240 s)
 #   llama4drop  the same with UNIPREFILL_VLLM_DROP=1: the experimental rewrite (drop at layer 1)  ~1.5 min
-#   gemmadrop  Gemma-3-270M through the uniprefill channel with UNIPREFILL_VLLM_DROP=1: drops at
-#            the "auto" layers (5, 11), sliding layers after them on the window over original
-#            positions (runtime.vllm_window); greedy texts to compare with the gemma step's  ~2 min
+#   gemmadrop  Gemma-3-270M through the uniprefill channel with UNIPREFILL_VLLM_DROP=1, rewritten at
+#            the "auto" layers (5, 11); its greedy prompts are shorter than min_tokens (256), so
+#            they run through WITHOUT dropping (a check that short prompts are left alone; the
+#            `needles` and `gemmadroptput` steps drop)                                       ~2 min
 #   needles  needle parity (issue 6 stage 2): scripts/gpu/vllm/needle_parity.py on Gemma-3-270M,
 #            niah_single_1..3 + niah_multikey_1 at 8K/16K/32K, NEEDLE_SAMPLES (10) each, standard
 #            vLLM vs uniprefill p = 0.99 (UNIPREFILL_VLLM_DROP=1), then the paired comparison   ~6 min
@@ -101,7 +102,7 @@ for step in "${steps[@]}"; do
         echo "dump: no /tmp/vllm-dump folder" | tee -a "$summary"
       fi ;;
     llama4drop)
-      # the EXPERIMENTAL vLLM rewrite (CPU-tested only): drop at layer 1 of 4, keep 50%
+      # the EXPERIMENTAL vLLM rewrite: drop at layer 1 of 4, keep 50% (dropped on the H200, 2026-12-01)
       export UNIPREFILL_VLLM_DROP=1  # inherited by vLLM's EngineCore process
       run llama4-drop 240 $SMOKE --layers 4 --uniprefill "${SHARED[@]}" --kv-cache-gib 2 \
         --max-model-len 4096 --prompt-words 1000 \
