@@ -24,7 +24,9 @@ window over cache entries.
 Refused with a ValueError naming the reason (the backend then runs the graph unaccelerated):
 a drop layer that is not an attention site, a sliding-window layer after a drop point that
 the runtime has no window for, a value used after a drop point
-whose token axis is not its first, or a symbolic size derived from `s` (other than `s`).
+whose token axis is not its first, a symbolic size derived from `s` (other than `s`), or a
+graph output computed after a drop point that is not one row per token (e.g. a sum over
+tokens: it would change with the drop and cannot be scattered back).
 """
 
 from __future__ import annotations
@@ -181,11 +183,14 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
         nonlocal scattered
         # computed after a drop: from a gathered value, or from a kept count (vLLM fills buffers made with
         # `torch.empty((kept, ...))` in place, e.g. silu_and_mul's output: no FX edge to a gathered value)
-        if isinstance(arg, fx.Node) and (arg in aligned or _descends_from(arg, aligned | counts)):
-            with graph.inserting_before(output):
-                scattered += 1
-                return graph.call_function(scatter_rows, (arg, rows, num_tokens))
-        return arg
+        if not isinstance(arg, fx.Node) or not (arg in aligned or _descends_from(arg, aligned | counts)):
+            return arg
+        if arg not in aligned and not _token_aligned(_example(arg), symbols):
+            raise ValueError(f"the graph output {arg.name} ({_example(arg)!r}) is computed after a drop point "
+                             "but is not one row per token: it cannot be scattered back, and would differ")
+        with graph.inserting_before(output):
+            scattered += 1
+            return graph.call_function(scatter_rows, (arg, rows, num_tokens))
 
     output.args = map_aggregate(output.args, back)
     graph.lint()
