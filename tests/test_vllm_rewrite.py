@@ -612,61 +612,6 @@ def test_backend_under_model_runner_v2_drops_decodes_and_frees(model, monkeypatc
     assert len(runtime.store) == 1 and runtime.store.get("req-0") is None
 
 
-@torch.library.custom_op("uniprefill_fakevllm::gelu_into", mutates_args=("out",))
-def gelu_into(out: torch.Tensor, x: torch.Tensor) -> None:
-    """Like vLLM's `_C.silu_and_mul(out, x)`: fills a preallocated buffer in place."""
-    out.copy_(torch.nn.functional.gelu(x))
-
-
-@gelu_into.register_fake
-def _(out, x):
-    return None
-
-
-class OutputThroughABuffer(TinyBackbone):
-    """Ends as vLLM's Llama graph does (the H200 run of 2026-12-01): the returned value is a
-    projection of `torch.empty((s, ...))` filled in place, so in FX it descends from the token
-    count only, not from any gathered value."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(HIDDEN, HIDDEN, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = super().forward(input_ids, positions)
-        buffer = torch.empty((x.shape[0], HIDDEN))
-        torch.ops.uniprefill_fakevllm.gelu_into(buffer, x)
-        return self.head(buffer)
-
-    def reference(self, ids, kept, windows=None):
-        return self.head(torch.nn.functional.gelu(super().reference(ids, kept, windows)))
-
-
-def test_an_output_filled_in_place_after_the_drop_is_scattered_back_to_every_row():
-    """Regression (H200, 2026-12-01): on vLLM's Llama graph the output was not scattered
-    (`scattered=0`), the model returned the kept rows only, and vLLM's `hidden_states[logits_indices]`
-    indexed past them (a device-side assert)."""
-    model = OutputThroughABuffer().eval()
-    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
-    compiled, state = compile_with_drops(model, config, (1,))
-    query_lens = [200, 130]
-    ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(5))
-    positions = torch.cat([torch.arange(q) for q in query_lens])
-    WORLD.context = fake_context(query_lens)
-    with torch.no_grad():
-        hidden = compiled(ids, positions)
-    torch._dynamo.reset()
-    assert state["result"].scattered == 1 and hidden.shape == (sum(query_lens), HIDDEN)
-    point = state["runtime"].step.points[0]
-    assert len(point.source_rows) < 0.6 * sum(query_lens)
-    qsl = [0, query_lens[0], sum(query_lens)]
-    with torch.no_grad():
-        for r, rows in enumerate(kept_per_request(point, query_lens)):
-            kept = {1: torch.tensor(sorted(rows))}
-            torch.testing.assert_close(hidden[qsl[r + 1] - 1], model.reference(ids[qsl[r]:qsl[r + 1]], kept),
-                                       atol=1e-5, rtol=1e-5)
-
-
 class TokenAxisSecond(TinyBackbone):
     """Carries a [1, s] value across the drop point: the rewrite cannot follow it."""
 
