@@ -1,5 +1,5 @@
 """The vLLM rewrite on graphs whose data flow runs through IN-PLACE ops, as vLLM's Llama graph's
-does (CPU, the fake vLLM of `test_vllm_rewrite.py`).
+does (CPU, the fake vLLM of `tests/fake_vllm_model.py`).
 
 vLLM's Llama layers call `_C.fused_add_rms_norm(x, residual, weight, eps)`, which overwrites
 `residual` with `x + residual` and `x` with its RMS norm, and `_C.silu_and_mul(out, gate_up)`
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from test_vllm_rewrite import (BLOCK, DIM, HEADS, HIDDEN, LAYERS, VOCAB, WORLD, TinyBackbone, compile_with_drops,
-                               fake_context, kept_per_request, rope)
+from fake_vllm_model import (BLOCK, DIM, HEADS, HIDDEN, LAYERS, VOCAB, WORLD, TinyBackbone, compile_with_drops,
+                             fake_context, kept_per_request, rope)
 from uniprefill.config import UniPrefillConfig
 
 EPS, INTERMEDIATE = 1e-5, 48

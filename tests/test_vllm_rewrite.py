@@ -1,7 +1,7 @@
-"""The vLLM prefill rewrite on CPU, in a fake vLLM: paged KV caches written through slot
-mappings and attention read through block tables and `seq_lens`, driven by a forward context
-of per-layer metadata shaped like vLLM 0.26's (`FlashAttentionMetadata` field names), and a
-tiny token-major model traced by dynamo as vLLM's mode 2 traces its backbone.
+"""The vLLM prefill rewrite on CPU, in a fake vLLM (`tests/fake_vllm_model.py`): paged KV caches
+written through slot mappings and attention read through block tables and `seq_lens`, driven
+by a forward context of per-layer metadata shaped like vLLM 0.26's (`FlashAttentionMetadata`
+field names), and a tiny token-major model traced by dynamo as vLLM's mode 2 traces its backbone.
 
 Reference: the same weights run in plain PyTorch, every request on its own, with the drop
 point keeping exactly the rows the rewritten graph kept: layers up to the drop layer's
@@ -16,159 +16,14 @@ import types
 
 import pytest
 import torch
-import torch.fx as fx
-from torch import nn
 
-from fake_vllm import make_world, step
+from fake_vllm_model import (BLOCK, DIM, HIDDEN, LAYERS, VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context,
+                             fake_window_layer, kept_per_request, step_context)
 from uniprefill.config import UniPrefillConfig
 from uniprefill.passes.vllm_graph import analyze_vllm_graph
 from uniprefill.passes.vllm_rewrite import rewrite_vllm_graph
-from uniprefill.runtime.vllm_drop import VllmDropRuntime, WindowLayer
+from uniprefill.runtime.vllm_drop import VllmDropRuntime
 from uniprefill.runtime.vllm_metadata import SkipReason
-
-HEADS, DIM, HIDDEN, LAYERS, VOCAB, BLOCK = 2, 16, 32, 4, 64, 16
-WORLD = types.SimpleNamespace(context=None)  # the fake vLLM's forward context (tests only)
-
-
-@torch.library.custom_op("uniprefill_fakevllm::unified_kv_cache_update", mutates_args=())
-def unified_kv_cache_update(key: torch.Tensor, value: torch.Tensor, layer_name: str) -> torch.Tensor:
-    ctx = WORLD.context
-    if ctx.attn_metadata is None:  # a dummy run: vLLM's slots are -1, nothing is written
-        return key.new_empty(0)
-    cache = ctx.kv_caches[layer_name]  # [2, slots, heads, dim]
-    slots = ctx.slot_mapping[layer_name]
-    cache[0, slots] = key
-    cache[1, slots] = value
-    return key.new_empty(0)
-
-
-@unified_kv_cache_update.register_fake
-def _(key, value, layer_name):
-    return key.new_empty(0)
-
-
-@torch.library.custom_op("uniprefill_fakevllm::unified_attention_with_output", mutates_args=("output",))
-def unified_attention_with_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                  output: torch.Tensor, layer_name: str,
-                                  kv_cache_dummy_dep: torch.Tensor | None = None) -> None:
-    ctx = WORLD.context
-    if ctx.attn_metadata is None:  # a profiling run: vLLM's FlashAttention writes zeros
-        output.zero_()
-        return
-    meta = ctx.attn_metadata[layer_name]
-    cache = ctx.kv_caches[layer_name]
-    qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-    assert meta.num_actual_tokens == query.shape[0] == qsl[-1], "metadata does not describe this batch"
-    for r, seq_len in enumerate(seq_lens):
-        rows = slice(qsl[r], qsl[r + 1])
-        n_q = qsl[r + 1] - qsl[r]
-        window = getattr(ctx, "windows", {}).get(layer_name, 0)
-        # FlashAttention's sliding window: the last `window` cache entries (it reads no others,
-        # so entries in blocks vLLM freed behind the window are never touched)
-        logical = torch.arange(max(0, seq_len - n_q - window + 1) if window else 0, seq_len)
-        slots = meta.block_table[r, logical // BLOCK].long() * BLOCK + logical % BLOCK
-        k, v = cache[0, slots], cache[1, slots]  # [entries, heads, dim]
-        scores = torch.einsum("qhd,khd->hqk", query[rows], k) * DIM ** -0.5
-        own = (seq_len - n_q + torch.arange(n_q))[:, None]
-        visible = logical[None, :] <= own
-        if window:
-            visible &= logical[None, :] > own - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        output[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-
-
-@unified_attention_with_output.register_fake
-def _(query, key, value, output, layer_name, kv_cache_dummy_dep=None):
-    return None
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """A position-dependent rotation of pairs (stands in for RoPE: positions must stay original)."""
-    angle = positions[:, None, None].float() * 0.05
-    x1, x2 = x[..., ::2], x[..., 1::2]
-    return torch.stack([x1 * angle.cos() - x2 * angle.sin(), x1 * angle.sin() + x2 * angle.cos()], -1).flatten(-2)
-
-
-class TinyBackbone(nn.Module):
-    """Token-major decoder backbone, vLLM style: [s] ids and positions in, [s, hidden] out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.qkv = nn.ModuleList(nn.Linear(HIDDEN, 3 * HEADS * DIM, bias=False) for _ in range(LAYERS))
-        self.o = nn.ModuleList(nn.Linear(HEADS * DIM, HIDDEN, bias=False) for _ in range(LAYERS))
-        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, 64), nn.GELU(), nn.Linear(64, HIDDEN))
-                                 for _ in range(LAYERS))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for i in range(LAYERS):
-            name = f"model.layers.{i}.self_attn.attn"
-            q, k, v = self.qkv[i](x).view(-1, 3, HEADS, DIM).unbind(1)
-            q, k = rope(q, positions), rope(k, positions)
-            out = torch.empty((q.shape[0], HEADS, DIM))  # as vLLM's Attention.forward sizes its output
-            dep = torch.ops.uniprefill_fakevllm.unified_kv_cache_update(k, v, name)
-            torch.ops.uniprefill_fakevllm.unified_attention_with_output(q, k, v, out, name, kv_cache_dummy_dep=dep)
-            x = x + self.o[i](out.view(-1, HEADS * DIM))
-            x = x + self.mlp[i](x)
-        return x
-
-    def reference(self, ids: torch.Tensor, kept: dict[int, torch.Tensor],
-                  windows: dict[int, int] | None = None) -> torch.Tensor:
-        """One request alone; `kept[layer]` = rows kept right after that layer's attention;
-        `windows[layer]`: a sliding window over ORIGINAL positions (the model's rule)."""
-        x, positions = self.embed(ids), torch.arange(ids.numel())
-        for i in range(LAYERS):
-            q, k, v = self.qkv[i](x).view(-1, 3, HEADS, DIM).unbind(1)
-            q, k = rope(q, positions), rope(k, positions)
-            scores = torch.einsum("qhd,khd->hqk", q, k) * DIM ** -0.5
-            causal = torch.ones(len(q), len(q), dtype=torch.bool).tril()
-            if windows and i in windows:
-                causal &= (positions[:, None] - positions[None, :]) < windows[i]
-            out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
-            x = x + self.o[i](out.reshape(-1, HEADS * DIM))
-            if i in kept:
-                x, positions = x[kept[i]], positions[kept[i]]
-            x = x + self.mlp[i](x)
-        return x[-1]
-
-
-def fake_window_layer(name: str) -> WindowLayer:
-    """The fake vLLM's cache of one layer as vLLM's FlashAttention views it: [blocks, B, H, D]."""
-    cache = WORLD.context.kv_caches[name]
-    return WindowLayer(cache[0].view(-1, BLOCK, HEADS, DIM), cache[1].view(-1, BLOCK, HEADS, DIM), DIM ** -0.5)
-
-
-def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, windows: dict[int, int] | None = None) -> tuple:
-    """torch.compile(model) with a backend that rewrites the graph as the vLLM plugin does
-    (mode 2: dynamo hands over the whole backbone once, with a symbolic token count)."""
-    state = {}
-    windows = windows or {}
-    kinds = ["sliding" if i in windows else "full" for i in range(LAYERS)]
-
-    def backend(gm, example_inputs):
-        info = analyze_vllm_graph(gm)
-        names = [site.layer_name for site in info.sites]
-        runtime = VllmDropRuntime(config, names, drops,
-                                  context_fn=lambda: WORLD.context, block_size_fn=lambda name: BLOCK,
-                                  request_ids_fn=lambda: WORLD.context.request_ids,
-                                  request_p_fn=lambda: getattr(WORLD.context, "request_p", None),
-                                  windows={names[i]: w for i, w in windows.items() if i > drops[0]},
-                                  window_layer_fn=fake_window_layer)
-        state.update(info=info, runtime=runtime,
-                     result=rewrite_vllm_graph(gm, info, drops, kinds, runtime))
-        return gm.forward
-
-    return torch.compile(model, backend=backend, dynamic=True, fullgraph=True), state
-
-
-def fake_context(query_lens: list[int], groups: int = 2, room: int = 8):
-    """A prefill-only step in the fake vLLM (tests/fake_vllm.py): layer i in KV-cache group i % groups."""
-    return make_world(query_lens, layers=LAYERS, groups=groups, block=BLOCK, kv_heads=HEADS, head_size=DIM, room=room)
-
-
-step_context = step
 
 
 @pytest.fixture(scope="module")
@@ -490,13 +345,6 @@ def test_request_settings_from_sampling_params(caplog):
     v1 = hook.RequestSettings()
     v1.arrive([arriving("e", logprobs=2)], logprobs_in_params=False)  # V1 reads logprobs from its batch
     assert v1.of_step(("e",)) == (None, None) and v1.of_step(("e",), {"e": 2})[0].tolist() == [True]
-
-
-def kept_per_request(point, query_lens: list[int]) -> list[set[int]]:
-    """The prompt positions each request of a prefill batch kept at a drop point."""
-    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
-    rows = point.source_rows
-    return [set((rows[(rows >= qsl[r]) & (rows < qsl[r + 1])] - qsl[r]).tolist()) for r in range(len(query_lens))]
 
 
 def assert_prefill_and_decode_match_the_reference(model, ids, query_lens, kept, hidden, new, step) -> None:
