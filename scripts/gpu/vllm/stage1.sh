@@ -18,6 +18,8 @@
 #            vLLM vs uniprefill p = 0.99 (UNIPREFILL_VLLM_DROP=1), then the paired comparison   ~6 min
 #   gemmadroptput  prefill throughput of Gemma-3-270M with uniprefill dropping (p = 0.95), $THROUGHPUT
 #   llama8bdrop    the same for the Llama-8B-shaped dummy, forced keep 0.3 at layer 7
+#   pytest   tests/test_vllm_engine_gpu.py (scripts/gpu/vllm/pytest_vllm.sh): a mixed batch drops
+#            and decodes, opt-out, prefix caching refused; log $OUT/vllm-pytest-h200.log   ~3 min
 #   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput
 #            8192,16384,32000 x 1,4,16                                                ~5 min  (cap 540 s)
 # A step that fails is logged and the next one runs. --budget (default 560 s from the start of
@@ -37,9 +39,9 @@ steps=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --budget) budget="$2"; shift 2 ;;
-    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b|needles|gemmadroptput|llama8bdrop) steps+=("$1"); shift ;;
+    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b|needles|gemmadroptput|llama8bdrop|pytest) steps+=("$1"); shift ;;
     all) steps+=(api gemma dump llama4 llama8b); shift ;;
-    *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama8b all; --budget S)" >&2; exit 2 ;;
+    *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama4drop gemmadrop needles gemmadroptput llama8b llama8bdrop pytest all; --budget S)" >&2; exit 2 ;;
   esac
 done
 [[ ${#steps[@]} -gt 0 ]] || steps=(api gemma dump llama4 llama8b)
@@ -141,6 +143,8 @@ for step in "${steps[@]}"; do
         --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256}' "${TPUT[@]}" \
         --out "$OUT/llama8b-vllm-drop.json"
       unset UNIPREFILL_VLLM_DROP ;;
+    pytest)
+      run vllm-pytest 420 env OUT="$OUT" bash scripts/gpu/vllm/pytest_vllm.sh ;;
     llama8b)
       run llama8b 540 $SMOKE "${SHARED[@]}" --kv-cache-gib 8 --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm.json" ;;

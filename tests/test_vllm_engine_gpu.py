@@ -1,0 +1,107 @@
+"""Real vLLM on a GPU with uniprefill dropping (issue 6): engine-level checks as assertions.
+
+Skipped where vLLM or CUDA is missing (CI has neither: vLLM pins its own torch). On the GPU box,
+after `scripts/gpu/vllm/box_install.sh`:
+
+    bash scripts/gpu/vllm/pytest_vllm.sh        # log -> $OUT/vllm-pytest-h200.log
+
+The engines run as users run them (vLLM's EngineCore in its own process, model runner V2 for
+Llama) on a 4-layer Llama-3.1-8B-shaped model with random weights (`load_format="dummy"`, the
+folder `scripts/gpu/vllm/smoke_llm.py` writes), with `UNIPREFILL_VLLM_DROP=1`; the runtimes'
+totals come back through `collective_rpc` (`uniprefill.vllm_runner_hook.collect_drop_totals`).
+Random weights make the texts meaningless: accuracy against standard vLLM is the needle
+parity run (`scripts/gpu/vllm/needle_parity.py`), not this file.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
+vllm = pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vllm"))
+from smoke_llm import prompts, write_model_folder  # noqa: E402  (the scripts are not a package)
+
+from uniprefill.vllm_runner_hook import collect_drop_totals  # noqa: E402
+
+SETTINGS = {"drop_layers": [1], "keep_ratio": 0.5, "min_tokens": 64}
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("llama8b-shaped-4")
+    write_model_folder(folder, layers=4)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _dropping(monkeypatch):
+    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")  # inherited by the EngineCore process
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc sends a function
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def engine(folder: Path, **overrides):
+    kwargs = dict(model=str(folder), load_format="dummy", dtype="bfloat16", seed=0, max_model_len=4096,
+                  max_num_batched_tokens=4096, enable_chunked_prefill=False, enable_prefix_caching=False,
+                  gpu_memory_utilization=0.3, kv_cache_memory_bytes=2 << 30, enable_flashinfer_autotune=False,
+                  compilation_config={"mode": 2, "backend": "uniprefill.vllm_plugin.vllm_backend",
+                                      "inductor_compile_config": {"uniprefill": dict(SETTINGS)}})
+    kwargs.update(overrides)
+    return vllm.LLM(**kwargs)
+
+
+def release(llm) -> None:
+    """Stop the EngineCore process now (it would stop when `llm` is collected), freeing its GPU memory."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    if hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_long_prompts_drop_in_a_mixed_batch_and_every_request_decodes(model_folder):
+    """Seven 1,000-token prompts (one opted out through its sampling params) and two short ones
+    (below `min_tokens`), more than one step's token budget: prefills and decodes share steps.
+    Exactly the six long prompts that did not opt out drop, every forward has request ids, and
+    every request generates all its tokens."""
+    from vllm import SamplingParams
+
+    llm = engine(model_folder)
+    try:
+        texts = prompts(7, 1000) + prompts(2, 20)
+        plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        opted_out = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                   extra_args={"uniprefill": False})
+        outputs = llm.generate(texts, [plain] * 6 + [opted_out] + [plain] * 2, use_tqdm=False)
+        totals = collect_drop_totals(llm)
+    finally:
+        release(llm)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [MAX_TOKENS] * 9
+    prompt_lens = [len(o.prompt_token_ids) for o in outputs]
+    assert min(prompt_lens[:7]) >= 1000 and max(prompt_lens[7:]) < SETTINGS["min_tokens"]
+    assert sum(prompt_lens[:7]) > 4096  # more than one step's budget: later prefills run beside decodes
+    assert isinstance(totals, list) and len(totals) == 1, totals  # one worker
+    (runtime,) = totals[0]  # one rewritten graph
+    assert runtime["forwards_without_requests"] == 0, runtime
+    assert runtime["requests_dropped"] == 6, runtime
+    assert runtime["rows_in"] == sum(prompt_lens[:6]), runtime
+    assert runtime["rows_kept"] <= 0.6 * runtime["rows_in"], runtime
+
+
+def test_prefix_caching_with_dropping_fails_at_engine_construction(model_folder, capfd):
+    """A dropped request's KV blocks after the drop layer hold its kept tokens only: vLLM's prefix
+    cache must not hand them to another request, so the engine refuses to start, saying why."""
+    with pytest.raises(Exception):  # noqa: B017  (vLLM re-raises the EngineCore's error as its own type)
+        engine(model_folder, enable_prefix_caching=True)
+    gc.collect()
+    captured = capfd.readouterr()
+    assert "enable_prefix_caching=False" in captured.out + captured.err
