@@ -26,6 +26,8 @@ PRESETS=${PRESETS:-"llama-3.1-8b gemma-3-12b"}
 LENGTHS=${LENGTHS:-8k,32k,64k,128k}
 PER_LENGTH=${PER_LENGTH:-240}
 EXTRA=${EXTRA:-}  # more bench arguments, e.g. EXTRA="--num-layers 2 --device cpu" for a dry run
+REPEATS=${REPEATS:-2}  # timed prefills per system (median); 1 at 128K where one prefill takes ~1 min and
+                       # the spread at 64K was 0.1 ms in 16.6 s (docs/benchmarks.md)
 OUT=/tmp/bench-out
 PP=/tmp/pp-bench  # its own copy: eval_issue5.sh replaces /tmp/pp, and both may run in one machine session
 mkdir -p "$OUT" "$PP" && rm -rf "$PP/uniprefill" && cp -r uniprefill "$PP/" && cp -r kernels "$PP/uniprefill/kernels"
@@ -36,7 +38,7 @@ for preset in $PRESETS; do
         echo "== $preset $length from $(date -u +%T)"
         timeout "$PER_LENGTH" python3 -P -m uniprefill bench --model "$preset" --lengths "$length" \
             --keep-ratio 0.5,0.3,0.15 --drop-layers "${FIRST_DROP[$preset]}" --baseline eager \
-            --measured-ideal --warmup 1 --repeats 2 --inputs random --quiet $EXTRA \
+            --measured-ideal --warmup 1 --repeats "$REPEATS" --inputs random --quiet $EXTRA \
             --out "$OUT/bench-$preset-$length.json" > "$OUT/bench-$preset-$length.log" 2>&1
         echo "rc=$? at $(date -u +%T)"
         grep -A8 "TTFT ms" "$OUT/bench-$preset-$length.log" | head -8
