@@ -383,6 +383,7 @@ def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_referen
         hidden = compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
     report, runtime = backend.graphs[0], backend.runtimes[0]
     assert report.rewritten and report.drop_layers == (1,) and not report.reason
+    assert report.rewrite.drop_layers == (1,) and report.rewrite.scattered == 1 and report.rewrite.gathered >= 3
     (dumped,) = (tmp_path / "dump").iterdir()
     assert dumped.read_text().startswith("# VllmRewriteResult(drop_layers=(1,)") and "scatter_rows" in dumped.read_text()
     kept = kept_per_request(runtime.step.points[0], query_lens)

@@ -188,6 +188,7 @@ class VllmGraphReport:
     layers: tuple[int, ...] = ()  # attention layer indices, in graph order (from the layer names)
     drop_layers: tuple[int, ...] | None = None  # the drop points the config picks for these layers
     plan_error: str = ""  # why the layers or drop points could not be read, if so
+    rewrite: Any = None  # the rewrite's counts (`VllmRewriteResult`: gathers, sizes, scatters, windows) when rewritten
 
 
 @dataclass(frozen=True)
@@ -385,7 +386,8 @@ class VllmTokenDropBackend:
                                   window_layer_fn=hooks.window_layer_fn, group=group)
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
-            result = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds, runtime)
+            report.rewrite = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds,
+                                                runtime)
         except (ValueError, KeyError) as exc:
             report.reason = f"the vLLM rewrite refused this graph: {exc}"
             return None
@@ -393,12 +395,12 @@ class VllmTokenDropBackend:
         dump = env.rewrite_dump_dir()  # debugging: the rewritten graph's code, with the rewrite's counts
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
-            (dump / f"rewritten-{os.getpid()}-{len(self.runtimes)}.py").write_text(f"# {result}\n{gm.code}")
+            (dump / f"rewritten-{os.getpid()}-{len(self.runtimes)}.py").write_text(f"# {report.rewrite}\n{gm.code}")
         hooks.listeners.add(runtime)
         self.runtimes.append(runtime)
         report.rewritten, report.reason = True, ""
         logger.warning("uniprefill: EXPERIMENTAL token dropping inside vLLM at layers %s (UNIPREFILL_VLLM_DROP=1; "
-                       "first GPU runs on 2026-12-01, docs/vllm.md)", list(report.drop_layers))
+                       "first GPU runs on 2026-12-01, docs/vllm.md): %s", list(report.drop_layers), report.rewrite)
         return gm.forward
 
 
