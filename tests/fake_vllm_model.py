@@ -151,7 +151,7 @@ def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, window
                                   request_p_fn=lambda: getattr(WORLD.context, "request_p", None),
                                   windows={names[i]: w for i, w in windows.items() if i > drops[0]},
                                   window_layer_fn=fake_window_layer)
-        state.update(info=info, runtime=runtime,
+        state.update(info=info, runtime=runtime, gm=gm,
                      result=rewrite_vllm_graph(gm, info, drops, kinds, runtime))
         return gm.forward
 

@@ -13,6 +13,7 @@ pin both, against a plain-PyTorch reference on the kept rows.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -173,3 +174,23 @@ def test_a_vllm_llama_style_graph_with_in_place_norms_matches_the_reference():
     for drops in ((1,), (1, 2)):
         state = run_and_compare(model, drops, [210, 150], seed=6)
         assert state["result"].sizes_replaced >= 1  # the token symbol sizing the torch.empty buffers
+
+
+def test_an_output_the_analysis_missed_fails_with_a_clear_error(monkeypatch):
+    """The safety net behind the scatter: were the FX analysis to miss that an output is computed
+    after the drop (simulated here), the output would reach vLLM with the kept rows only; instead
+    `check_rows` stops the step with an error naming the shapes."""
+    from uniprefill.passes import vllm_rewrite
+
+    monkeypatch.setattr(vllm_rewrite, "_descends_from", lambda node, sources: False)
+    model = OutputThroughABuffer().eval()
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, (1,))
+    query_lens = [160, 120]
+    ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(7))
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"has \d+ rows for a step of 280 tokens"):
+        compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
+    torch._dynamo.reset()
+    assert state["result"].scattered == 0
+    assert sum(node.target is vllm_rewrite.check_rows for node in state["gm"].graph.nodes) == 1

@@ -627,6 +627,11 @@ def test_vllm_config_checks():
     with pytest.raises(ValueError, match="cannot run with this vLLM configuration"):
         bad.raise_if_errors()
     assert any("tensor_parallel_size" in n for n in check_vllm_config(fake_vllm_config(tp=2)).notes)
+    pooling = fake_vllm_config()  # an embedding or reward model reads every token's hidden state
+    pooling.model_config = NS(runner_type="pooling", max_model_len=4096)
+    assert [e for e in check_vllm_config(pooling).errors if "runner_type='pooling'" in e and "generation only" in e]
+    pooling.model_config.runner_type = "generate"
+    assert check_vllm_config(pooling).errors == []
     # mode 2 + vLLM's AOT compile (default on torch >= 2.10) needs a serialisable compiled function
     aot = check_vllm_config(fake_vllm_config(mode=2), aot_compile=True)
     assert len(aot.errors) == 1 and "VLLM_USE_AOT_COMPILE=0" in aot.errors[0]

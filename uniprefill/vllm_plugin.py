@@ -148,6 +148,11 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         check.errors.append("pipeline_parallel_size > 1 is not supported (drop layers may sit on another rank)")
     if _get(vllm_config, "speculative_config") is not None:
         check.errors.append("speculative decoding is not supported yet")
+    runner = _get(_get(vllm_config, "model_config"), "runner_type", "generate")
+    if runner not in (None, "generate"):
+        check.errors.append(f"model_config.runner_type={runner!r}: uniprefill serves generation only (a pooling model "
+                            "reads the hidden state of every prompt token, and after a drop point only the kept "
+                            "tokens have one)")
     if (_get(parallel, "tensor_parallel_size", 1) or 1) > 1:
         check.notes.append("tensor_parallel_size > 1: block scores are summed across the TP group (rank-consistent "
                            "selection, tested with gloo ranks on CPU; not yet run on GPUs)")

@@ -14,7 +14,9 @@ leading dimension is the graph's token symbol `s`); uses of `s` itself after the
 Everything after L therefore runs on the kept rows, with the later layers' metadata pointing at
 the compacted batch. At the output, token-aligned results are scattered back to `s` rows (rows
 of dropped tokens are zero): vLLM reads logits at each request's last token, which is always
-kept. The rewritten graph runs eagerly (no Inductor), as vLLM's mode 2 with this backend does.
+kept. Other token-aligned outputs (computed before the drop, as far as FX shows) go through
+`check_rows`, so that one the analysis missed fails with a clear error instead of reaching vLLM
+with the kept rows only. The rewritten graph runs eagerly (no Inductor), as vLLM's mode 2 with this backend does.
 
 A sliding-window layer after a drop point keeps its KV-cache update (the runtime gave it
 right-aligned slots) and its attention becomes `runtime.window_attention(args, kwargs, L)`:
@@ -65,6 +67,18 @@ def scatter_rows(value: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torc
     """`value` ([len(rows), ...]) placed at `rows` of a zero tensor of `num_rows` rows."""
     out = value.new_zeros((num_rows, *value.shape[1:]))
     return out.index_copy_(0, rows, value)
+
+
+def check_rows(value: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
+    """`value` unchanged if it has one row per token of the step; otherwise a clear error (a shape
+    check, no device sync): a token-aligned output the rewrite did not scatter back must never
+    reach vLLM with the kept rows only (its `hidden_states[logits_indices]` would read wrong rows,
+    or past the end)."""
+    if value.shape[0] != num_rows:
+        raise RuntimeError(f"uniprefill: the rewritten vLLM graph's output {name} has {value.shape[0]} rows for a "
+                           f"step of {num_rows} tokens (a bug in the rewrite: please report it with the graph, "
+                           "UNIPREFILL_VLLM_REWRITE_DUMP)")
+    return value
 
 
 def _example(node) -> object:
@@ -183,8 +197,13 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
         nonlocal scattered
         # computed after a drop: from a gathered value, or from a kept count (vLLM fills buffers made with
         # `torch.empty((kept, ...))` in place, e.g. silu_and_mul's output: no FX edge to a gathered value)
-        if not isinstance(arg, fx.Node) or not (arg in aligned or _descends_from(arg, aligned | counts)):
+        if not isinstance(arg, fx.Node):
             return arg
+        if not (arg in aligned or _descends_from(arg, aligned | counts)):
+            if not _token_aligned(_example(arg), symbols):
+                return arg
+            with graph.inserting_before(output):  # computed before the drop, as far as FX shows: checked
+                return graph.call_function(check_rows, (arg, num_tokens, arg.name))
         if arg not in aligned and not _token_aligned(_example(arg), symbols):
             raise ValueError(f"the graph output {arg.name} ({_example(arg)!r}) is computed after a drop point "
                              "but is not one row per token: it cannot be scattered back, and would differ")
