@@ -632,6 +632,15 @@ def test_vllm_config_checks():
     assert [e for e in check_vllm_config(pooling).errors if "runner_type='pooling'" in e and "generation only" in e]
     pooling.model_config.runner_type = "generate"
     assert check_vllm_config(pooling).errors == []
+    # full decode graphs (kept by vLLM in mode 2) would replay decode steps without the drop histories
+    graphs = fake_vllm_config(settings={})
+    graphs.cache_config.enable_prefix_caching = False
+    graphs.compilation_config.cudagraph_mode = NS(name="FULL_DECODE_ONLY")  # vLLM's CUDAGraphMode enum member
+    (error,) = check_vllm_config(graphs, drop_enabled=True).errors
+    assert "cudagraph_mode=FULL_DECODE_ONLY with token dropping" in error
+    assert check_vllm_config(graphs, drop_enabled=False).errors == []  # nothing drops: the graphs are vLLM's own
+    graphs.compilation_config.cudagraph_mode = NS(name="NONE")
+    assert check_vllm_config(graphs, drop_enabled=True).errors == []
     # mode 2 + vLLM's AOT compile (default on torch >= 2.10) needs a serialisable compiled function
     aot = check_vllm_config(fake_vllm_config(mode=2), aot_compile=True)
     assert len(aot.errors) == 1 and "VLLM_USE_AOT_COMPILE=0" in aot.errors[0]

@@ -148,6 +148,14 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         check.errors.append("pipeline_parallel_size > 1 is not supported (drop layers may sit on another rank)")
     if _get(vllm_config, "speculative_config") is not None:
         check.errors.append("speculative decoding is not supported yet")
+    graphs = _get(cc, "cudagraph_mode")
+    graphs = str(getattr(graphs, "name", graphs) or "NONE").upper()
+    if drop_enabled and graphs != "NONE":
+        check.errors.append(
+            f"compilation_config.cudagraph_mode={graphs} with token dropping: CUDA graphs are captured without "
+            "any request's drop history, so a replayed decode step would attend, in the layers after a drop, "
+            "over KV entries those layers never wrote; use cudagraph_mode NONE (what vLLM sets for mode 2 "
+            "unless FULL_DECODE_ONLY or VLLM_USE_BREAKABLE_CUDAGRAPH asks otherwise)")
     runner = _get(_get(vllm_config, "model_config"), "runner_type", "generate")
     if runner not in (None, "generate"):
         check.errors.append(f"model_config.runner_type={runner!r}: uniprefill serves generation only (a pooling model "
