@@ -1,5 +1,6 @@
 """scripts/gpu/vllm/needle_parity.py on CPU: its prompts are `uniprefill eval`'s, its scoring
-and its paired comparison (the vLLM part runs on the GPU box only)."""
+and its paired comparison (the vLLM part runs on the GPU box only); and smoke_llm.py's engine
+settings for tensor parallelism and its check that every rank dropped the same rows."""
 
 from __future__ import annotations
 
@@ -14,15 +15,19 @@ from uniprefill.eval.haystack import NOISE_SENTENCES
 from uniprefill.eval.tasks import make_sample
 from uniprefill.eval.toy import train_toy_tokenizer
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vllm" / "needle_parity.py"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vllm"
+
+
+def load_script(name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
 def needles():
-    spec = importlib.util.spec_from_file_location("needle_parity", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("needle_parity")
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +73,15 @@ def test_engine_settings_keep_prompts_whole_and_pick_the_channel(needles):
     assert kwargs["max_num_batched_tokens"] >= kwargs["max_model_len"] == 32064
     args.system = "standard"
     assert "compilation_config" not in needles._engine_kwargs(args, 9000)  # vLLM's default: mode 3
+
+
+def test_smoke_script_runs_tensor_parallel_and_checks_that_ranks_agree():
+    smoke = load_script("smoke_llm")
+    args = smoke.parse_args(["--uniprefill", "--tensor-parallel-size", "2", "--kv-cache-gib", "8"])
+    kwargs, _ = smoke.engine_kwargs(args, None)
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["compilation_config"]["mode"] == 2
+    assert "tensor_parallel_size" not in smoke.engine_kwargs(smoke.parse_args([]), None)[0]
+    rank = [{"requests_dropped": 4, "rows_in": 4000, "rows_kept": 2208}]
+    assert smoke.ranks_agree([rank, [dict(rank[0])]]) is True
+    assert smoke.ranks_agree([rank, [dict(rank[0], rows_kept=2209)]]) is False  # ranks kept different rows
+    assert smoke.ranks_agree([rank]) is None and smoke.ranks_agree("unavailable: TimeoutError") is None

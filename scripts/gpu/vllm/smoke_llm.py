@@ -102,6 +102,15 @@ def prompts(count: int, words: int) -> list[str]:
     return [" ".join(f"w{(i * 7919 + j * 104729) % WORDS}" for j in range(words)) for i in range(count)]
 
 
+def ranks_agree(totals) -> bool | None:
+    """Whether every worker's drop totals (`collect_drop_totals`: one list per worker, one dict
+    per rewritten graph) are identical: rank-consistent selection keeps the same rows on every
+    rank. None when there is nothing to compare (an error text, or fewer than two workers)."""
+    if not isinstance(totals, list) or len(totals) < 2:
+        return None
+    return all(worker == totals[0] for worker in totals[1:])
+
+
 def int_list(text: str) -> list[int]:
     """'8192,16384, 32000' -> [8192, 16384, 32000]; every value must be positive."""
     values = [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -133,6 +142,8 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
     kwargs["max_model_len"] = max_model_len
     if args.model_dir is None:
         kwargs["load_format"] = "dummy"
+    if args.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.kv_cache_gib is not None:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * GIB)
     if lengths:
@@ -251,6 +262,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunked-prefill", action="store_true",
                         help="with throughput: keep chunked prefill on (default off, so no prompt is split)")
     parser.add_argument("--no-texts", action="store_true", help="with --model-dir: skip the greedy texts")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="vLLM's tensor_parallel_size (needs that many GPUs); with dropping, the JSON's "
+                             "ranks_agree says whether every rank dropped the same rows")
     parser.add_argument("--out", type=Path, default=None, help="JSON summary path")
     args = parser.parse_args(argv)
     if args.uniprefill and args.dump_graph:
@@ -361,6 +375,9 @@ def main(argv=None) -> int:
         from uniprefill.vllm_runner_hook import collect_drop_totals
 
         summary["drop_totals"] = collect_drop_totals(llm)
+        if args.tensor_parallel_size > 1:  # the TP selection must take one decision on every rank
+            summary["ranks_agree"] = ranks_agree(summary["drop_totals"])
+            checks.append(summary["ranks_agree"] is True)
     summary["ok"] = bool(checks) and all(checks)
     save()
     text = json.dumps(summary, indent=1, default=str)

@@ -18,6 +18,8 @@
 #            vLLM vs uniprefill p = 0.99 (UNIPREFILL_VLLM_DROP=1), then the paired comparison   ~6 min
 #   gemmadroptput  prefill throughput of Gemma-3-270M with uniprefill dropping (p = 0.95), $THROUGHPUT
 #   llama8bdrop    the same for the Llama-8B-shaped dummy, forced keep 0.3 at layer 7
+#   llama8btp2, llama8bdroptp2  llama8b / llama8bdrop with tensor_parallel_size=2 (the two-GPU kind):
+#            throughput, and `ranks_agree` in the JSON (every rank dropped the same rows)   ~5 min each
 #   pytest   tests/test_vllm_engine_gpu.py (scripts/gpu/vllm/pytest_vllm.sh): a mixed batch drops
 #            and decodes, opt-out, prefix caching refused; log $OUT/vllm-pytest-h200.log   ~3 min
 #   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput
@@ -39,9 +41,9 @@ steps=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --budget) budget="$2"; shift 2 ;;
-    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b|needles|gemmadroptput|llama8bdrop|pytest) steps+=("$1"); shift ;;
+    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b|needles|gemmadroptput|llama8bdrop|pytest|llama8btp2|llama8bdroptp2) steps+=("$1"); shift ;;
     all) steps+=(api gemma dump llama4 llama8b); shift ;;
-    *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama4drop gemmadrop needles gemmadroptput llama8b llama8bdrop pytest all; --budget S)" >&2; exit 2 ;;
+    *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama4drop gemmadrop needles gemmadroptput llama8b llama8bdrop llama8btp2 llama8bdroptp2 pytest all; --budget S)" >&2; exit 2 ;;
   esac
 done
 [[ ${#steps[@]} -gt 0 ]] || steps=(api gemma dump llama4 llama8b)
@@ -145,6 +147,15 @@ for step in "${steps[@]}"; do
       unset UNIPREFILL_VLLM_DROP ;;
     pytest)
       run vllm-pytest 420 env OUT="$OUT" bash scripts/gpu/vllm/pytest_vllm.sh ;;
+    llama8btp2)
+      run llama8b-tp2 540 $SMOKE "${SHARED[@]}" --tensor-parallel-size 2 --kv-cache-gib 8 --max-model-len 32768 \
+        "${TPUT[@]}" --out "$OUT/llama8b-vllm-tp2.json" ;;
+    llama8bdroptp2)
+      export UNIPREFILL_VLLM_DROP=1
+      run llama8b-drop-tp2 540 $SMOKE "${SHARED[@]}" --uniprefill --tensor-parallel-size 2 --kv-cache-gib 8 \
+        --max-model-len 32768 --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256}' \
+        "${TPUT[@]}" --out "$OUT/llama8b-vllm-drop-tp2.json"
+      unset UNIPREFILL_VLLM_DROP ;;
     llama8b)
       run llama8b 540 $SMOKE "${SHARED[@]}" --kv-cache-gib 8 --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm.json" ;;
@@ -155,7 +166,7 @@ done
 for log in "$LOGS"/*.log; do
   name="$(basename "$log" .log)"
   echo "=== $name"
-  grep -E "throughput: L=|^text: |attention backend|Using .* backend|unaccelerated|first token drop|drop totals|EXPERIMENTAL|probe: |\"ok\"|Error|error:|Traceback" "$log" \
+  grep -E "throughput: L=|^text: |attention backend|Using .* backend|unaccelerated|first token drop|drop totals|ranks_agree|EXPERIMENTAL|probe: |\"ok\"|Error|error:|Traceback" "$log" \
     | grep -v "^ *\"error\": null" | head -20 | cut -c1-240
   tail -2 "$log" | cut -c1-240
 done > "$LOGS/highlights.txt"
