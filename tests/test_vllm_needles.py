@@ -85,3 +85,18 @@ def test_smoke_script_runs_tensor_parallel_and_checks_that_ranks_agree():
     assert smoke.ranks_agree([rank, [dict(rank[0])]]) is True
     assert smoke.ranks_agree([rank, [dict(rank[0], rows_kept=2209)]]) is False  # ranks kept different rows
     assert smoke.ranks_agree([rank]) is None and smoke.ranks_agree("unavailable: TimeoutError") is None
+
+
+def test_smoke_script_times_decode_per_output_token_from_the_engines_timestamps():
+    smoke = load_script("smoke_llm")
+    assert smoke.parse_args(["--decode-tokens", "64"]).decode_tokens == 64
+
+    def output(first: float, last: float, generated: int):
+        stats = types.SimpleNamespace(first_token_ts=first, last_token_ts=last)
+        return types.SimpleNamespace(metrics=stats, outputs=[types.SimpleNamespace(token_ids=[0] * generated)])
+
+    timed = smoke.decode_metrics([output(1.0, 1.64, 65), output(2.0, 2.32, 65), output(3.0, 3.96, 65)], 64)
+    assert timed["available"] and timed["all_generated"]
+    assert (timed["ms_per_token_median"], timed["ms_per_token_max"]) == (10.0, 15.0)
+    assert not smoke.decode_metrics([output(1.0, 1.5, 40)], 64)["all_generated"]  # stopped early
+    assert smoke.decode_metrics([types.SimpleNamespace(metrics=None, outputs=[])], 64) == {"available": False}

@@ -201,11 +201,27 @@ def request_metrics(outputs) -> dict:
             "queued_to_first_token_s": round(max(first) - min(s.queued_ts for s in stats), 4)}
 
 
-def run_throughput(llm, lengths: list[int], batches: list[int], vocab_size: int, points: list, save) -> None:
-    """Appends one dict per (length, batch) to `points`, calling save() after each."""
+def decode_metrics(outputs, decode_tokens: int) -> dict:
+    """Time per output token after the first, from the engine's timestamps (last_token_ts -
+    first_token_ts over the tokens between them), median and max over the batch's requests."""
+    stats = [getattr(o, "metrics", None) for o in outputs]
+    if not stats or any(s is None or not getattr(s, "last_token_ts", 0) for s in stats):
+        return {"available": False}
+    per_token = sorted((s.last_token_ts - s.first_token_ts) / decode_tokens * 1e3 for s in stats)
+    return {"available": True, "tokens_after_first": decode_tokens,
+            "ms_per_token_median": round(per_token[len(per_token) // 2], 3), "ms_per_token_max": round(per_token[-1], 3),
+            "all_generated": all(len(o.outputs[0].token_ids) == decode_tokens + 1 for o in outputs)}
+
+
+def run_throughput(llm, lengths: list[int], batches: list[int], vocab_size: int, points: list, save,
+                   decode_tokens: int = 0) -> None:
+    """Appends one dict per (length, batch) to `points`, calling save() after each. With
+    `decode_tokens`, each point also generates that many tokens after the first from fresh
+    prompts of the same shape and records the time per output token (`decode_metrics`)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    decode_params = SamplingParams(max_tokens=1 + decode_tokens, temperature=0.0, ignore_eos=True)
     for length in lengths:
         t0 = time.perf_counter()
         warm = [{"prompt_token_ids": ids} for ids in token_prompts(length, 1, "warm", vocab_size)]
@@ -226,9 +242,15 @@ def run_throughput(llm, lengths: list[int], batches: list[int], vocab_size: int,
             }
             if engine.get("available") and engine["span_s"] > 0:
                 point["engine_tokens_per_s"] = round(batch * length / engine["span_s"], 1)
+            if decode_tokens:
+                decode_prompts = [{"prompt_token_ids": ids} for ids in token_prompts(length, batch, "decode", vocab_size)]
+                point["decode"] = decode_metrics(llm.generate(decode_prompts, decode_params, use_tqdm=False),
+                                                 decode_tokens)
             points.append(point)
+            decode = point.get("decode", {})
             print(f"throughput: L={length} B={batch}: {seconds:.3f} s, {point['tokens_per_s']:.0f} tok/s"
-                  f" (engine {point.get('engine_tokens_per_s', 'n/a')} tok/s), cached {point['cached_tokens']}",
+                  f" (engine {point.get('engine_tokens_per_s', 'n/a')} tok/s), cached {point['cached_tokens']}"
+                  + (f", decode {decode['ms_per_token_median']} ms/token" if decode.get("available") else ""),
                   flush=True)
             save()
 
@@ -262,6 +284,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunked-prefill", action="store_true",
                         help="with throughput: keep chunked prefill on (default off, so no prompt is split)")
     parser.add_argument("--no-texts", action="store_true", help="with --model-dir: skip the greedy texts")
+    parser.add_argument("--decode-tokens", type=int, default=0,
+                        help="with throughput: also time this many output tokens after the first at each point "
+                             "(ms per output token from the engine's timestamps; decode runs without CUDA graphs "
+                             "in the uniprefill channel)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="vLLM's tensor_parallel_size (needs that many GPUs); with dropping, the JSON's "
                              "ranks_agree says whether every rank dropped the same rows")
@@ -368,8 +394,11 @@ def main(argv=None) -> int:
         summary["throughput"] = {"lengths": lengths, "batches": args.throughput_batches, "max_tokens": 1,
                                  "prefix_caching": False, "chunked_prefill": args.chunked_prefill,
                                  "max_num_batched_tokens": kwargs["max_num_batched_tokens"], "points": []}
-        run_throughput(llm, lengths, args.throughput_batches, vocab_size, summary["throughput"]["points"], save)
+        run_throughput(llm, lengths, args.throughput_batches, vocab_size, summary["throughput"]["points"], save,
+                       decode_tokens=args.decode_tokens)
         checks.append(all(p["prompt_lengths_ok"] and p["cached_tokens"] == 0 for p in summary["throughput"]["points"]))
+        checks.append(all(p["decode"].get("all_generated", True) for p in summary["throughput"]["points"]
+                          if "decode" in p))
 
     if os.environ.get("UNIPREFILL_VLLM_DROP"):  # the evidence that dropping happened inside the engine, or not
         from uniprefill.vllm_runner_hook import collect_drop_totals

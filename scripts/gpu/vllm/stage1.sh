@@ -29,7 +29,8 @@
 # Out ($OUT, default /tmp/stage1-out): one JSON per run (names below), vllm-dump.tar.gz for
 # `dump`, and all logs packed into stage1-logs-<steps>.tar.gz: at most 6 files per call.
 # THROUGHPUT="8192,16384,32000 1,4,16" (lengths, batches) for the gemma and llama8b steps;
-# THROUGHPUT=none skips the throughput points (e.g. while another job shares the GPU, when
+# DECODE=N adds the time per output token over N tokens after the first (eager decode in the
+# uniprefill channel vs CUDA graphs in standard vLLM). THROUGHPUT=none skips the throughput points (e.g. while another job shares the GPU, when
 # timings would mean nothing): the engines are then only built and generate.
 # GPU memory: every engine gets a fixed KV cache (--kv-cache-gib) and a low
 # --gpu-memory-utilization (only vLLM's start-up check of free memory), so another job may share the GPU.
@@ -61,6 +62,8 @@ if [[ "$THROUGHPUT" == none ]]; then
 else
   read -r tlens tbatches <<< "$THROUGHPUT"
   TPUT=(--throughput-lengths "$tlens" --throughput-batches "$tbatches")
+  # DECODE=N: also time N output tokens after the first at each point (ms per output token)
+  [[ "${DECODE:-0}" -gt 0 ]] && TPUT+=(--decode-tokens "$DECODE")
 fi
 start=$(date +%s)
 summary="$LOGS/summary.txt"
