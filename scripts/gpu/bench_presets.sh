@@ -17,7 +17,7 @@
 # Measured 2026-12-01 (docs/benchmarks.md): Llama-3.1-8B 8K-128K in 7 min (128K 186 s);
 # Gemma-3-12B 8K 96 s, 32K 146 s, 128K > 240 s; Qwen3-Next (PyTorch fallbacks) 8K 136 s.
 # Writes /tmp/bench-out/bench-<preset>-<length>.json and .log, then packs them into
-# /tmp/bench-presets-<HHMM>.tar.gz (copy that to $OUT: at most 8 files come back per call).
+# /tmp/bench-presets-<out folder>-<HHMM>.tar.gz (copy that to $OUT: at most 8 files come back per call).
 # Each (preset, length) is one process under `timeout $PER_LENGTH` (default 240 s; Llama-3.1-8B at 128K
 # needs ~150 s by the issue-3 timings), so a call of 10 minutes fits about one preset; run the others in the next calls.
 set -uo pipefail
@@ -28,10 +28,14 @@ PER_LENGTH=${PER_LENGTH:-240}
 EXTRA=${EXTRA:-}  # more bench arguments, e.g. EXTRA="--num-layers 2 --device cpu" for a dry run
 REPEATS=${REPEATS:-2}  # timed prefills per system (median); 1 at 128K where one prefill takes ~1 min and
                        # the spread at 64K was 0.1 ms in 16.6 s (docs/benchmarks.md)
-OUT=/tmp/bench-out
+OUT=${BENCH_OUT:-/tmp/bench-out}
+# FLA_SITE: a folder holding fla-core and einops (`python3 -m pip install --no-index --no-deps --target
+# /tmp/fla-site .whl_fla/*.whl`): Qwen3-Next's Gated DeltaNet then runs fla's Triton kernels instead of
+# transformers' Python chunk loop (the JSON's versions say "fla-core"); use another BENCH_OUT for those runs.
+FLA_SITE=${FLA_SITE:-}
 PP=/tmp/pp-bench  # its own copy: eval_issue5.sh replaces /tmp/pp, and both may run in one machine session
 mkdir -p "$OUT" "$PP" && rm -rf "$PP/uniprefill" && cp -r uniprefill "$PP/" && cp -r kernels "$PP/uniprefill/kernels"
-export PYTHONPATH=$PP PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export PYTHONPATH=$PP${FLA_SITE:+:$FLA_SITE} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 declare -A FIRST_DROP=([llama-3.1-8b]=7 [gemma-3-12b]=11 [qwen3-next-80b-a3b]=11)  # each preset's first "auto" drop layer
 for preset in $PRESETS; do
     for length in ${LENGTHS//,/ }; do  # one process per length: a timeout loses that length only
@@ -44,4 +48,4 @@ for preset in $PRESETS; do
         grep -A8 "TTFT ms" "$OUT/bench-$preset-$length.log" | head -8
     done
 done
-tar -czf "$OUT/../bench-presets-$(date -u +%H%M).tar.gz" -C "$OUT" . && ls -l "$OUT"/..
+tar -czf "$OUT/../bench-presets-$(basename "$OUT")-$(date -u +%H%M).tar.gz" -C "$OUT" . && ls -l "$OUT"/..

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-_PACKAGES = ("torch", "transformers", "triton", "uniprefill")
+# fla-core / causal-conv1d: whether linear-attention models ran fla's kernels or transformers' fallbacks
+_PACKAGES = ("torch", "transformers", "triton", "uniprefill", "fla-core", "causal-conv1d")
 
 
 def package_versions() -> dict[str, str | None]:
