@@ -214,6 +214,42 @@ def test_dense_masks_leave_out_padding_that_pads_nothing():
     assert torch.equal(torch.ops.uniprefill.dense_mask(q, valid, 0, None), padded)  # no counts: always built
 
 
+@pytest.mark.parametrize("block", [7, 40, 1 << 26])  # several query rows per block, a partial last block, one block
+def test_masks_built_block_by_block_equal_the_whole_mask(monkeypatch, block):
+    """`dense_mask` and `packed_masks` fill their additive masks a block of query rows at a time
+    (the boolean temporaries stay one block's size); every block size gives the mask built from
+    whole-matrix comparisons: causal, windowed, left padding (pad queries see themselves), and
+    packed rows over original positions."""
+    from uniprefill import ops
+
+    monkeypatch.setattr(ops, "_MASK_BLOCK_ELEMENTS", block * 23)
+    n, window = 23, 6
+    q = torch.zeros(2, 1, n, 4, dtype=torch.bfloat16)
+    valid = torch.ones(2, n, dtype=torch.long)
+    valid[1, :4] = 0
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+
+    def additive(visible):
+        return torch.zeros(visible.shape, dtype=torch.bfloat16).masked_fill(~visible, float("-inf"))
+
+    want = additive((j <= i) & (j > i - window))
+    assert torch.equal(torch.ops.uniprefill.dense_mask(q, valid, window, torch.tensor([n, n]))[0, 0], want)
+    padded = torch.ops.uniprefill.dense_mask(q, valid, window, torch.tensor([n, n - 4]))
+    for b in range(2):
+        seen = ((j <= i) & (j > i - window) & valid[b].bool()[None, :]) | (i == j)
+        assert torch.equal(padded[b, 0], additive(seen))
+    positions = torch.tensor([0, 3, 4, 9, 10, 11, 20, 1, 2, 8])  # two packed rows: 7 and 3 kept tokens
+    counts = torch.tensor([7, 3])
+    flat = torch.ops.uniprefill.packed_masks(q, positions, counts, window)
+    start = offset = 0
+    for count in counts.tolist():
+        pos = positions[start:start + count]
+        seen = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        assert torch.equal(flat[offset:offset + count * count].view(count, count), additive(seen))
+        start, offset = start + count, offset + count * count
+    assert offset == flat.numel()
+
+
 def test_rewrite_counts_and_one_graph_for_all_lengths():
     model = _llama()
     compiled = uniprefill.compile(model, UniPrefillConfig(p=0.9, drop_layers=(1, 2), **SMALL))

@@ -46,6 +46,11 @@ def _dropping(monkeypatch):
     monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")  # inherited by the EngineCore process
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc sends a function
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # Mode 2 needs vLLM's AOT compile off (docs/vllm.md). And spawn, not fork: this process has
+    # initialised CUDA (conftest asks for it), and a forked EngineCore cannot use CUDA then
+    # (both tests failed that way on the H200, 2026-12-01; they passed with both set in the environment).
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def engine(folder: Path, **overrides):

@@ -197,20 +197,44 @@ def dense_mask(q: torch.Tensor, key_valid: torch.Tensor | None, window: int,
     if key_valid is None and (window <= 0 or window >= n):
         return q.new_empty((live_counts.shape[0] if live_counts is not None else 1, 1, 0, 0))
     pos = torch.arange(n, device=q.device)
-    mask = _position_mask(pos, pos, window)[None, None]
-    if key_valid is not None:
-        mask = mask & key_valid.bool()[:, None, None, :]
-        mask = mask | torch.eye(n, dtype=torch.bool, device=q.device)[None, None]
-    return _additive(mask, q.dtype)
+    if key_valid is None:
+        return additive_position_mask(pos, pos, window, q.dtype)[None, None]
+    valid = key_valid.bool()
+    out = q.new_empty((valid.shape[0], 1, n, n))
+    for b in range(valid.shape[0]):
+        # A pad query sees no key; it attends to itself (`dense_attention`'s rule) so its row stays finite.
+        additive_position_mask(pos, pos, window, q.dtype, key_valid=valid[b], see_self=True, out=out[b, 0])
+    return out
 
 
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as SDPA's additive float mask (0 where visible, -inf elsewhere).
+def additive_position_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int, dtype: torch.dtype,
+                           key_valid: torch.Tensor | None = None, see_self: bool = False,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """`_position_mask(pos_q, pos_k, window)` (and `key_valid[j]`; and `i == j` when `see_self`)
+    as an additive `[Q, K]` mask in `dtype`: 0 where visible, -inf elsewhere, written into `out`.
 
-    SDPA converts a boolean mask to exactly this at every call (an N x N `logical_not` and
-    `where`); a mask shared by several layers is converted once here instead.
+    SDPA takes this form: it converts a boolean mask to it at every call. Built a block of
+    query rows at a time, so the boolean temporaries are one block's size: building the whole
+    boolean mask first, then its negation and the float mask, held four N x N buffers at once
+    (64 GiB at 128K in bf16, more than the model), where the result alone is 32 GiB.
     """
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
+    rows, cols = pos_q.shape[0], pos_k.shape[0]
+    if out is None:
+        out = torch.empty((rows, cols), dtype=dtype, device=pos_q.device)
+    step = max(1, _MASK_BLOCK_ELEMENTS // max(cols, 1))
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        visible = _position_mask(pos_q[start:stop], pos_k, window)
+        if key_valid is not None:
+            visible &= key_valid[None, :]
+        if see_self:
+            visible |= torch.arange(cols, device=pos_q.device)[None, :] == torch.arange(
+                start, stop, device=pos_q.device)[:, None]
+        out[start:stop].zero_().masked_fill_(visible.logical_not_(), float("-inf"))
+    return out
+
+
+_MASK_BLOCK_ELEMENTS = 1 << 26  # boolean entries per block of `additive_position_mask` (64 MiB)
 
 
 @dense_mask.register_fake
@@ -264,12 +288,14 @@ def packed_masks(q: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
     Built once per (layout, window) and shared by every sliding layer of that layout, as
     `dense_mask` is before the first drop point.
     """
-    masks, start = [], 0
-    for count in counts.tolist():
+    sizes = counts.tolist()
+    out = q.new_empty(sum(c * c for c in sizes))
+    start = offset = 0
+    for count in sizes:
         pos = torch.arange(count, device=positions.device) if compacted else positions[start:start + count]
-        masks.append(_position_mask(pos, pos, window).reshape(-1))
-        start += count
-    return _additive(torch.cat(masks), q.dtype) if masks else q.new_empty(0)
+        additive_position_mask(pos, pos, window, q.dtype, out=out[offset:offset + count * count].view(count, count))
+        start, offset = start + count, offset + count * count
+    return out
 
 
 @packed_masks.register_fake

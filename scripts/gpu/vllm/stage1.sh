@@ -24,6 +24,10 @@
 #            and decodes, opt-out, prefix caching refused; log $OUT/vllm-pytest-h200.log   ~3 min
 #   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput
 #            8192,16384,32000 x 1,4,16                                                ~5 min  (cap 540 s)
+#   llama8beager, llama8bchannel  controls for the decode time per output token (DECODE=N): standard
+#            vLLM with enforce_eager (no compile, no CUDA graphs), and the uniprefill channel (mode 2)
+#            without dropping: how much of the dropping run's slower decode is eagerness, how much
+#            the drop histories' metadata (2026-12-01: 21.8 vs 5.8 ms at 32K, batch 1)     ~3 min each
 # A step that fails is logged and the next one runs. --budget (default 560 s from the start of
 # this script) caps the sum: each step's timeout is cut to what is left, minus 20 s for packing.
 # Out ($OUT, default /tmp/stage1-out): one JSON per run (names below), vllm-dump.tar.gz for
@@ -42,9 +46,9 @@ steps=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --budget) budget="$2"; shift 2 ;;
-    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b|needles|gemmadroptput|llama8bdrop|pytest|llama8btp2|llama8bdroptp2) steps+=("$1"); shift ;;
+    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b|needles|gemmadroptput|llama8bdrop|pytest|llama8btp2|llama8bdroptp2|llama8beager|llama8bchannel) steps+=("$1"); shift ;;
     all) steps+=(api gemma dump llama4 llama8b); shift ;;
-    *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama4drop gemmadrop needles gemmadroptput llama8b llama8bdrop llama8btp2 llama8bdroptp2 pytest all; --budget S)" >&2; exit 2 ;;
+    *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama4drop gemmadrop needles gemmadroptput llama8b llama8bdrop llama8btp2 llama8bdroptp2 llama8beager llama8bchannel pytest all; --budget S)" >&2; exit 2 ;;
   esac
 done
 [[ ${#steps[@]} -gt 0 ]] || steps=(api gemma dump llama4 llama8b)
@@ -162,6 +166,12 @@ for step in "${steps[@]}"; do
     llama8b)
       run llama8b 540 $SMOKE "${SHARED[@]}" --kv-cache-gib 8 --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm.json" ;;
+    llama8beager)
+      run llama8b-eager 540 $SMOKE "${SHARED[@]}" --eager --kv-cache-gib 8 --max-model-len 32768 \
+        "${TPUT[@]}" --out "$OUT/llama8b-vllm-eager.json" ;;
+    llama8bchannel)
+      run llama8b-channel 540 $SMOKE "${SHARED[@]}" --uniprefill --kv-cache-gib 8 --max-model-len 32768 \
+        "${TPUT[@]}" --out "$OUT/llama8b-vllm-channel.json" ;;
   esac
 done
 
