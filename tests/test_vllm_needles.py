@@ -87,6 +87,14 @@ def test_smoke_script_runs_tensor_parallel_and_checks_that_ranks_agree():
     assert smoke.ranks_agree([rank]) is None and smoke.ranks_agree("unavailable: TimeoutError") is None
 
 
+def test_smoke_script_reports_the_share_of_prompt_kv_still_written():
+    smoke = load_script("smoke_llm")
+    graphs = [{"kv_entries_prompt": 3200, "kv_entries_written": 1520}, {"kv_entries_prompt": 800, "kv_entries_written": 480}]
+    assert smoke.kv_written_share([graphs, graphs]) == (1520 + 480) / (3200 + 800)  # the first worker's graphs
+    assert smoke.kv_written_share([[{"kv_entries_prompt": 0, "kv_entries_written": 0}]]) is None  # nothing dropped
+    assert smoke.kv_written_share("unavailable: TimeoutError") is None and smoke.kv_written_share([]) is None
+
+
 def test_smoke_script_times_decode_per_output_token_from_the_engines_timestamps():
     smoke = load_script("smoke_llm")
     assert smoke.parse_args(["--decode-tokens", "64"]).decode_tokens == 64

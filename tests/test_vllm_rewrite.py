@@ -153,6 +153,13 @@ def test_a_request_recomputed_from_scratch_replaces_its_history_and_totals_count
     totals = runtime.totals
     assert (totals.forwards, totals.dropping_forwards, totals.requests_dropped) == (2, 2, 4)
     assert totals.rows_in == 2 * (300 + 170) and totals.rows_kept < 0.6 * totals.rows_in
+    # KV entries: layers 0 and 1 (the drop layer's attention runs before its drop) write every
+    # prompt row, the later ones the kept rows only
+    layers = len(runtime.layer_names)
+    assert runtime.drop_layers == [1] and layers > 2
+    assert totals.kv_entries_prompt == totals.rows_in * layers
+    assert totals.kv_entries_written == totals.rows_in * 2 + totals.rows_kept * (layers - 2)
+    assert totals.kv_written_share == totals.kv_entries_written / totals.kv_entries_prompt < 1
     from uniprefill import vllm_runner_hook as hook
 
     listeners = hook.FinishedListeners()  # as vLLM's collective_rpc(drop_totals) reads them in a worker
@@ -773,3 +780,35 @@ def test_many_forwards_without_request_ids_are_reported_once(model, caplog):
     warnings = [r for r in caplog.records if "no request ids" in r.getMessage()]
     assert len(warnings) == 1 and "not one uniprefill wraps" in warnings[0].getMessage()
     assert state["runtime"].totals.forwards_without_requests == vllm_drop._SILENT_DUMMY_RUNS + 3
+
+
+def test_kv_entries_count_each_segment_of_layers_at_its_own_rows():
+    """`DropTotals.kv_entries_*` with two drop points (layers 1 and 3 of 6): layers 0-1 write every
+    prompt row, 2-3 the rows kept at layer 1, 4-5 those kept at layer 3; a request too short to
+    drop counts in neither."""
+    from fake_vllm import make_world
+
+    from uniprefill.config import UniPrefillConfig
+    from uniprefill.runtime.vllm_drop import VllmDropRuntime
+
+    world = make_world([400, 30, 260], layers=6, groups=1, block=16, kv_heads=2, head_size=16)
+    config = UniPrefillConfig(keep_ratio=0.5, drop_layers=(1, 3), min_tokens=64, sink=16, last_q=16, block_size=16,
+                              impl="torch")
+    runtime = VllmDropRuntime(config, world.names, (1, 3), lambda: world, lambda name: 16,
+                              request_ids_fn=lambda: world.request_ids)
+    assert runtime.segment_layers == [2, 2, 2]
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(690, 2, 16, generator=gen) for _ in range(2))
+    runtime.begin_step()
+    kept1 = runtime.drop(q, k, 1)
+    kept3 = runtime.drop(q[kept1], k[kept1], 3)
+    first, second = runtime.step.points
+    assert first.entering == [400, 30, 260] and first.kept[1] == 30  # the short request keeps every row
+    after1, after3 = first.kept[0] + first.kept[2], second.kept[0] + second.kept[2]
+    assert kept3.numel() == sum(second.kept) and after3 < after1 < 660
+    totals = runtime.totals
+    assert (totals.requests_dropped, totals.rows_in, totals.rows_kept) == (2, 660, after3)
+    assert totals.kv_entries_prompt == 660 * 6
+    assert totals.kv_entries_written == 2 * 660 + 2 * after1 + 2 * after3
+    other = VllmDropRuntime(config, world.names, (0, 4), lambda: world, lambda name: 16)
+    assert other.segment_layers == [1, 4, 1]

@@ -98,6 +98,19 @@ class DropTotals:
     requests_dropped: int = 0
     rows_in: int = 0  # prompt rows of the dropping requests entering the first drop point
     rows_kept: int = 0  # ... left after the last drop point
+    # KV entries the dropping requests' prompts put in the cache, summed over the attention
+    # layers: standard vLLM writes every prompt row at every layer (`kv_entries_prompt`); after a
+    # drop point a layer writes its kept rows only (`kv_entries_written`). The difference is the
+    # KV memory a cache sized by the kept tokens would save; vLLM 0.26 does not reclaim it (one
+    # block table per KV-cache group across the depth: docs/vllm.md "KV-cache memory inside vLLM").
+    # A sliding-window layer's cache is bounded by its window in either engine.
+    kv_entries_prompt: int = 0
+    kv_entries_written: int = 0
+
+    @property
+    def kv_written_share(self) -> float | None:
+        """kv_entries_written / kv_entries_prompt: the share of the prompts' KV still written."""
+        return self.kv_entries_written / self.kv_entries_prompt if self.kv_entries_prompt else None
 
 
 @dataclass
@@ -170,6 +183,11 @@ class VllmDropRuntime:
                                       max_window=max(self.windows.values(), default=0))
         self.step = StepDrops()
         self.totals = DropTotals()
+        # Attention layers per segment: segment i runs after i drop points (a drop layer's own
+        # attention, and so its KV, comes before its drop).
+        self.segment_layers = [sum(1 for j in range(len(self.layer_names))
+                                   if sum(d < j for d in self.drop_layers) == i)
+                               for i in range(len(self.drop_layers) + 1)]
 
     def begin_step(self) -> None:
         self.step = StepDrops()
@@ -270,6 +288,9 @@ class VllmDropRuntime:
         totals.requests_dropped += int(eligible.sum())
         totals.rows_in += rows_in
         totals.rows_kept += rows_kept
+        segment_rows = [rows_in] + [int(lay.query_lens_cpu[eligible].sum()) for lay in self.step.layouts]
+        totals.kv_entries_prompt += rows_in * len(self.layer_names)
+        totals.kv_entries_written += sum(rows * layers for rows, layers in zip(segment_rows, self.segment_layers))
         if totals.dropping_forwards == 1:
             logger.warning("uniprefill: first token drop in this engine: %d of %d requests dropped, their %d prompt "
                            "rows -> %d after drop layers %s", int(eligible.sum()), base.num_reqs, rows_in, rows_kept,

@@ -111,6 +111,15 @@ def ranks_agree(totals) -> bool | None:
     return all(worker == totals[0] for worker in totals[1:])
 
 
+def kv_written_share(totals) -> float | None:
+    """The share of the dropping prompts' KV entries still written (`DropTotals.kv_entries_*`),
+    over the first worker's rewritten graphs; None without drops (or an error text)."""
+    if not isinstance(totals, list) or not totals or not isinstance(totals[0], list):
+        return None
+    prompt = sum(graph.get("kv_entries_prompt", 0) for graph in totals[0])
+    return sum(graph.get("kv_entries_written", 0) for graph in totals[0]) / prompt if prompt else None
+
+
 def int_list(text: str) -> list[int]:
     """'8192,16384, 32000' -> [8192, 16384, 32000]; every value must be positive."""
     values = [int(part) for part in text.replace(" ", "").split(",") if part]
@@ -404,6 +413,8 @@ def main(argv=None) -> int:
         from uniprefill.vllm_runner_hook import collect_drop_totals
 
         summary["drop_totals"] = collect_drop_totals(llm)
+        # KV memory a cache sized by the kept tokens would save (vLLM does not reclaim it)
+        summary["kv_written_share"] = kv_written_share(summary["drop_totals"])
         if args.tensor_parallel_size > 1:  # the TP selection must take one decision on every rank
             summary["ranks_agree"] = ranks_agree(summary["drop_totals"])
             checks.append(summary["ranks_agree"] is True)
