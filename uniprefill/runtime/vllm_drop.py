@@ -183,11 +183,9 @@ class VllmDropRuntime:
                                       max_window=max(self.windows.values(), default=0))
         self.step = StepDrops()
         self.totals = DropTotals()
-        # Attention layers per segment: segment i runs after i drop points (a drop layer's own
-        # attention, and so its KV, comes before its drop).
-        self.segment_layers = [sum(1 for j in range(len(self.layer_names))
-                                   if sum(d < j for d in self.drop_layers) == i)
-                               for i in range(len(self.drop_layers) + 1)]
+        # Attention layers per segment: segment i holds the rows kept after i drop points (the
+        # store's `layer_column`; a drop layer's own attention, and so its KV, comes before its drop).
+        self.segment_layers = torch.bincount(self.store.layer_column, minlength=len(self.drop_layers) + 1).tolist()
 
     def begin_step(self) -> None:
         self.step = StepDrops()
