@@ -128,6 +128,19 @@ class TinyBackbone(nn.Module):
             x = x + self.mlp[i](x)
         return x[-1]
 
+    def decode_reference(self, tokens: torch.Tensor, prompt_len: int, prompt_kept: list[set[int]],
+                         drops) -> torch.Tensor:
+        """The last token of one request decoding after a dropped prefill: `tokens` = prompt +
+        decoded; `prompt_kept[i]` = the prompt positions drop point `drops[i]` kept; every decoded
+        token is kept everywhere."""
+        n = tokens.numel()
+        kept, entering = {}, torch.arange(n)
+        for layer, kept_prompt in zip(drops, prompt_kept):
+            keep_rows = torch.tensor(sorted(kept_prompt | set(range(prompt_len, n))))
+            keep = torch.nonzero(torch.isin(entering, keep_rows)).flatten()
+            kept[layer], entering = keep, entering[keep]
+        return self.reference(tokens, kept)
+
 
 def fake_window_layer(name: str) -> WindowLayer:
     """The fake vLLM's cache of one layer as vLLM's FlashAttention views it: [blocks, B, H, D]."""
@@ -135,7 +148,8 @@ def fake_window_layer(name: str) -> WindowLayer:
     return WindowLayer(cache[0].view(-1, BLOCK, HEADS, DIM), cache[1].view(-1, BLOCK, HEADS, DIM), DIM ** -0.5)
 
 
-def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, windows: dict[int, int] | None = None) -> tuple:
+def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, windows: dict[int, int] | None = None,
+                       graph_decode_max_reqs: int = 0) -> tuple:
     """torch.compile(model) with a backend that rewrites the graph as the vLLM plugin does
     (mode 2: dynamo hands over the whole backbone once, with a symbolic token count)."""
     state = {}
@@ -150,7 +164,7 @@ def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, window
                                   request_ids_fn=lambda: WORLD.context.request_ids,
                                   request_p_fn=lambda: getattr(WORLD.context, "request_p", None),
                                   windows={names[i]: w for i, w in windows.items() if i > drops[0]},
-                                  window_layer_fn=fake_window_layer)
+                                  window_layer_fn=fake_window_layer, graph_decode_max_reqs=graph_decode_max_reqs)
         state.update(info=info, runtime=runtime, gm=gm,
                      result=rewrite_vllm_graph(gm, info, drops, kinds, runtime))
         return gm.forward

@@ -116,14 +116,8 @@ def test_decode_after_a_dropped_prefill_sees_each_layers_kept_keys(model, drops)
             hidden = compiled(new, torch.tensor(computed))
         for r in range(len(query_lens)):
             tokens[r] = torch.cat([tokens[r], new[r:r + 1]])
-            n = tokens[r].numel()
-            kept, entering = {}, torch.arange(n)
-            for layer, prompt_kept in zip(drops, kept_sets[r]):
-                keep_rows = torch.tensor(sorted(prompt_kept | set(range(query_lens[r], n))))
-                keep = torch.nonzero(torch.isin(entering, keep_rows)).flatten()
-                kept[layer], entering = keep, entering[keep]
             with torch.no_grad():
-                ref = model.reference(tokens[r], kept)
+                ref = model.decode_reference(tokens[r], query_lens[r], kept_sets[r], drops)
             torch.testing.assert_close(hidden[r], ref, atol=1e-5, rtol=1e-5)
     torch._dynamo.reset()
     assert runtime.free("req-0") and not runtime.free("req-1") and len(runtime.store) == 1

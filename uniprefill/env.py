@@ -16,6 +16,10 @@ Read:
     UNIPREFILL_VLLM_DROP: "1" turns on the experimental token dropping inside vLLM
         (`vllm_drop_enabled()`; `uniprefill.vllm_plugin`). First GPU runs on 2026-12-01
         (docs/vllm.md): off by default, and vLLM then runs unaccelerated with the reason logged.
+    UNIPREFILL_VLLM_DECODE_GRAPHS: "1" lets the dropping vLLM engine decode under CUDA graphs
+        (`compilation_config.cudagraph_mode="FULL_DECODE_ONLY"`; `vllm_decode_graphs_enabled()`,
+        `uniprefill.runtime.vllm_graph_decode`): built and tested on CPU on 2026-12-01, not yet
+        run on a GPU, so a second switch; without it that mode is refused when dropping.
     UNIPREFILL_VLLM_REWRITE_DUMP: a folder; when set, the vLLM plugin writes each rewritten
         graph's code there (`rewrite_dump_dir()`), for debugging on the GPU box.
     TRITON_INTERPRET: Triton's own switch ("1": run Triton kernels in its CPU interpreter);
@@ -35,7 +39,7 @@ import os
 from pathlib import Path
 
 __all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "haystack_path", "rewrite_dump_dir", "smollm2_dir",
-           "vllm_drop_enabled"]
+           "vllm_decode_graphs_enabled", "vllm_drop_enabled"]
 
 
 def _path_from_env(name: str, default: Path) -> Path:
@@ -72,6 +76,11 @@ def haystack_path() -> str | None:
 def vllm_drop_enabled() -> bool:
     """UNIPREFILL_VLLM_DROP == "1": the experimental vLLM rewrite may run."""
     return os.environ.get("UNIPREFILL_VLLM_DROP", "").strip() == "1"
+
+
+def vllm_decode_graphs_enabled() -> bool:
+    """UNIPREFILL_VLLM_DECODE_GRAPHS == "1": a dropping vLLM engine may decode under CUDA graphs."""
+    return os.environ.get("UNIPREFILL_VLLM_DECODE_GRAPHS", "").strip() == "1"
 
 
 def rewrite_dump_dir() -> Path | None:

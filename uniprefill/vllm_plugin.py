@@ -120,6 +120,12 @@ class VllmCheck:
             raise ValueError("uniprefill cannot run with this vLLM configuration:\n  - " + "\n  - ".join(self.errors))
 
 
+def cudagraph_mode_name(vllm_config: Any) -> str:
+    """`compilation_config.cudagraph_mode` as an upper-case name ("NONE" when unset)."""
+    graphs = _get(_get(vllm_config, "compilation_config"), "cudagraph_mode")
+    return str(getattr(graphs, "name", graphs) or "NONE").upper()
+
+
 def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_compile: bool | None = None,
                       drop_enabled: bool = False) -> VllmCheck:
     """Check the parts of a `VllmConfig` (or a duck-typed fake) uniprefill depends on.
@@ -148,14 +154,19 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         check.errors.append("pipeline_parallel_size > 1 is not supported (drop layers may sit on another rank)")
     if _get(vllm_config, "speculative_config") is not None:
         check.errors.append("speculative decoding is not supported yet")
-    graphs = _get(cc, "cudagraph_mode")
-    graphs = str(getattr(graphs, "name", graphs) or "NONE").upper()
-    if drop_enabled and graphs != "NONE":
+    graphs = cudagraph_mode_name(vllm_config)
+    decode_graphs = graphs == "FULL_DECODE_ONLY" and env.vllm_decode_graphs_enabled()
+    if drop_enabled and graphs != "NONE" and not decode_graphs:
         check.errors.append(
-            f"compilation_config.cudagraph_mode={graphs} with token dropping: CUDA graphs are captured without "
-            "any request's drop history, so a replayed decode step would attend, in the layers after a drop, "
-            "over KV entries those layers never wrote; use cudagraph_mode NONE (what vLLM sets for mode 2 "
-            "unless FULL_DECODE_ONLY or VLLM_USE_BREAKABLE_CUDAGRAPH asks otherwise)")
+            f"compilation_config.cudagraph_mode={graphs} with token dropping: CUDA graphs would be captured "
+            "without any request's drop history, so a replayed decode step would attend, in the layers after a "
+            "drop, over KV entries those layers never wrote; use cudagraph_mode NONE (what vLLM sets for mode 2 "
+            "unless FULL_DECODE_ONLY or VLLM_USE_BREAKABLE_CUDAGRAPH asks otherwise), or FULL_DECODE_ONLY with "
+            "UNIPREFILL_VLLM_DECODE_GRAPHS=1 (decode graphs that read each step's drop histories; experimental, "
+            "not yet run on a GPU)")
+    if drop_enabled and decode_graphs:
+        check.notes.append("decode under CUDA graphs after drops (UNIPREFILL_VLLM_DECODE_GRAPHS=1): experimental, "
+                           "tested on CPU only; models with sliding-window layers after a drop run unaccelerated")
     runner = _get(_get(vllm_config, "model_config"), "runner_type", "generate")
     if runner not in (None, "generate"):
         check.errors.append(f"model_config.runner_type={runner!r}: uniprefill serves generation only (a pooling model "
@@ -280,15 +291,19 @@ class VllmTokenDropBackend:
 
     def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None,
                  layer_kinds: list[str] | None = None, *, block_size: int | None = None,
-                 tensor_parallel: int = 1, hooks: Any = None, sliding_window: int | None = None) -> None:
+                 tensor_parallel: int = 1, hooks: Any = None, sliding_window: int | None = None,
+                 graph_decode_max_reqs: int = 0) -> None:
         """hooks: a `VllmHooks`, or a callable returning one (built when first needed).
-        sliding_window: the model's window (tokens) for its "sliding" layers."""
+        sliding_window: the model's window (tokens) for its "sliding" layers.
+        graph_decode_max_reqs: vLLM's max_num_seqs when it decodes under CUDA graphs after drops
+        (FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1), else 0."""
         self.config = config
         self.check = check or VllmCheck()
         self.layer_kinds = layer_kinds  # "full" / "sliding" / "linear" per layer, from the model config
         self.block_size = block_size  # vLLM's KV-cache block size (cache_config.block_size)
         self.tensor_parallel = tensor_parallel
         self.sliding_window = sliding_window
+        self.graph_decode_max_reqs = graph_decode_max_reqs
         self._hooks = hooks if hooks is not None else VllmHooks.from_vllm
         self.graphs: list[VllmGraphReport] = []
         self.runtimes: list = []  # one VllmDropRuntime per rewritten graph
@@ -307,9 +322,12 @@ class VllmTokenDropBackend:
             logger.warning("uniprefill: %s", note)
         cache = _get(vllm_config, "cache_config")
         parallel = _get(vllm_config, "parallel_config")
+        decode_graphs = cudagraph_mode_name(vllm_config) == "FULL_DECODE_ONLY" and env.vllm_decode_graphs_enabled()
         return cls(config, check, _layer_kinds(vllm_config), block_size=_get(cache, "block_size"),
                    tensor_parallel=int(_get(parallel, "tensor_parallel_size", 1) or 1),
-                   sliding_window=_get(_hf_text_config(vllm_config), "sliding_window"))
+                   sliding_window=_get(_hf_text_config(vllm_config), "sliding_window"),
+                   graph_decode_max_reqs=int(_get(_get(vllm_config, "scheduler_config"), "max_num_seqs", 0) or 0)
+                   if decode_graphs else 0)
 
     def __call__(self, gm, example_inputs):
         from .passes.vllm_graph import attach_example_inputs
@@ -380,6 +398,10 @@ class VllmTokenDropBackend:
             report.reason = (f"sliding-window layers run after drop layer {first} but the model config gives no "
                              f"sliding_window ({self.sliding_window!r})")
             return None
+        if sliding and self.graph_decode_max_reqs:
+            report.reason = (f"sliding-window layers run after drop layer {first}, and decoding under CUDA graphs "
+                             "after a drop does not support them yet (their window tables are built on the host)")
+            return None
         hooks = self._hooks() if callable(self._hooks) else self._hooks
         if sliding and hooks.window_layer_fn is None:
             report.reason = "sliding-window layers run after a drop point and the hooks give no window_layer_fn"
@@ -396,7 +418,8 @@ class VllmTokenDropBackend:
                                   request_ids_fn=hooks.request_ids_fn, opted_out_fn=hooks.opted_out_fn,
                                   request_p_fn=hooks.request_p_fn,
                                   windows={name: self.sliding_window for name in sliding},
-                                  window_layer_fn=hooks.window_layer_fn, group=group)
+                                  window_layer_fn=hooks.window_layer_fn, group=group,
+                                  graph_decode_max_reqs=self.graph_decode_max_reqs)
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
             report.rewrite = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds,

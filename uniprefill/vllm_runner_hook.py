@@ -70,6 +70,14 @@ class FinishedListeners:
         return [dataclasses.asdict(listener.totals) for listener in list(self._listeners)
                 if dataclasses.is_dataclass(getattr(listener, "totals", None))]
 
+    def before_step(self, request_ids: tuple[str, ...]) -> None:
+        """Before a step's forward or graph replay: `listener.before_step(ids)` where defined (the
+        runtimes refill what their decode CUDA graphs read, `runtime.vllm_graph_decode`)."""
+        for listener in list(self._listeners):
+            before = getattr(listener, "before_step", None)
+            if before is not None:
+                before(request_ids)
+
     def notify(self, request_ids) -> None:
         for listener in list(self._listeners):
             for request_id in request_ids:
@@ -144,6 +152,7 @@ def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
         logprobs = getattr(batch, "num_prompt_logprobs", None) or {}  # vLLM's {req_id: n}, usually empty
         mask, p = settings.of_step(ids, logprobs)
         step = StepRequests(ids, batch.num_prompt_tokens_cpu_tensor[:len(ids)].to(torch.long), mask, p)
+        listeners.before_step(ids)
         token = _STEP.set(step)
         try:
             return forward(self, *args, **kwargs)
@@ -204,6 +213,7 @@ def install_v2(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
         mask, p = settings.of_step(ids)
         prefill = torch.as_tensor(batch.prefill_len_np[:len(ids)]).to(torch.long)
         _STEP.set(StepRequests(ids, prefill, mask, p))  # seen by the forward execute_model runs next
+        listeners.before_step(ids)  # before the forward, or the replay of a decode graph
         return batch
 
     for wrapped in (execute_model, prepare_inputs):

@@ -51,6 +51,8 @@ from .vllm_metadata import (
 )
 from uniprefill.kernels.paged_window import paged_window_attention
 
+from .vllm_graph_decode import DecodeRemovedBuffer, segment_metadata
+
 from .vllm_window import row_logical, window_counts
 
 logger = logging.getLogger(__name__)
@@ -106,6 +108,7 @@ class DropTotals:
     # A sliding-window layer's cache is bounded by its window in either engine.
     kv_entries_prompt: int = 0
     kv_entries_written: int = 0
+    decode_graph_captures: int = 0  # forwards vLLM captured as decode CUDA graphs through `_graph_decode_point`
 
     @property
     def kv_written_share(self) -> float | None:
@@ -127,6 +130,7 @@ class StepDrops:
     right_layout: TokenLayout | None = None  # after the last drop point, right-aligned (sliding layers)
     window_rows: dict[str, WindowRows] = field(default_factory=dict)  # sliding layer name -> its rows
     profiling: bool = False  # a forward without attention metadata (vLLM's dummy runs)
+    graph_base: dict = field(default_factory=dict)  # group -> (vLLM's metadata, slot mapping), graph capture
 
     @property
     def layout(self) -> TokenLayout | None:
@@ -144,7 +148,8 @@ class VllmDropRuntime:
                  opted_out_fn: Callable[[], torch.Tensor | None] | None = None,
                  request_p_fn: Callable[[], torch.Tensor | None] | None = None,
                  group=None, windows: dict[str, int] | None = None,
-                 window_layer_fn: Callable[[str], WindowLayer] | None = None) -> None:
+                 window_layer_fn: Callable[[str], WindowLayer] | None = None,
+                 graph_decode_max_reqs: int = 0) -> None:
         """layer_names: attention layer names in graph order (index = position in the list).
         drop_layers: the drop layers (indices into layer_names), in order.
         num_prompt_tokens_fn: host [R] prompt lengths of the step's requests, or None when the
@@ -161,7 +166,10 @@ class VllmDropRuntime:
             when no request has one; not used where the config forces a keep ratio.
         group: the tensor-parallel process group (block scores are summed across it).
         windows: sliding-window layer name -> window (tokens), for the sliding layers that run
-            after a drop point; `window_layer_fn(name)` gives each one's `WindowLayer`."""
+            after a drop point; `window_layer_fn(name)` gives each one's `WindowLayer`.
+        graph_decode_max_reqs: > 0 when vLLM captures decode steps in CUDA graphs
+            (`cudagraph_mode=FULL_DECODE_ONLY`): vLLM's `max_num_seqs`, the size of the table of
+            removed KV entries the graphs read (`runtime.vllm_graph_decode`); 0 for eager decode."""
         if config.policy != "cumulative":
             raise NotImplementedError(f"policy {config.policy!r}: the vLLM runtime drops cumulatively only")
         self.config = config
@@ -178,6 +186,12 @@ class VllmDropRuntime:
         if self.windows and window_layer_fn is None:
             raise ValueError("windows: sliding layers after a drop need window_layer_fn (their caches and scale)")
         self.window_layer_fn = window_layer_fn
+        self.graph_decode = None
+        if graph_decode_max_reqs:
+            if self.windows:
+                raise ValueError("decode under CUDA graphs with sliding-window layers after a drop point is not "
+                                 "supported (their window tables are built on the host)")
+            self.graph_decode = DecodeRemovedBuffer(len(self.drop_layers), graph_decode_max_reqs)
         self.vllm_attention: dict[int, Callable] = {}  # layer -> vLLM's attention op the rewrite replaced
         self.store = DropHistoryStore(tuple(self.drop_layers), len(self.layer_names), "cumulative",
                                       max_window=max(self.windows.values(), default=0))
@@ -190,10 +204,18 @@ class VllmDropRuntime:
     def begin_step(self) -> None:
         self.step = StepDrops()
 
+    def before_step(self, request_ids: Sequence[str]) -> None:
+        """Called by the model-runner hook before each step's forward (or graph replay): under
+        CUDA-graph decoding, refill the removed-KV table the graphs read, in batch order."""
+        if self.graph_decode is not None:
+            self.graph_decode.fill(self.store, tuple(request_ids))
+
     # ------------------------------------------------------------------ the drop point
     def drop(self, q: torch.Tensor, k: torch.Tensor, layer: int) -> torch.Tensor:
         """Kept rows (int64, device) of the rows entering drop layer `layer` (see module docstring)."""
         context = self.context_fn()
+        if self.graph_decode is not None and _capturing_full_graph(context):
+            return self._graph_decode_point(context, q, layer)
         name = self.layer_names[layer]
         drop_index = self.drop_layers.index(layer)
         metadata = getattr(context, "attn_metadata", None)
@@ -239,6 +261,46 @@ class VllmDropRuntime:
         if drop_index == len(self.drop_layers) - 1:
             self._count(eligible)
         return kept
+
+    def _graph_decode_point(self, context, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """The drop point while vLLM captures a decode CUDA graph: nothing drops (decode); the
+        later layers get seq_lens and slots computed on the device from vLLM's persistent inputs
+        and the removed-KV table (`runtime.vllm_graph_decode`), so that replays follow each
+        step's requests. Every row is kept."""
+        import dataclasses
+
+        metadata, slot_mapping = context.attn_metadata, context.slot_mapping
+        if not self.step.groups:  # the forward's first drop point: vLLM's own objects, before any install
+            self.totals.decode_graph_captures += 1
+            self.step.groups = self._groups(context)
+            first = {}
+            for name, group in self.step.groups.items():
+                first.setdefault(group, name)
+            self.step.graph_base = {g: (metadata[n], slot_mapping[n]) for g, n in first.items()}
+        column = self.drop_layers.index(layer) + 1
+        table = self.graph_decode.on(q.device)
+        installed = {}
+        for name in self.layer_names[layer + 1:]:
+            group = self.step.groups.get(name)
+            if group is None:
+                continue
+            if group not in installed:
+                meta, slots = self.step.graph_base[group]
+                if getattr(meta, "use_cascade", False):
+                    raise NotImplementedError(f"{name}: cascade attention in a captured decode graph after a drop")
+                if meta.seq_lens.shape[0] != q.shape[0]:
+                    raise RuntimeError(f"uniprefill: vLLM captures a decode graph of {q.shape[0]} tokens for "
+                                       f"{meta.seq_lens.shape[0]} requests; decoding under CUDA graphs after a drop "
+                                       "needs one token per request (no speculative decoding)")
+                lens, new_slots = segment_metadata(meta.seq_lens, meta.block_table, slots, table[column - 1],
+                                                   self.block_size_fn(name))
+                fields = {"seq_lens": lens, "slot_mapping": new_slots}
+                if getattr(meta, "scheduler_metadata", None) is not None:
+                    fields["scheduler_metadata"] = None  # planned for vLLM's lengths: FA3 plans these itself
+                installed[group] = dataclasses.replace(meta, **fields)
+            metadata[name] = installed[group]
+            slot_mapping[name] = installed[group].slot_mapping
+        return torch.arange(q.shape[0], device=q.device)
 
     def _live_history_rows(self, request_ids: list[str], layout: TokenLayout) -> torch.Tensor:
         """Store rows of the step's requests; a request that prefills from position 0 although
@@ -411,3 +473,10 @@ class VllmDropRuntime:
             rest = _ranges(qsl[:-1][others], qlen[others]).to(device, non_blocking=True)
             kept = torch.sort(torch.cat([kept, rest])).values  # requests' rows are disjoint ranges
         return kept, counts
+
+
+def _capturing_full_graph(context) -> bool:
+    """Whether vLLM runs this forward to capture a FULL CUDA graph (its forward context's
+    `cudagraph_runtime_mode`, an enum whose name is compared so that vLLM is not imported)."""
+    mode = getattr(context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", mode) == "FULL"

@@ -513,6 +513,11 @@ class DropHistoryStore:
     def __len__(self) -> int:
         return len(self._histories)
 
+    @property
+    def version(self) -> int:
+        """Bumped by every `add` and `free`: equal versions mean equal histories."""
+        return self._version
+
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._histories
 

@@ -170,7 +170,9 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
             "backend": "uniprefill.vllm_plugin.vllm_backend",
             "inductor_compile_config": {"uniprefill": json.loads(args.uniprefill_settings)},
         }
-        if os.environ.get("SMOKE_CUDAGRAPH_MODE"):  # debugging: e.g. NONE (no CUDA graphs at all)
+        if args.decode_graphs:  # decode steps replay CUDA graphs that read the drop histories
+            kwargs["compilation_config"]["cudagraph_mode"] = "FULL_DECODE_ONLY"
+        elif os.environ.get("SMOKE_CUDAGRAPH_MODE"):  # debugging: e.g. NONE (no CUDA graphs at all)
             kwargs["compilation_config"]["cudagraph_mode"] = os.environ["SMOKE_CUDAGRAPH_MODE"]
         # token dropping refuses prefix caching (a dropped request's blocks must not be reused)
         kwargs["enable_prefix_caching"] = False
@@ -297,6 +299,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with throughput: also time this many output tokens after the first at each point "
                              "(ms per output token from the engine's timestamps; decode runs without CUDA graphs "
                              "in the uniprefill channel)")
+    parser.add_argument("--decode-graphs", action="store_true",
+                        help="with --uniprefill: cudagraph_mode FULL_DECODE_ONLY and UNIPREFILL_VLLM_DECODE_GRAPHS=1 "
+                             "(decode under CUDA graphs after drops; experimental)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="vLLM's tensor_parallel_size (needs that many GPUs); with dropping, the JSON's "
                              "ranks_agree says whether every rank dropped the same rows")
@@ -304,6 +309,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.uniprefill and args.dump_graph:
         parser.error("--uniprefill and --dump-graph both choose the compilation backend: pick one")
+    if args.decode_graphs and not args.uniprefill:
+        parser.error("--decode-graphs is a setting of the uniprefill channel: add --uniprefill")
     if args.num_prompts is None:
         args.num_prompts = 0 if args.model_dir else 4
     return args
@@ -314,6 +321,8 @@ def prepare_environment(args) -> None:
     if args.uniprefill or args.dump_graph:
         # Mode 2 + vLLM's AOT compile needs a serialisable compiled function (docs/vllm.md).
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+    if args.decode_graphs:
+        os.environ["UNIPREFILL_VLLM_DECODE_GRAPHS"] = "1"
     if args.dump_graph:
         path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = str(HERE) + (os.pathsep + path if path else "")

@@ -24,6 +24,8 @@
 #            and decodes, opt-out, prefix caching refused; log $OUT/vllm-pytest-h200.log   ~3 min
 #   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput
 #            8192,16384,32000 x 1,4,16                                                ~5 min  (cap 540 s)
+#   llama8bdropcg  llama8bdrop with decode under CUDA graphs (--decode-graphs: cudagraph_mode
+#            FULL_DECODE_ONLY, UNIPREFILL_VLLM_DECODE_GRAPHS=1; experimental, not run yet)   ~3 min
 #   llama8beager, llama8bchannel  controls for the decode time per output token (DECODE=N): standard
 #            vLLM with enforce_eager (no compile, no CUDA graphs), and the uniprefill channel (mode 2)
 #            without dropping: how much of the dropping run's slower decode is eagerness, how much
@@ -46,9 +48,9 @@ steps=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --budget) budget="$2"; shift 2 ;;
-    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b|needles|gemmadroptput|llama8bdrop|pytest|llama8btp2|llama8bdroptp2|llama8beager|llama8bchannel) steps+=("$1"); shift ;;
+    api|gemma|gemmadrop|dump|llama4|llama4drop|llama8b|needles|gemmadroptput|llama8bdrop|pytest|llama8btp2|llama8bdroptp2|llama8beager|llama8bchannel|llama8bdropcg) steps+=("$1"); shift ;;
     all) steps+=(api gemma dump llama4 llama8b); shift ;;
-    *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama4drop gemmadrop needles gemmadroptput llama8b llama8bdrop llama8btp2 llama8bdroptp2 llama8beager llama8bchannel pytest all; --budget S)" >&2; exit 2 ;;
+    *) echo "unknown argument: $1 (steps: api gemma dump llama4 llama4drop gemmadrop needles gemmadroptput llama8b llama8bdrop llama8btp2 llama8bdroptp2 llama8beager llama8bchannel llama8bdropcg pytest all; --budget S)" >&2; exit 2 ;;
   esac
 done
 [[ ${#steps[@]} -gt 0 ]] || steps=(api gemma dump llama4 llama8b)
@@ -166,6 +168,12 @@ for step in "${steps[@]}"; do
     llama8b)
       run llama8b 540 $SMOKE "${SHARED[@]}" --kv-cache-gib 8 --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm.json" ;;
+    llama8bdropcg)
+      export UNIPREFILL_VLLM_DROP=1
+      run llama8b-drop-cg 540 $SMOKE "${SHARED[@]}" --uniprefill --decode-graphs --kv-cache-gib 8 --max-model-len 32768 \
+        --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256}' "${TPUT[@]}" \
+        --out "$OUT/llama8b-vllm-drop-cg.json"
+      unset UNIPREFILL_VLLM_DROP ;;
     llama8beager)
       run llama8b-eager 540 $SMOKE "${SHARED[@]}" --eager --kv-cache-gib 8 --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm-eager.json" ;;

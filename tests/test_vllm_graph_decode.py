@@ -1,0 +1,170 @@
+"""Decode under vLLM's CUDA graphs after drops (`runtime.vllm_graph_decode`), on CPU.
+
+No graph is captured here (no CUDA): what is tested is that the metadata the capture path
+computes on the device, from vLLM's persistent inputs and the removed-KV table refilled before
+each step, equals what the eager host path computes for the same decode step (`compact` with the
+drop histories), for requests with and without a history, at two drop points; that padding rows
+keep vLLM's -1 slot; and the configuration switches around it.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fake_vllm import make_world, step
+from uniprefill.config import UniPrefillConfig
+from uniprefill.runtime.vllm_drop import VllmDropRuntime
+from uniprefill.runtime.vllm_graph_decode import DecodeRemovedBuffer, segment_metadata
+
+BLOCK, HEADS, HEAD = 16, 2, 16
+QUERY_LENS = [400, 30, 260]  # the middle request is too short to drop: it has no history
+
+
+def dropped_world(drop_layers=(1, 3), layers=6, max_reqs=8):
+    """A prefill step in which requests 0 and 2 drop (eager host path), and the runtime."""
+    world = make_world(QUERY_LENS, layers=layers, groups=2, block=BLOCK, kv_heads=HEADS, head_size=HEAD, room=8)
+    config = UniPrefillConfig(keep_ratio=0.5, drop_layers=drop_layers, min_tokens=64, sink=16, last_q=16,
+                              block_size=BLOCK, impl="torch")
+    runtime = VllmDropRuntime(config, world.names, drop_layers, lambda: world, lambda name: BLOCK,
+                              request_ids_fn=lambda: world.request_ids, graph_decode_max_reqs=max_reqs)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(sum(QUERY_LENS), HEADS, HEAD, generator=gen) for _ in range(2))
+    runtime.begin_step()
+    kept = torch.arange(q.shape[0])
+    for layer in drop_layers:
+        kept_here = runtime.drop(q[kept], k[kept], layer)
+        kept = kept[kept_here]
+    assert runtime.totals.requests_dropped == 2
+    return world, runtime
+
+
+def decode_metadata(world, runtime, capture: bool, decoded: int = 3):
+    """Run the drop points of decode step `decoded` (after the prompt) eagerly or as a capture;
+    return every layer's (seq_lens, slot_mapping) as installed."""
+    step(world, [q + decoded for q in QUERY_LENS], [1] * len(QUERY_LENS))
+    world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL" if capture else "NONE")
+    if capture:
+        runtime.before_step(tuple(world.request_ids))  # the runner hook, before the replay
+    gen = torch.Generator().manual_seed(decoded)
+    q, k = (torch.randn(len(QUERY_LENS), HEADS, HEAD, generator=gen) for _ in range(2))
+    runtime.begin_step()
+    for layer in runtime.drop_layers:
+        assert torch.equal(runtime.drop(q, k, layer), torch.arange(len(QUERY_LENS)))
+    return {name: (world.attn_metadata[name].seq_lens.long(), world.slot_mapping[name].long()) for name in world.names}
+
+
+@pytest.mark.parametrize("drop_layers", [(1,), (1, 3)])
+def test_capture_path_computes_the_host_paths_decode_metadata(drop_layers):
+    world, runtime = dropped_world(drop_layers)
+    runtime.graph_decode.on(torch.device("cpu"))  # allocated at the first capture in vLLM
+    for decoded in (1, 5):
+        eager = decode_metadata(world, runtime, capture=False, decoded=decoded)
+        graph = decode_metadata(world, runtime, capture=True, decoded=decoded)
+        for name in world.names:
+            torch.testing.assert_close(graph[name], eager[name], rtol=0, atol=0, msg=name)
+    # the layers after the last drop point see fewer entries for the dropping requests only
+    last_seq, _ = eager[world.names[-1]]
+    vllm_seq = torch.tensor([q + 5 + 1 for q in QUERY_LENS])
+    assert last_seq[1] == vllm_seq[1] and (last_seq[[0, 2]] < vllm_seq[[0, 2]]).all()
+    first_seq, _ = eager[world.names[0]]
+    assert torch.equal(first_seq, vllm_seq)  # before the drop: vLLM's own
+
+
+def test_removed_table_follows_the_steps_requests_in_batch_order():
+    world, runtime = dropped_world((1,))
+    table = runtime.graph_decode.on(torch.device("cpu"))
+    ids = tuple(world.request_ids)
+    runtime.before_step(ids)
+    removed = [runtime.store.kv_removed(runtime.store.rows_for([r]), 1).item() for r in ids]
+    assert removed[1] == 0 and removed[0] > 0 and removed[2] > 0
+    assert table[0, :3].tolist() == removed and table[0, 3:].tolist() == [0] * 5
+    runtime.before_step((ids[2], ids[0]))  # another order, fewer requests: rows follow, the rest zeroed
+    assert table[0, :3].tolist() == [removed[2], removed[0], 0]
+    runtime.free(ids[0])
+    runtime.before_step((ids[2], ids[0]))  # a freed history counts as none (the store's version changed)
+    assert table[0, :2].tolist() == [removed[2], 0]
+    with pytest.raises(RuntimeError, match="more than max_num_reqs=8"):
+        runtime.before_step(tuple(f"r{i}" for i in range(9)))
+
+
+def test_segment_metadata_keeps_padding_rows_at_minus_one():
+    table = torch.tensor([[3, 7], [5, 9], [0, 0]], dtype=torch.int32)
+    seq_lens = torch.tensor([20, 5, 0], dtype=torch.int32)  # the third row pads the captured batch
+    slots = torch.tensor([7 * 16 + 3, 5 * 16 + 4, -1])
+    lens, new = segment_metadata(seq_lens, table, slots, torch.tensor([6, 0, 0], dtype=torch.int32), 16)
+    assert lens.tolist() == [14, 5, 0] and lens.dtype == seq_lens.dtype
+    assert new.tolist() == [3 * 16 + 13, 5 * 16 + 4, -1]  # logical 13 in block 0; vLLM's own slot; padding
+
+
+def test_graph_decode_needs_full_attention_after_the_drops_and_a_table_size():
+    world = make_world([100], layers=4, groups=1, block=BLOCK, kv_heads=HEADS, head_size=HEAD)
+    with pytest.raises(ValueError, match="sliding-window layers after a drop point is not supported"):
+        VllmDropRuntime(UniPrefillConfig(drop_layers=(1,)), world.names, (1,), lambda: world, lambda n: BLOCK,
+                        windows={world.names[2]: 32}, window_layer_fn=lambda n: None, graph_decode_max_reqs=4)
+    with pytest.raises(ValueError, match="max_num_reqs=0"):
+        DecodeRemovedBuffer(1, 0)
+
+
+def test_config_check_accepts_decode_graphs_only_behind_their_switch(monkeypatch):
+    from uniprefill.vllm_plugin import check_vllm_config
+
+    ns = types.SimpleNamespace
+    cfg = ns(compilation_config=ns(mode=2, backend="uniprefill.vllm_plugin.vllm_backend",
+                                   inductor_compile_config={"uniprefill": {}}, cudagraph_mode=ns(name="FULL_DECODE_ONLY")),
+             parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1), cache_config=ns(enable_prefix_caching=False),
+             scheduler_config=ns(enable_chunked_prefill=False, max_num_seqs=8), speculative_config=None)
+    monkeypatch.delenv("UNIPREFILL_VLLM_DECODE_GRAPHS", raising=False)
+    (error,) = check_vllm_config(cfg, drop_enabled=True).errors
+    assert "FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1" in error
+    monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
+    check = check_vllm_config(cfg, drop_enabled=True)
+    assert check.errors == [] and any("decode under CUDA graphs" in n for n in check.notes)
+    cfg.compilation_config.cudagraph_mode = ns(name="FULL_AND_PIECEWISE")  # prefill graphs: still refused
+    assert len(check_vllm_config(cfg, drop_enabled=True).errors) == 1
+
+
+@pytest.mark.parametrize("drops", [(1,), (1, 2)], ids=["one-drop", "two-drops"])
+def test_decode_steps_through_the_capture_path_match_the_reference(drops):
+    """The fake vLLM model rewritten with graph decoding on: prefill (two prompts drop, one is too
+    short), then decode steps run as vLLM's capture runs them (forward context in FULL mode, the
+    removed-KV table refilled by `before_step` first): attention reads, and the new KV lands in,
+    the capture path's metadata, and each new token's hidden state equals the reference in which
+    every layer after a drop attends over the prompt tokens it kept plus the decoded ones."""
+    from fake_vllm_model import VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context, kept_per_request
+
+    model = TinyBackbone().eval()
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=16, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, drops, graph_decode_max_reqs=4)
+    query_lens = [300, 40, 170]
+    torch.manual_seed(2)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    world = WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
+    runtime = state["runtime"]
+    kept_sets = [kept_per_request(p, query_lens) for p in runtime.step.points]
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    tokens = [ids[qsl[r]:qsl[r + 1]] for r in range(len(query_lens))]
+    runtime.graph_decode.on(torch.device("cpu"))  # vLLM's first capture allocates it
+    calls = []
+    capture_point = runtime._graph_decode_point
+    runtime._graph_decode_point = lambda *args: (calls.append(args[2]), capture_point(*args))[1]
+    for decoded in range(2):
+        new = torch.randint(0, VOCAB, (len(query_lens),))
+        computed = [q + decoded for q in query_lens]
+        WORLD.context = step(world, computed, [1] * len(query_lens))
+        world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+        runtime.before_step(tuple(world.request_ids))
+        with torch.no_grad():
+            hidden = compiled(new, torch.tensor(computed))
+        for r in range(len(query_lens)):
+            tokens[r] = torch.cat([tokens[r], new[r:r + 1]])
+            with torch.no_grad():
+                ref = model.decode_reference(tokens[r], query_lens[r], [sets[r] for sets in kept_sets], drops)
+            torch.testing.assert_close(hidden[r], ref, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+    assert calls == list(drops) * 2  # every drop point of both steps took the capture path
+    assert runtime.totals.decode_graph_captures == 2 and runtime.totals.forwards == 1  # the prefill only

@@ -1,0 +1,81 @@
+"""Decode steps under vLLM's CUDA graphs (`cudagraph_mode=FULL_DECODE_ONLY`) after drops.
+
+A graph replays the kernels recorded when vLLM captured it, with a dummy batch and no request
+history; no Python runs at replay. The layers after a drop point must nevertheless attend, for
+each request, over the KV entries they hold: vLLM's `seq_lens` minus what the request's prefill
+dropped before them (`DropHistoryStore.kv_removed`), and write the new token's KV at the slot of
+that shorter logical index. So here everything a later layer needs is computed ON THE DEVICE,
+inside the graph, from buffers whose addresses the graph keeps:
+
+* vLLM's own persistent inputs, which it refills before every replay: the group's `seq_lens`,
+  `block_table` and `slot_mapping` (read from the metadata vLLM built for the capture);
+* `DecodeRemovedBuffer.table`, `[columns, max_num_reqs]` int32: KV entries removed per request
+  at the layers after each drop point, which `fill` (called by the model-runner hook before
+  every step, `vllm_runner_hook`) refills from the drop histories, in the step's batch order.
+
+`segment_metadata` is that computation, and the same formula the host path (`compact` with
+`kv_removed_cpu`) applies on the host: tested equal on CPU. A decode step has one token per
+request (speculative decoding is refused), so rows and requests coincide. Sliding-window
+layers after a drop are not supported here (their window tables are built on the host): the
+vLLM backend refuses graph decoding for such models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .vllm_metadata import DropHistoryStore
+
+
+class DecodeRemovedBuffer:
+    """The device table of KV entries removed per (column, request) for the current step."""
+
+    def __init__(self, columns: int, max_num_reqs: int) -> None:
+        if columns < 1 or max_num_reqs < 1:
+            raise ValueError(f"columns={columns}, max_num_reqs={max_num_reqs}: expected >= 1 each")
+        self.columns, self.max_num_reqs = columns, max_num_reqs
+        self.table: torch.Tensor | None = None  # allocated once, on the first device seen; never reallocated
+        self._filled: tuple | None = None  # (store version, request ids) of the current contents
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        """The table, allocated zeroed on `device` the first time (a captured graph keeps its address)."""
+        if self.table is None:
+            self.table = torch.zeros(self.columns, self.max_num_reqs, dtype=torch.int32, device=device)
+        elif self.table.device != torch.device(device):
+            raise RuntimeError(f"the decode-removed table lives on {self.table.device}, asked for on {device}")
+        return self.table
+
+    def fill(self, store: DropHistoryStore, request_ids: tuple[str, ...]) -> None:
+        """Rows 0..R-1 of every column from the requests' drop histories; the rest zero.
+        Skipped when neither the requests nor the store changed since the last fill."""
+        if self.table is None:
+            return  # no forward has run: nothing was captured yet, and eager steps do not read it
+        if len(request_ids) > self.max_num_reqs:
+            raise RuntimeError(f"{len(request_ids)} requests in a step, more than max_num_reqs={self.max_num_reqs}")
+        key = (store.version, request_ids)
+        if key == self._filled:
+            return
+        rows = store.rows_for(request_ids)
+        host = torch.zeros(self.columns, self.max_num_reqs, dtype=torch.int32)
+        for c in range(self.columns):
+            host[c, :len(request_ids)] = store.kv_removed(rows, c + 1)
+        self.table.copy_(host)  # stream-ordered before the step's forward or graph replay
+        self._filled = key
+
+
+def segment_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                     removed: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_lens, slot_mapping) of a layer after a drop point, for a decode step of R requests.
+
+    seq_lens int [R] (vLLM's, every token ever written), block_table [R, max_blocks],
+    slot_mapping [T >= R] (vLLM's, -1 on padding rows), removed int [R]: device tensors.
+    The new token of request r sits at logical index `seq_lens[r] - removed[r] - 1` of the
+    layer's KV; padding rows keep vLLM's -1. Device ops only: no host sync, capturable.
+    """
+    num_reqs = seq_lens.shape[0]
+    lens = seq_lens - removed[:num_reqs].to(seq_lens.dtype)
+    logical = (lens.long() - 1).clamp(min=0)
+    blocks = block_table[:num_reqs].long().gather(1, (logical // block_size)[:, None]).squeeze(1)
+    base = slot_mapping[:num_reqs].long()
+    slots = torch.where(base < 0, base, blocks * block_size + logical % block_size)
+    return lens, slots
