@@ -41,18 +41,20 @@ def dropped_world(drop_layers=(1, 3), layers=6, max_reqs=8):
     return world, runtime
 
 
-def decode_metadata(world, runtime, capture: bool, decoded: int = 3):
-    """Run the drop points of decode step `decoded` (after the prompt) eagerly or as a capture;
-    return every layer's (seq_lens, slot_mapping) as installed."""
+def decode_metadata(world, runtime, capture: bool, decoded: int = 3, forwards: int = 1):
+    """Run the drop points of decode step `decoded` (after the prompt) eagerly or as a capture,
+    `forwards` times over the same metadata dicts (vLLM's warm-up, then capture); return every
+    layer's (seq_lens, slot_mapping) as installed."""
     step(world, [q + decoded for q in QUERY_LENS], [1] * len(QUERY_LENS))
     world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL" if capture else "NONE")
     if capture:
         runtime.before_step(tuple(world.request_ids))  # the runner hook, before the replay
     gen = torch.Generator().manual_seed(decoded)
     q, k = (torch.randn(len(QUERY_LENS), HEADS, HEAD, generator=gen) for _ in range(2))
-    runtime.begin_step()
-    for layer in runtime.drop_layers:
-        assert torch.equal(runtime.drop(q, k, layer), torch.arange(len(QUERY_LENS)))
+    for _ in range(forwards):
+        runtime.begin_step()
+        for layer in runtime.drop_layers:
+            assert torch.equal(runtime.drop(q, k, layer), torch.arange(len(QUERY_LENS)))
     return {name: (world.attn_metadata[name].seq_lens.long(), world.slot_mapping[name].long()) for name in world.names}
 
 
@@ -62,7 +64,7 @@ def test_capture_path_computes_the_host_paths_decode_metadata(drop_layers):
     runtime.graph_decode.on(torch.device("cpu"))  # allocated at the first capture in vLLM
     for decoded in (1, 5):
         eager = decode_metadata(world, runtime, capture=False, decoded=decoded)
-        graph = decode_metadata(world, runtime, capture=True, decoded=decoded)
+        graph = decode_metadata(world, runtime, capture=True, decoded=decoded, forwards=2)  # warm-up + capture
         for name in world.names:
             torch.testing.assert_close(graph[name], eager[name], rtol=0, atol=0, msg=name)
     # the layers after the last drop point see fewer entries for the dropping requests only

@@ -266,26 +266,26 @@ class VllmDropRuntime:
         """The drop point while vLLM captures a decode CUDA graph: nothing drops (decode); the
         later layers get seq_lens and slots computed on the device from vLLM's persistent inputs
         and the removed-KV table (`runtime.vllm_graph_decode`), so that replays follow each
-        step's requests. Every row is kept."""
+        step's requests. Every row is kept.
+
+        vLLM may run one capture batch's forward more than once over the same metadata dicts
+        (warm-up, then capture): what an earlier run installed is traced back to vLLM's own
+        metadata (`_VLLM_BASE`), never computed from again, since it is not refilled at replay."""
         import dataclasses
 
         metadata, slot_mapping = context.attn_metadata, context.slot_mapping
-        if not self.step.groups:  # the forward's first drop point: vLLM's own objects, before any install
+        if not self.step.graph_base:  # the forward's first drop point
             self.totals.decode_graph_captures += 1
-            self.step.groups = self._groups(context)
-            first = {}
-            for name, group in self.step.groups.items():
-                first.setdefault(group, name)
-            self.step.graph_base = {g: (metadata[n], slot_mapping[n]) for g, n in first.items()}
+            self.step.graph_base = {name: getattr(metadata[name], _VLLM_BASE, None) or (metadata[name], slot_mapping[name])
+                                    for name in self.layer_names if name in metadata}
         column = self.drop_layers.index(layer) + 1
         table = self.graph_decode.on(q.device)
-        installed = {}
+        installed = {}  # id(vLLM's metadata object): one per KV-cache group
         for name in self.layer_names[layer + 1:]:
-            group = self.step.groups.get(name)
-            if group is None:
+            if name not in self.step.graph_base:
                 continue
-            if group not in installed:
-                meta, slots = self.step.graph_base[group]
+            meta, slots = self.step.graph_base[name]
+            if id(meta) not in installed:
                 if getattr(meta, "use_cascade", False):
                     raise NotImplementedError(f"{name}: cascade attention in a captured decode graph after a drop")
                 if meta.seq_lens.shape[0] != q.shape[0]:
@@ -297,9 +297,11 @@ class VllmDropRuntime:
                 fields = {"seq_lens": lens, "slot_mapping": new_slots}
                 if getattr(meta, "scheduler_metadata", None) is not None:
                     fields["scheduler_metadata"] = None  # planned for vLLM's lengths: FA3 plans these itself
-                installed[group] = dataclasses.replace(meta, **fields)
-            metadata[name] = installed[group]
-            slot_mapping[name] = installed[group].slot_mapping
+                ours = dataclasses.replace(meta, **fields)
+                object.__setattr__(ours, _VLLM_BASE, (meta, slots))
+                installed[id(meta)] = ours
+            metadata[name] = installed[id(meta)]
+            slot_mapping[name] = installed[id(meta)].slot_mapping
         return torch.arange(q.shape[0], device=q.device)
 
     def _live_history_rows(self, request_ids: list[str], layout: TokenLayout) -> torch.Tensor:
@@ -473,6 +475,9 @@ class VllmDropRuntime:
             rest = _ranges(qsl[:-1][others], qlen[others]).to(device, non_blocking=True)
             kept = torch.sort(torch.cat([kept, rest])).values  # requests' rows are disjoint ranges
         return kept, counts
+
+
+_VLLM_BASE = "_uniprefill_vllm_base"  # on metadata a capture installed: (vLLM's metadata, slot mapping) it came from
 
 
 def _capturing_full_graph(context) -> bool:
