@@ -61,7 +61,7 @@ def decode_metadata(world, runtime, capture: bool, decoded: int = 3, forwards: i
 @pytest.mark.parametrize("drop_layers", [(1,), (1, 3)])
 def test_capture_path_computes_the_host_paths_decode_metadata(drop_layers):
     world, runtime = dropped_world(drop_layers)
-    runtime.graph_decode.on(torch.device("cpu"))  # allocated at the first capture in vLLM
+    assert runtime.graph_decode.table is not None  # allocated by the eager prefill, before any capture
     for decoded in (1, 5):
         eager = decode_metadata(world, runtime, capture=False, decoded=decoded)
         graph = decode_metadata(world, runtime, capture=True, decoded=decoded, forwards=2)  # warm-up + capture
@@ -103,6 +103,17 @@ def test_segment_metadata_keeps_padding_rows_at_minus_one():
 
 def test_graph_decode_needs_full_attention_after_the_drops_and_a_table_size():
     world = make_world([100], layers=4, groups=1, block=BLOCK, kv_heads=HEADS, head_size=HEAD)
+    runtime = VllmDropRuntime(UniPrefillConfig(drop_layers=(1,)), world.names, (1,), lambda: world, lambda n: BLOCK,
+                              graph_decode_max_reqs=4)
+    world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+    q = torch.zeros(1, HEADS, HEAD)
+    step(world, [100], [1])
+    with pytest.raises(RuntimeError, match="before any eager forward allocated"):
+        runtime.drop(q, q, 1)  # a capture before any eager forward: the table's zero-fill would be captured
+    world.cudagraph_runtime_mode = types.SimpleNamespace(name="NONE")
+    runtime.begin_step()
+    runtime.drop(q, q, 1)  # an eager forward (vLLM's profiling run) allocates it
+    assert runtime.graph_decode.table is not None
     with pytest.raises(ValueError, match="sliding-window layers after a drop point is not supported"):
         VllmDropRuntime(UniPrefillConfig(drop_layers=(1,)), world.names, (1,), lambda: world, lambda n: BLOCK,
                         windows={world.names[2]: 32}, window_layer_fn=lambda n: None, graph_decode_max_reqs=4)
@@ -150,7 +161,7 @@ def test_decode_steps_through_the_capture_path_match_the_reference(drops):
     kept_sets = [kept_per_request(p, query_lens) for p in runtime.step.points]
     qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
     tokens = [ids[qsl[r]:qsl[r + 1]] for r in range(len(query_lens))]
-    runtime.graph_decode.on(torch.device("cpu"))  # vLLM's first capture allocates it
+    assert runtime.graph_decode.table is not None  # the eager prefill allocated it
     calls = []
     capture_point = runtime._graph_decode_point
     runtime._graph_decode_point = lambda *args: (calls.append(args[2]), capture_point(*args))[1]
@@ -170,3 +181,21 @@ def test_decode_steps_through_the_capture_path_match_the_reference(drops):
     torch._dynamo.reset()
     assert calls == list(drops) * 2  # every drop point of both steps took the capture path
     assert runtime.totals.decode_graph_captures == 2 and runtime.totals.forwards == 1  # the prefill only
+
+
+def test_a_capture_is_recognised_by_the_capturing_stream_when_the_context_says_none(monkeypatch):
+    """vLLM 0.26's runner V2 captures FULL graphs with `cudagraph_runtime_mode=NONE` in the
+    forward context: the capturing CUDA stream alone must send the drop point down the capture
+    path (otherwise the graph would replay without the drop histories)."""
+    from uniprefill.runtime import vllm_drop
+
+    context = types.SimpleNamespace(cudagraph_runtime_mode=types.SimpleNamespace(name="NONE"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert vllm_drop._capturing_full_graph(context)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert not vllm_drop._capturing_full_graph(context)
+    assert vllm_drop._capturing_full_graph(types.SimpleNamespace(cudagraph_runtime_mode=types.SimpleNamespace(name="FULL")))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU: no stream to ask
+    assert not vllm_drop._capturing_full_graph(types.SimpleNamespace())
+

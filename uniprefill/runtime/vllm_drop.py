@@ -214,8 +214,10 @@ class VllmDropRuntime:
     def drop(self, q: torch.Tensor, k: torch.Tensor, layer: int) -> torch.Tensor:
         """Kept rows (int64, device) of the rows entering drop layer `layer` (see module docstring)."""
         context = self.context_fn()
-        if self.graph_decode is not None and _capturing_full_graph(context):
-            return self._graph_decode_point(context, q, layer)
+        if self.graph_decode is not None:
+            if _capturing_full_graph(context):
+                return self._graph_decode_point(context, q, layer)
+            self.graph_decode.on(q.device)  # allocated outside any capture: a zero-fill captured in a graph would replay
         name = self.layer_names[layer]
         drop_index = self.drop_layers.index(layer)
         metadata = getattr(context, "attn_metadata", None)
@@ -279,7 +281,10 @@ class VllmDropRuntime:
             self.step.graph_base = {name: getattr(metadata[name], _VLLM_BASE, None) or (metadata[name], slot_mapping[name])
                                     for name in self.layer_names if name in metadata}
         column = self.drop_layers.index(layer) + 1
-        table = self.graph_decode.on(q.device)
+        table = self.graph_decode.table
+        if table is None:
+            raise RuntimeError("uniprefill: a decode CUDA graph is being captured before any eager forward allocated "
+                               "the removed-KV table (vLLM runs a profiling forward first; this one did not)")
         installed = {}  # id(vLLM's metadata object): one per KV-cache group
         for name in self.layer_names[layer + 1:]:
             if name not in self.step.graph_base:
@@ -481,7 +486,11 @@ _VLLM_BASE = "_uniprefill_vllm_base"  # on metadata a capture installed: (vLLM's
 
 
 def _capturing_full_graph(context) -> bool:
-    """Whether vLLM runs this forward to capture a FULL CUDA graph (its forward context's
-    `cudagraph_runtime_mode`, an enum whose name is compared so that vLLM is not imported)."""
+    """Whether this forward is being captured into a CUDA graph: the current CUDA stream is
+    capturing (vLLM 0.26's runner V2 captures its FULL graphs with the forward context's mode set
+    to NONE, read in `CudaGraphManager.capture`), or the forward context says FULL (runner V1;
+    an enum whose name is compared so that vLLM is not imported)."""
     mode = getattr(context, "cudagraph_runtime_mode", None)
-    return getattr(mode, "name", mode) == "FULL"
+    if getattr(mode, "name", mode) == "FULL":
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

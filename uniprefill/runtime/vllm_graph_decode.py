@@ -38,7 +38,8 @@ class DecodeRemovedBuffer:
         self._filled: tuple | None = None  # (store version, request ids) of the current contents
 
     def on(self, device: torch.device) -> torch.Tensor:
-        """The table, allocated zeroed on `device` the first time (a captured graph keeps its address)."""
+        """The table, allocated zeroed on `device` the first time (a captured graph keeps its
+        address). Call it outside any capture: the zero-fill would be captured and replayed."""
         if self.table is None:
             self.table = torch.zeros(self.columns, self.max_num_reqs, dtype=torch.int32, device=device)
         elif self.table.device != torch.device(device):
