@@ -199,3 +199,39 @@ def test_a_capture_is_recognised_by_the_capturing_stream_when_the_context_says_n
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU: no stream to ask
     assert not vllm_drop._capturing_full_graph(types.SimpleNamespace())
 
+
+
+def test_backend_sizes_the_table_from_max_num_seqs_and_refuses_sliding_layers_after_a_drop(monkeypatch):
+    """From vLLM's config: graph decoding only when dropping and asked for (FULL_DECODE_ONLY with the
+    switch), sized by `max_num_seqs` (missing: an error, never graphs that ignore the histories);
+    a model with sliding layers after the drop runs unaccelerated with the reason."""
+    from uniprefill.vllm_plugin import VllmTokenDropBackend
+
+    ns = types.SimpleNamespace
+
+    def config(max_num_seqs):
+        return ns(compilation_config=ns(mode=2, backend="uniprefill.vllm_plugin.vllm_backend",
+                                        inductor_compile_config={"uniprefill": {"drop_layers": [1]}},
+                                        cudagraph_mode=ns(name="FULL_DECODE_ONLY")),
+                  parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1),
+                  cache_config=ns(enable_prefix_caching=False, block_size=16), speculative_config=None,
+                  scheduler_config=ns(enable_chunked_prefill=False, max_num_seqs=max_num_seqs),
+                  model_config=ns(hf_text_config=ns(num_hidden_layers=4, sliding_window=32,
+                                                    layer_types=["full_attention", "full_attention",
+                                                                 "sliding_attention", "full_attention"])))
+
+    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
+    monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
+    assert VllmTokenDropBackend.from_vllm_config(config(64), "0.26.0", aot_compile=False).graph_decode_max_reqs == 64
+    with pytest.raises(ValueError, match="needs scheduler_config.max_num_seqs"):
+        VllmTokenDropBackend.from_vllm_config(config(None), "0.26.0", aot_compile=False)
+    monkeypatch.delenv("UNIPREFILL_VLLM_DECODE_GRAPHS")  # without the switch the mode is refused outright
+    with pytest.raises(ValueError, match="cudagraph_mode=FULL_DECODE_ONLY with token dropping"):
+        VllmTokenDropBackend.from_vllm_config(config(64), "0.26.0", aot_compile=False)
+    monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
+    backend = VllmTokenDropBackend.from_vllm_config(config(64), "0.26.0", aot_compile=False)
+    report = types.SimpleNamespace(drop_layers=(1,), reason="")
+    info = types.SimpleNamespace(layers=(0, 1, 2, 3), sites=[types.SimpleNamespace(layer=i, layer_name=f"l{i}")
+                                                             for i in range(4)])
+    assert backend._rewrite(None, info, report) is None
+    assert "sliding-window layers run after drop layer 1" in report.reason and "CUDA graphs" in report.reason

@@ -126,6 +126,11 @@ def cudagraph_mode_name(vllm_config: Any) -> str:
     return str(getattr(graphs, "name", graphs) or "NONE").upper()
 
 
+def decode_graphs_requested(vllm_config: Any) -> bool:
+    """FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1: decode under CUDA graphs after drops."""
+    return cudagraph_mode_name(vllm_config) == "FULL_DECODE_ONLY" and env.vllm_decode_graphs_enabled()
+
+
 def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_compile: bool | None = None,
                       drop_enabled: bool = False) -> VllmCheck:
     """Check the parts of a `VllmConfig` (or a duck-typed fake) uniprefill depends on.
@@ -155,7 +160,7 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
     if _get(vllm_config, "speculative_config") is not None:
         check.errors.append("speculative decoding is not supported yet")
     graphs = cudagraph_mode_name(vllm_config)
-    decode_graphs = graphs == "FULL_DECODE_ONLY" and env.vllm_decode_graphs_enabled()
+    decode_graphs = decode_graphs_requested(vllm_config)
     if drop_enabled and graphs != "NONE" and not decode_graphs:
         check.errors.append(
             f"compilation_config.cudagraph_mode={graphs} with token dropping: CUDA graphs would be captured "
@@ -322,12 +327,16 @@ class VllmTokenDropBackend:
             logger.warning("uniprefill: %s", note)
         cache = _get(vllm_config, "cache_config")
         parallel = _get(vllm_config, "parallel_config")
-        decode_graphs = cudagraph_mode_name(vllm_config) == "FULL_DECODE_ONLY" and env.vllm_decode_graphs_enabled()
+        max_reqs = 0
+        if env.vllm_drop_enabled() and decode_graphs_requested(vllm_config):
+            max_reqs = int(_get(_get(vllm_config, "scheduler_config"), "max_num_seqs", 0) or 0)
+            if max_reqs < 1:  # without the table vLLM would capture graphs that ignore the drop histories
+                raise ValueError("decode under CUDA graphs after drops needs scheduler_config.max_num_seqs (the size "
+                                 f"of the table the graphs read); got {max_reqs}")
         return cls(config, check, _layer_kinds(vllm_config), block_size=_get(cache, "block_size"),
                    tensor_parallel=int(_get(parallel, "tensor_parallel_size", 1) or 1),
                    sliding_window=_get(_hf_text_config(vllm_config), "sliding_window"),
-                   graph_decode_max_reqs=int(_get(_get(vllm_config, "scheduler_config"), "max_num_seqs", 0) or 0)
-                   if decode_graphs else 0)
+                   graph_decode_max_reqs=max_reqs)
 
     def __call__(self, gm, example_inputs):
         from .passes.vllm_graph import attach_example_inputs
