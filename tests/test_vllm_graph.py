@@ -187,6 +187,19 @@ def test_backend_report_names_layers_and_planned_drop_points():
     assert "not full-attention" in bad.graphs[0].plan_error
 
 
+def test_hybrids_with_gated_deltanet_run_unaccelerated_with_the_reason():
+    """Qwen3-Next in vLLM: GDN ops after a drop would read metadata for every row while only the
+    kept rows reach them; until that metadata is built, the rewrite refuses, naming it."""
+    import types
+
+    backend = VllmTokenDropBackend(config_from_compilation_config({"inductor_compile_config": {"uniprefill": {}}}),
+                                   layer_kinds=["linear", "linear", "linear", "full"] * 2, block_size=16)
+    info = types.SimpleNamespace(gdn_ops=6, layers=(3, 7), sites=())
+    report = types.SimpleNamespace(drop_layers=(3,), reason="")
+    assert backend._rewrite(None, info, report) is None
+    assert "6 linear-attention (Gated DeltaNet) ops" in report.reason and "not built yet" in report.reason
+
+
 @torch.library.custom_op("uniprefill_test::unified_attention_with_output", mutates_args=("output",))
 def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
                   layer_name: str) -> None:

@@ -397,6 +397,10 @@ class VllmTokenDropBackend:
         from .passes.vllm_rewrite import copy_graph_module, rewrite_vllm_graph
         from .runtime.vllm_drop import VllmDropRuntime
 
+        if info.gdn_ops:
+            report.reason = (f"{info.gdn_ops} linear-attention (Gated DeltaNet) ops: their vLLM metadata for the kept "
+                             "rows (FLA chunk indices, causal-conv1d pointers, state slots) is not built yet")
+            return None
         if not self.block_size or info.layers != tuple(range(len(info.layers))):
             report.reason = "unknown KV block size, or attention layers that are not 0..L-1"
             return None
