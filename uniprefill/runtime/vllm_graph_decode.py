@@ -76,7 +76,7 @@ def segment_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_map
     num_reqs = seq_lens.shape[0]
     lens = seq_lens - removed[:num_reqs].to(seq_lens.dtype)
     logical = (lens.long() - 1).clamp(min=0)
-    blocks = block_table[:num_reqs].long().gather(1, (logical // block_size)[:, None]).squeeze(1)
+    blocks = block_table[:num_reqs].gather(1, (logical // block_size)[:, None]).squeeze(1).long()  # no table copy
     base = slot_mapping[:num_reqs].long()
     slots = torch.where(base < 0, base, blocks * block_size + logical % block_size)
     return lens, slots
