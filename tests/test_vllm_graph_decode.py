@@ -231,7 +231,7 @@ def test_backend_sizes_the_table_from_max_num_seqs_and_refuses_sliding_layers_af
     monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
     backend = VllmTokenDropBackend.from_vllm_config(config(64), "0.26.0", aot_compile=False)
     report = types.SimpleNamespace(drop_layers=(1,), reason="")
-    info = types.SimpleNamespace(layers=(0, 1, 2, 3), sites=[types.SimpleNamespace(layer=i, layer_name=f"l{i}")
+    info = types.SimpleNamespace(gdn_ops=0, layers=(0, 1, 2, 3), sites=[types.SimpleNamespace(layer=i, layer_name=f"l{i}")
                                                              for i in range(4)])
     assert backend._rewrite(None, info, report) is None
     assert "sliding-window layers run after drop layer 1" in report.reason and "CUDA graphs" in report.reason
