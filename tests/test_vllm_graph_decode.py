@@ -235,3 +235,49 @@ def test_backend_sizes_the_table_from_max_num_seqs_and_refuses_sliding_layers_af
                                                              for i in range(4)])
     assert backend._rewrite(None, info, report) is None
     assert "sliding-window layers run after drop layer 1" in report.reason and "CUDA graphs" in report.reason
+
+
+def test_a_replayed_capture_follows_the_refilled_buffers_and_histories():
+    """The capture path recorded once (`tests/graph_replay.py` stands in for a CUDA graph: no host
+    read allowed while capturing; a replay reruns the recorded ops only), then replayed for later
+    decode steps after vLLM's buffers (seq_lens, slot mappings) are refilled in place and the
+    runtime's table by `before_step`: every layer's seq_lens and slots equal the eager host
+    path's for those steps, also after a request's history was freed."""
+    from graph_replay import Capture
+
+    world, runtime = dropped_world((1, 3))
+    ids = tuple(world.request_ids)
+    step(world, [q + 1 for q in QUERY_LENS], [1] * len(QUERY_LENS))
+    captured = {n: (world.attn_metadata[n], world.slot_mapping[n]) for n in world.names}  # vLLM's persistent inputs
+    world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+    runtime.before_step(ids)
+    q = k = torch.zeros(len(QUERY_LENS), HEADS, HEAD)
+
+    def forward():
+        runtime.begin_step()
+        for layer in runtime.drop_layers:
+            runtime.drop(q, k, layer)
+
+    forward()  # a warm-up over the same dicts, as vLLM may run one: a capture reading its tensors would replay them stale
+    with Capture() as graph:
+        forward()
+    installed = {n: (world.attn_metadata[n].seq_lens, world.slot_mapping[n]) for n in world.names}
+    assert all(installed[n][0] is not captured[n][0].seq_lens for n in world.names[2:])  # the later layers' own
+    for decoded, finished in ((4, None), (6, ids[0])):
+        if finished is not None:
+            assert runtime.free(finished)
+        step(world, [q + decoded for q in QUERY_LENS], [1] * len(QUERY_LENS))
+        for n in world.names:  # vLLM refills its persistent buffers in place before a replay
+            captured[n][0].seq_lens.copy_(world.attn_metadata[n].seq_lens)
+            captured[n][1].copy_(world.slot_mapping[n])
+        runtime.before_step(ids)  # the runner hook
+        replayed = graph.replay()
+        world.cudagraph_runtime_mode = types.SimpleNamespace(name="NONE")  # the eager host path, same step
+        forward()
+        for n in world.names:
+            seq, slots = installed[n]
+            got = (replayed.get(id(seq), seq).long(), replayed.get(id(slots), slots).long())
+            want = (world.attn_metadata[n].seq_lens.long(), world.slot_mapping[n].long())
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{n}, decode step {decoded}")
+    last = world.attn_metadata[world.names[-1]].seq_lens.long()
+    assert last[0] == QUERY_LENS[0] + 6 + 1 and last[2] < QUERY_LENS[2] + 6 + 1  # request 0's history was freed
