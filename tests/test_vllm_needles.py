@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import types
 from pathlib import Path
 
@@ -122,3 +123,26 @@ def test_smoke_script_times_decode_per_output_token_from_the_engines_timestamps(
     assert (timed["ms_per_token_median"], timed["ms_per_token_max"]) == (10.0, 15.0)
     assert not smoke.decode_metrics([output(1.0, 1.5, 40)], 64)["all_generated"]  # stopped early
     assert smoke.decode_metrics([types.SimpleNamespace(metrics=None, outputs=[])], 64) == {"available": False}
+
+
+def test_smoke_script_warms_up_one_and_two_prompt_steps_before_timing_batches(monkeypatch):
+    # Gemma-3-270M's first two-request drop on the H200 took 2.1 s after a one-prompt warm-up
+    # (JIT work for a new specialisation): the warm-up now covers a two-prompt step as well.
+    smoke = load_script("smoke_llm")
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    calls = []
+
+    class FakeLLM:
+        def generate(self, prompts, params, use_tqdm=False):
+            calls.append(len(prompts))
+            return [types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], num_cached_tokens=0, metrics=None)
+                    for p in prompts]
+
+    points = []
+    smoke.run_throughput(FakeLLM(), [64, 128], [1, 4], 32000, points, save=lambda: None)
+    assert calls == [1, 2, 1, 4, 1, 2, 1, 4]  # per length: warm 1, warm 2, then the timed batches
+    assert [(p["length"], p["batch"]) for p in points] == [(64, 1), (64, 4), (128, 1), (128, 4)]
+    assert all(p["prompt_lengths_ok"] for p in points)
+    calls.clear()
+    smoke.run_throughput(FakeLLM(), [64], [1], 32000, [], save=lambda: None)
+    assert calls == [1, 1]  # batch 1 only: no two-prompt warm-up

@@ -167,11 +167,11 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
             "without any request's drop history, so a replayed decode step would attend, in the layers after a "
             "drop, over KV entries those layers never wrote; use cudagraph_mode NONE (what vLLM sets for mode 2 "
             "unless FULL_DECODE_ONLY or VLLM_USE_BREAKABLE_CUDAGRAPH asks otherwise), or FULL_DECODE_ONLY with "
-            "UNIPREFILL_VLLM_DECODE_GRAPHS=1 (decode graphs that read each step's drop histories; experimental, "
-            "not yet run on a GPU)")
+            "UNIPREFILL_VLLM_DECODE_GRAPHS=1 (decode graphs that read each step's drop histories; experimental; "
+            "run on the H200 with vLLM 0.26.0, docs/vllm.md)")
     if drop_enabled and decode_graphs:
-        check.notes.append("decode under CUDA graphs after drops (UNIPREFILL_VLLM_DECODE_GRAPHS=1): experimental, "
-                           "tested on CPU only; models with sliding-window layers after a drop run unaccelerated")
+        check.notes.append("decode under CUDA graphs after drops (UNIPREFILL_VLLM_DECODE_GRAPHS=1): experimental "
+                           "(run on the H200 with vLLM 0.26.0 and FA3); models with sliding-window layers after a drop run unaccelerated")
     runner = _get(_get(vllm_config, "model_config"), "runner_type", "generate")
     if runner not in (None, "generate"):
         check.errors.append(f"model_config.runner_type={runner!r}: uniprefill serves generation only (a pooling model "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download the LEAN vllm==0.26.0 wheel set for the offline H200 box and cut it into parts.
 #
-#   scripts/gpu/vllm/download_wheels.sh [--part-mib 60] [--skip-download]
+#   scripts/gpu/vllm/download_wheels.sh [--part-mib 55] [--skip-download]
 #
 # Runs on the dev machine (network to PyPI). Steps, each idempotent:
 #  1. pip download --no-deps --only-binary=:all: for CPython 3.12 / manylinux x86_64 the 74 pins of
@@ -16,7 +16,7 @@
 # At the end it prints the part sizes and writes them to .whl_vllm_lean/PARTS.txt.
 set -euo pipefail
 
-PART_MIB=60
+PART_MIB=55  # 60 MiB parts plus the ~4.5 MiB working tree exceeded the 64 MiB per call (2026-12-01)
 DOWNLOAD=1
 while [[ $# -gt 0 ]]; do
   case "$1" in

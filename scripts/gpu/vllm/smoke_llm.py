@@ -234,9 +234,14 @@ def run_throughput(llm, lengths: list[int], batches: list[int], vocab_size: int,
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     decode_params = SamplingParams(max_tokens=1 + decode_tokens, temperature=0.0, ignore_eos=True)
     for length in lengths:
+        # Warm-up per length: one prompt, then two when a batch > 1 follows. Two prompts in one
+        # step may compile what one does not (likely Triton specialising integer arguments equal to 1, a
+        # sequence count): on 2026-12-01 Gemma-3-270M's first multi-request drop (8192 x 4) took
+        # 2.1 s instead of ~0.2 s after a one-prompt warm-up (docs/benchmarks.md).
         t0 = time.perf_counter()
-        warm = [{"prompt_token_ids": ids} for ids in token_prompts(length, 1, "warm", vocab_size)]
-        llm.generate(warm, params, use_tqdm=False)
+        for warm_batch in (1, 2) if max(batches) > 1 else (1,):
+            warm = [{"prompt_token_ids": ids} for ids in token_prompts(length, warm_batch, "warm", vocab_size)]
+            llm.generate(warm, params, use_tqdm=False)
         warm_s = time.perf_counter() - t0
         for batch in batches:
             batch_prompts = [{"prompt_token_ids": ids} for ids in token_prompts(length, batch, "timed", vocab_size)]

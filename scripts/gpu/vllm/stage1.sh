@@ -150,14 +150,14 @@ for step in "${steps[@]}"; do
       unset UNIPREFILL_VLLM_DROP ;;
     llama8bdrop)
       export UNIPREFILL_VLLM_DROP=1
-      run llama8b-drop 540 $SMOKE "${SHARED[@]}" --uniprefill --kv-cache-gib 8 --max-model-len 32768 \
+      run llama8b-drop 540 $SMOKE "${SHARED[@]}" --uniprefill --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
         --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256}' "${TPUT[@]}" \
         --out "$OUT/llama8b-vllm-drop.json"
       unset UNIPREFILL_VLLM_DROP ;;
     pytest)
       run vllm-pytest 420 env OUT="$OUT" bash scripts/gpu/vllm/pytest_vllm.sh ;;
     llama8btp2)
-      run llama8b-tp2 540 $SMOKE "${SHARED[@]}" --tensor-parallel-size 2 --kv-cache-gib 8 --max-model-len 32768 \
+      run llama8b-tp2 540 $SMOKE "${SHARED[@]}" --tensor-parallel-size 2 --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm-tp2.json" ;;
     llama8bdroptp2)
       export UNIPREFILL_VLLM_DROP=1
@@ -166,19 +166,19 @@ for step in "${steps[@]}"; do
         "${TPUT[@]}" --out "$OUT/llama8b-vllm-drop-tp2.json"
       unset UNIPREFILL_VLLM_DROP ;;
     llama8b)
-      run llama8b 540 $SMOKE "${SHARED[@]}" --kv-cache-gib 8 --max-model-len 32768 \
+      run llama8b 540 $SMOKE "${SHARED[@]}" --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm.json" ;;
     llama8bdropcg)
       export UNIPREFILL_VLLM_DROP=1
-      run llama8b-drop-cg 540 $SMOKE "${SHARED[@]}" --uniprefill --decode-graphs --kv-cache-gib 8 --max-model-len 32768 \
+      run llama8b-drop-cg 540 $SMOKE "${SHARED[@]}" --uniprefill --decode-graphs --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
         --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256}' "${TPUT[@]}" \
         --out "$OUT/llama8b-vllm-drop-cg.json"
       unset UNIPREFILL_VLLM_DROP ;;
     llama8beager)
-      run llama8b-eager 540 $SMOKE "${SHARED[@]}" --eager --kv-cache-gib 8 --max-model-len 32768 \
+      run llama8b-eager 540 $SMOKE "${SHARED[@]}" --eager --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm-eager.json" ;;
     llama8bchannel)
-      run llama8b-channel 540 $SMOKE "${SHARED[@]}" --uniprefill --kv-cache-gib 8 --max-model-len 32768 \
+      run llama8b-channel 540 $SMOKE "${SHARED[@]}" --uniprefill --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm-channel.json" ;;
   esac
 done
