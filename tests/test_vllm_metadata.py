@@ -790,3 +790,19 @@ def test_backend_reads_layer_kinds_window_and_block_size_from_the_vllm_config():
     backend = VllmTokenDropBackend.from_vllm_config(config, "0.26.0", aot_compile=False)
     assert backend.layer_kinds == (["sliding"] * 5 + ["full"]) * 3
     assert backend.sliding_window == 512 and backend.block_size == 16 and backend.config.p == 0.95
+
+
+def test_dropping_on_an_unverified_vllm_version_is_refused_unless_allowed(monkeypatch):
+    config = fake_vllm_config(settings={})
+    config.cache_config.enable_prefix_caching = False
+    monkeypatch.delenv("UNIPREFILL_VLLM_ALLOW_UNTESTED", raising=False)
+    assert check_vllm_config(config, "0.26.0", drop_enabled=True).errors == []
+    assert check_vllm_config(config, "0.26.0+cu130", drop_enabled=True).errors == []
+    refused = check_vllm_config(config, "0.27.1", drop_enabled=True)
+    assert len(refused.errors) == 1 and "vLLM 0.27.1 with token dropping" in refused.errors[0]
+    assert "UNIPREFILL_VLLM_ALLOW_UNTESTED=1" in refused.errors[0]
+    channel_only = check_vllm_config(config, "0.27.1", drop_enabled=False)  # unaccelerated: a note only
+    assert channel_only.errors == [] and any("0.27.1 is untested" in n for n in channel_only.notes)
+    monkeypatch.setenv("UNIPREFILL_VLLM_ALLOW_UNTESTED", "1")
+    allowed = check_vllm_config(config, "0.27.1", drop_enabled=True)
+    assert allowed.errors == [] and any("0.27.1 is untested" in n for n in allowed.notes)

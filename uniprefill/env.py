@@ -18,8 +18,11 @@ Read:
         (docs/vllm.md): off by default, and vLLM then runs unaccelerated with the reason logged.
     UNIPREFILL_VLLM_DECODE_GRAPHS: "1" lets the dropping vLLM engine decode under CUDA graphs
         (`compilation_config.cudagraph_mode="FULL_DECODE_ONLY"`; `vllm_decode_graphs_enabled()`,
-        `uniprefill.runtime.vllm_graph_decode`): built and tested on CPU on 2026-12-01, not yet
-        run on a GPU, so a second switch; without it that mode is refused when dropping.
+        `uniprefill.runtime.vllm_graph_decode`): built and tested on CPU, first run on the H200 on
+        2026-12-01 (docs/vllm.md), still a second switch; without it that mode is refused when dropping.
+    UNIPREFILL_VLLM_ALLOW_UNTESTED: "1" lets the dropping vLLM engine start on a vLLM version
+        other than the verified ones (`vllm_untested_allowed()`); without it such an engine is
+        refused at construction, since the rewrite reads vLLM internals that may have changed.
     UNIPREFILL_VLLM_REWRITE_DUMP: a folder; when set, the vLLM plugin writes each rewritten
         graph's code there (`rewrite_dump_dir()`), for debugging on the GPU box.
     TRITON_INTERPRET: Triton's own switch ("1": run Triton kernels in its CPU interpreter);
@@ -81,6 +84,11 @@ def vllm_drop_enabled() -> bool:
 def vllm_decode_graphs_enabled() -> bool:
     """UNIPREFILL_VLLM_DECODE_GRAPHS == "1": a dropping vLLM engine may decode under CUDA graphs."""
     return os.environ.get("UNIPREFILL_VLLM_DECODE_GRAPHS", "").strip() == "1"
+
+
+def vllm_untested_allowed() -> bool:
+    """UNIPREFILL_VLLM_ALLOW_UNTESTED == "1": dropping may run on an unverified vLLM version."""
+    return os.environ.get("UNIPREFILL_VLLM_ALLOW_UNTESTED", "").strip() == "1"
 
 
 def rewrite_dump_dir() -> Path | None:

@@ -50,7 +50,8 @@ logger = logging.getLogger("uniprefill.vllm")
 CONFIG_KEY = "uniprefill"
 BACKEND_QUALNAME = "uniprefill.vllm_plugin.vllm_backend"
 SUPPORTED_MODES = {1: "STOCK_TORCH_COMPILE", 2: "DYNAMO_TRACE_ONCE"}
-# Read in source (not yet run on a GPU): the channel above. Other versions are untested.
+# Read in source and run on the H200 (docs/vllm.md): the channel above, the rewrite, the runner
+# hook, decode graphs. Dropping on another version needs UNIPREFILL_VLLM_ALLOW_UNTESTED=1.
 VERIFIED_VLLM_VERSIONS = ("0.26.0",)
 
 _loaded = False
@@ -199,7 +200,15 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         else:
             check.notes.append("chunked prefill: prompts split over several steps run unaccelerated")
     if vllm_version is not None and vllm_version.split("+")[0] not in VERIFIED_VLLM_VERSIONS:
-        check.notes.append(f"vLLM {vllm_version} is untested; the channel was read in {list(VERIFIED_VLLM_VERSIONS)}")
+        if drop_enabled and not env.vllm_untested_allowed():
+            check.errors.append(
+                f"vLLM {vllm_version} with token dropping: the rewrite reads vLLM internals (attention metadata "
+                f"fields, the model runner's batch, CUDA-graph capture) verified in {list(VERIFIED_VLLM_VERSIONS)} "
+                "only, and a change there could give wrong answers; install a verified version, or set "
+                "UNIPREFILL_VLLM_ALLOW_UNTESTED=1 to try it (and compare its outputs with standard vLLM's)")
+        else:
+            check.notes.append(f"vLLM {vllm_version} is untested; the channel was read in "
+                               f"{list(VERIFIED_VLLM_VERSIONS)}")
     return check
 
 
