@@ -1,0 +1,48 @@
+"""examples/vllm_offline.py builds engine settings that uniprefill's own vLLM checks accept
+(vLLM itself is not installed here: the example runs on the GPU box only)."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+from uniprefill.vllm_plugin import BACKEND_QUALNAME, check_vllm_config, config_from_compilation_config
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vllm_offline.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("vllm_offline", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # imports no vLLM at module level
+    return module
+
+
+def as_vllm_config(kwargs: dict) -> NS:
+    """The parts of a VllmConfig that `check_vllm_config` reads, from LLM(...) keyword arguments."""
+    cc = kwargs["compilation_config"]
+    return NS(compilation_config=NS(mode=cc["mode"], backend=cc["backend"], cudagraph_mode=cc.get("cudagraph_mode"),
+                                    inductor_compile_config=cc["inductor_compile_config"]),
+              parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1), speculative_config=None,
+              cache_config=NS(enable_prefix_caching=kwargs["enable_prefix_caching"]),
+              scheduler_config=NS(enable_chunked_prefill=kwargs["enable_chunked_prefill"],
+                                  max_num_batched_tokens=kwargs["max_num_batched_tokens"]),
+              model_config=NS(max_model_len=kwargs["max_model_len"], runner_type="generate"))
+
+
+def test_the_vllm_example_asks_for_a_dropping_engine_the_checks_accept(monkeypatch):
+    example = load_example()
+    kwargs = example.llm_kwargs("/models/x", {"p": 0.95}, max_model_len=16384)
+    assert kwargs["compilation_config"]["backend"] == BACKEND_QUALNAME
+    assert config_from_compilation_config(kwargs["compilation_config"]).p == 0.95
+    assert kwargs["max_num_batched_tokens"] >= kwargs["max_model_len"]  # whole prompts in one step
+    check = check_vllm_config(as_vllm_config(kwargs), "0.26.0", aot_compile=False, drop_enabled=True)
+    assert check.errors == []
+    assert not any("chunked" in note for note in check.notes)
+
+    graphs = example.llm_kwargs("/models/x", {"p": 0.95}, decode_graphs=True)
+    monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
+    assert check_vllm_config(as_vllm_config(graphs), "0.26.0", aot_compile=False, drop_enabled=True).errors == []
+    monkeypatch.delenv("UNIPREFILL_VLLM_DECODE_GRAPHS")  # FULL_DECODE_ONLY without the switch is refused
+    (error,) = check_vllm_config(as_vllm_config(graphs), "0.26.0", aot_compile=False, drop_enabled=True).errors
+    assert "FULL_DECODE_ONLY" in error
