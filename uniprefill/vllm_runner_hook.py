@@ -20,9 +20,10 @@ sampling params say `extra_args={"uniprefill": False}` (recorded when the reques
 its own top-p (`request_p()`); see `RequestSettings`. When no live request has a setting,
 nothing is computed per step.
 
-[read] in vLLM 0.26.0's source only: NOT yet run on the GPU, and private methods can change
-between vLLM versions; the plugin uses it only where `UNIPREFILL_VLLM_DROP=1` asks for the
-experimental vLLM rewrite (see `uniprefill.vllm_plugin`).
+[read] in vLLM 0.26.0's source and run there on the H200 (runner V2, and V1 in a debugging run;
+docs/vllm.md). Private methods can change between vLLM versions: the plugin uses the hook only
+where `UNIPREFILL_VLLM_DROP=1` asks for the experimental vLLM rewrite, and refuses that on an
+unverified vLLM version (see `uniprefill.vllm_plugin`).
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@
 #   llama8btp2, llama8bdroptp2  llama8b / llama8bdrop with tensor_parallel_size=2 (the two-GPU kind):
 #            throughput, and `ranks_agree` in the JSON (every rank dropped the same rows)   ~5 min each
 #   pytest   tests/test_vllm_engine_gpu.py (scripts/gpu/vllm/pytest_vllm.sh): a mixed batch drops
-#            and decodes, opt-out, prefix caching refused; log $OUT/vllm-pytest-h200.log   ~3 min
+#            and decodes, opt-out, prefix caching refused, graph decode = eager decode; log
+#            $OUT/vllm-pytest-h200.log                                                   ~3.5 min
 #   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput
 #            8192,16384,32000 x 1,4,16                                                ~5 min  (cap 540 s)
 #   llama8bdropcg  llama8bdrop with decode under CUDA graphs (--decode-graphs: cudagraph_mode
-#            FULL_DECODE_ONLY, UNIPREFILL_VLLM_DECODE_GRAPHS=1; experimental, not run yet)   ~3 min
+#            FULL_DECODE_ONLY, UNIPREFILL_VLLM_DECODE_GRAPHS=1; run on the H200 2026-12-01)  ~3 min
 #   llama8beager, llama8bchannel  controls for the decode time per output token (DECODE=N): standard
 #            vLLM with enforce_eager (no compile, no CUDA graphs), and the uniprefill channel (mode 2)
 #            without dropping: how much of the dropping run's slower decode is eagerness, how much
@@ -38,6 +39,7 @@
 # DECODE=N adds the time per output token over N tokens after the first (eager decode in the
 # uniprefill channel vs CUDA graphs in standard vLLM). THROUGHPUT=none skips the throughput points (e.g. while another job shares the GPU, when
 # timings would mean nothing): the engines are then only built and generate.
+# LLAMA_KV_GIB (default 8): the llama8b* steps' KV cache; 72 fits 16 prompts of 32K (2026-12-01 grid).
 # GPU memory: every engine gets a fixed KV cache (--kv-cache-gib) and a low
 # --gpu-memory-utilization (only vLLM's start-up check of free memory), so another job may share the GPU.
 set -uo pipefail
