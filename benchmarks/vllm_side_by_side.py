@@ -46,15 +46,18 @@ def side_by_side_rows(standard: dict, ours: dict) -> list[dict]:
 
 
 def retention(ours: dict) -> dict:
-    """Rows kept at the drop points and the share of prompt KV entries written, from the drop totals."""
-    totals = [t for rank in ours.get("drop_totals") or [] for t in rank]
-    if not totals:
+    """Rows kept at the drop points and the share of prompt KV entries written, summed over the
+    first worker's compiled graphs (every rank's totals are equal under TP: smoke_llm checks
+    `ranks_agree`), as `smoke_llm.kv_written_share` does."""
+    workers = ours.get("drop_totals")
+    if not isinstance(workers, list) or not workers or not workers[0]:
         return {}
-    first = totals[0]  # every rank's totals are equal under TP (smoke_llm checks `ranks_agree`)
-    out = {"requests_dropped": first["requests_dropped"], "rows_in": first["rows_in"],
-           "rows_kept": first["rows_kept"], "rows_kept_share": first["rows_kept"] / max(first["rows_in"], 1)}
-    if first.get("kv_entries_prompt"):
-        out["kv_written_share"] = first["kv_entries_written"] / first["kv_entries_prompt"]
+    fields = ("requests_dropped", "rows_in", "rows_kept", "kv_entries_prompt", "kv_entries_written")
+    total = {f: sum(graph.get(f, 0) for graph in workers[0]) for f in fields}
+    out = {f: total[f] for f in fields[:3]}
+    out["rows_kept_share"] = total["rows_kept"] / max(total["rows_in"], 1)
+    if total["kv_entries_prompt"]:
+        out["kv_written_share"] = total["kv_entries_written"] / total["kv_entries_prompt"]
     return out
 
 

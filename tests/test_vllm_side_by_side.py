@@ -58,9 +58,12 @@ def test_decode_columns_only_when_both_runs_timed_decode(table):
     assert "decode" not in table.markdown(rows)
 
 
-def test_retention_reads_the_first_ranks_drop_totals(table):
-    totals = [[{"requests_dropped": 3, "rows_in": 1000, "rows_kept": 300,
-                "kv_entries_prompt": 32000, "kv_entries_written": 15200}]]
-    kept = table.retention(run([], totals))
-    assert kept["rows_kept_share"] == 0.3 and kept["kv_written_share"] == 0.475
-    assert table.retention(run([])) == {}
+def test_retention_sums_the_first_workers_graphs(table):
+    graph = {"requests_dropped": 3, "rows_in": 1000, "rows_kept": 300, "kv_entries_prompt": 32000,
+             "kv_entries_written": 15200}
+    other = {"requests_dropped": 1, "rows_in": 1000, "rows_kept": 500, "kv_entries_prompt": 8000,
+             "kv_entries_written": 4800}
+    kept = table.retention(run([], [[graph, other], [graph]]))  # the second worker is not added in
+    assert (kept["requests_dropped"], kept["rows_kept_share"]) == (4, 0.4)
+    assert kept["kv_written_share"] == (15200 + 4800) / (32000 + 8000)
+    assert table.retention(run([])) == {} and table.retention(run([], "unavailable: TimeoutError")) == {}
