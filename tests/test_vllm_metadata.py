@@ -806,3 +806,20 @@ def test_dropping_on_an_unverified_vllm_version_is_refused_unless_allowed(monkey
     monkeypatch.setenv("UNIPREFILL_VLLM_ALLOW_UNTESTED", "1")
     allowed = check_vllm_config(config, "0.27.1", drop_enabled=True)
     assert allowed.errors == [] and any("0.27.1 is untested" in n for n in allowed.notes)
+
+
+def test_backend_warms_the_kernels_up_to_max_model_len_only_where_triton_runs_them(monkeypatch):
+    from uniprefill import vllm_plugin
+    from uniprefill.config import UniPrefillConfig
+
+    config = fake_vllm_config(settings={})
+    config.model_config = NS(max_model_len=32768)
+    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert vllm_plugin._warm_up_max_seqlen(config, UniPrefillConfig()) == 32768
+    assert vllm_plugin._warm_up_max_seqlen(config, UniPrefillConfig(impl="torch")) == 0  # no Triton to compile
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert vllm_plugin._warm_up_max_seqlen(config, UniPrefillConfig()) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("UNIPREFILL_VLLM_DROP")
+    assert vllm_plugin._warm_up_max_seqlen(config, UniPrefillConfig()) == 0  # nothing drops, nothing to warm

@@ -291,6 +291,17 @@ def vllm_window_layer(name: str):
                        left + 1 if left >= 0 else None)
 
 
+def _warm_up_max_seqlen(vllm_config: Any, config: UniPrefillConfig) -> int:
+    """max_model_len when a dropping engine will run the Triton score-and-select kernels (CUDA,
+    impl "auto" or "triton"): they are then compiled at the first dummy forward, not inside the
+    first requests' prefills (`kernels/warm_up.py`); else 0."""
+    import torch
+
+    if not env.vllm_drop_enabled() or config.impl == "torch" or not torch.cuda.is_available():
+        return 0
+    return int(_get(_get(vllm_config, "model_config"), "max_model_len", 0) or 0)
+
+
 class VllmTokenDropBackend:
     """The dynamo backend vLLM calls with the whole backbone graph, bound to one config.
 
@@ -306,11 +317,13 @@ class VllmTokenDropBackend:
     def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None,
                  layer_kinds: list[str] | None = None, *, block_size: int | None = None,
                  tensor_parallel: int = 1, hooks: Any = None, sliding_window: int | None = None,
-                 graph_decode_max_reqs: int = 0) -> None:
+                 graph_decode_max_reqs: int = 0, warm_up_max_seqlen: int = 0) -> None:
         """hooks: a `VllmHooks`, or a callable returning one (built when first needed).
         sliding_window: the model's window (tokens) for its "sliding" layers.
         graph_decode_max_reqs: vLLM's max_num_seqs when it decodes under CUDA graphs after drops
-        (FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1), else 0."""
+        (FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1), else 0.
+        warm_up_max_seqlen: vLLM's max_model_len where the score-and-select Triton kernels will
+        run (CUDA): each runtime compiles them at its first dummy forward; 0: no warm-up."""
         self.config = config
         self.check = check or VllmCheck()
         self.layer_kinds = layer_kinds  # "full" / "sliding" / "linear" per layer, from the model config
@@ -318,6 +331,7 @@ class VllmTokenDropBackend:
         self.tensor_parallel = tensor_parallel
         self.sliding_window = sliding_window
         self.graph_decode_max_reqs = graph_decode_max_reqs
+        self.warm_up_max_seqlen = warm_up_max_seqlen
         self._hooks = hooks if hooks is not None else VllmHooks.from_vllm
         self.graphs: list[VllmGraphReport] = []
         self.runtimes: list = []  # one VllmDropRuntime per rewritten graph
@@ -345,7 +359,7 @@ class VllmTokenDropBackend:
         return cls(config, check, _layer_kinds(vllm_config), block_size=_get(cache, "block_size"),
                    tensor_parallel=int(_get(parallel, "tensor_parallel_size", 1) or 1),
                    sliding_window=_get(_hf_text_config(vllm_config), "sliding_window"),
-                   graph_decode_max_reqs=max_reqs)
+                   graph_decode_max_reqs=max_reqs, warm_up_max_seqlen=_warm_up_max_seqlen(vllm_config, config))
 
     def __call__(self, gm, example_inputs):
         from .passes.vllm_graph import attach_example_inputs
@@ -441,7 +455,8 @@ class VllmTokenDropBackend:
                                   request_p_fn=hooks.request_p_fn,
                                   windows={name: self.sliding_window for name in sliding},
                                   window_layer_fn=hooks.window_layer_fn, group=group,
-                                  graph_decode_max_reqs=self.graph_decode_max_reqs)
+                                  graph_decode_max_reqs=self.graph_decode_max_reqs,
+                                  warm_up_max_seqlen=self.warm_up_max_seqlen)
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
             report.rewrite = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds,

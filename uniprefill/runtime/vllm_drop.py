@@ -109,6 +109,8 @@ class DropTotals:
     kv_entries_prompt: int = 0
     kv_entries_written: int = 0
     decode_graph_captures: int = 0  # forwards vLLM captured as decode CUDA graphs through `_graph_decode_point`
+    kernel_warm_ups: int = 0  # score-and-select warm-ups run at a dummy forward (`kernels/warm_up.py`); a count,
+    # not seconds, so that every rank's totals stay equal (`ranks_agree`); the seconds are logged
 
     @property
     def kv_written_share(self) -> float | None:
@@ -149,7 +151,8 @@ class VllmDropRuntime:
                  request_p_fn: Callable[[], torch.Tensor | None] | None = None,
                  group=None, windows: dict[str, int] | None = None,
                  window_layer_fn: Callable[[str], WindowLayer] | None = None,
-                 graph_decode_max_reqs: int = 0) -> None:
+                 graph_decode_max_reqs: int = 0, warm_up_max_seqlen: int = 0,
+                 warm_up_fn: Callable[..., Any] | None = None) -> None:
         """layer_names: attention layer names in graph order (index = position in the list).
         drop_layers: the drop layers (indices into layer_names), in order.
         num_prompt_tokens_fn: host [R] prompt lengths of the step's requests, or None when the
@@ -169,7 +172,11 @@ class VllmDropRuntime:
             after a drop point; `window_layer_fn(name)` gives each one's `WindowLayer`.
         graph_decode_max_reqs: > 0 when vLLM captures decode steps in CUDA graphs
             (`cudagraph_mode=FULL_DECODE_ONLY`): vLLM's `max_num_seqs`, the size of the table of
-            removed KV entries the graphs read (`runtime.vllm_graph_decode`); 0 for eager decode."""
+            removed KV entries the graphs read (`runtime.vllm_graph_decode`); 0 for eager decode.
+        warm_up_max_seqlen: > 0 (vLLM's `max_model_len`; the backend passes it on CUDA): at the
+            first forward without requests (vLLM's profiling run) compile the score-and-select
+            kernels' variants for prompts up to this length (`warm_up_fn`, default
+            `kernels.warm_up.warm_up_score_and_select`), so that the first real steps do not."""
         if config.policy != "cumulative":
             raise NotImplementedError(f"policy {config.policy!r}: the vLLM runtime drops cumulatively only")
         self.config = config
@@ -192,6 +199,8 @@ class VllmDropRuntime:
                 raise ValueError("decode under CUDA graphs with sliding-window layers after a drop point is not "
                                  "supported (their window tables are built on the host)")
             self.graph_decode = DecodeRemovedBuffer(len(self.drop_layers), graph_decode_max_reqs)
+        self.warm_up_max_seqlen = warm_up_max_seqlen
+        self.warm_up_fn = warm_up_fn
         self.vllm_attention: dict[int, Callable] = {}  # layer -> vLLM's attention op the rewrite replaced
         self.store = DropHistoryStore(tuple(self.drop_layers), len(self.layer_names), "cumulative",
                                       max_window=max(self.windows.values(), default=0))
@@ -227,6 +236,8 @@ class VllmDropRuntime:
             # no requests: nothing to drop, every row goes on (as vLLM's attention then writes zeros)
             if not self.step.profiling and ids is None and isinstance(metadata, dict) and name in metadata:
                 self._note_forward_without_requests()
+            if self.warm_up_max_seqlen and not self.totals.kernel_warm_ups and not _capturing_full_graph(context):
+                self._warm_up_kernels(q, k, drop_index)
             self.step.profiling = True
             return torch.arange(q.shape[0], device=q.device)
         if self.step.layout is None:
@@ -329,6 +340,23 @@ class VllmDropRuntime:
             return self.config.p
         p = torch.where(torch.isnan(own[chosen]), torch.tensor(self.config.p, dtype=torch.float32), own[chosen])
         return self.config.p if bool((p == self.config.p).all()) else p
+
+    def _warm_up_kernels(self, q: torch.Tensor, k: torch.Tensor, drop_index: int) -> None:
+        """Compile the score-and-select kernels for this drop point's head shapes, once, at a
+        dummy forward (measured on the H200: 14 compiles, 0.9-6.6 s each step that met one,
+        moved to the engine's start; docs/benchmarks.md)."""
+        if self.warm_up_fn is None:
+            from uniprefill.kernels.warm_up import warm_up_score_and_select as warm_up_fn
+        else:
+            warm_up_fn = self.warm_up_fn
+        cfg = self.config
+        ran = warm_up_fn(num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2], dtype=q.dtype,
+                         device=q.device, block_size=cfg.block_size, sink=cfg.sink, last_q=cfg.last_q,
+                         min_tokens=cfg.effective_min_tokens, max_seqlen=self.warm_up_max_seqlen, p=cfg.p,
+                         keep_ratio=cfg.keep_ratio_at(drop_index, len(self.drop_layers)), impl=cfg.impl)
+        self.totals.kernel_warm_ups += 1
+        logger.info("uniprefill: compiled the score-and-select kernels before serving (prompts up to %d tokens): "
+                    "%s", self.warm_up_max_seqlen, ran)
 
     def _note_forward_without_requests(self) -> None:
         """A forward with attention metadata but no request ids is a dummy run, or a model
