@@ -615,6 +615,7 @@ def test_config_parsing_errors(settings, match):
 def test_vllm_config_checks():
     ok = check_vllm_config(fake_vllm_config(settings={}), "0.26.0")
     assert ok.errors == [] and any("prefix caching" in n for n in ok.notes)
+    assert any("without Inductor's fusion" in n and "compare with standard vLLM" in n for n in ok.notes)
     chunked = fake_vllm_config(settings={})
     chunked.scheduler_config.max_num_batched_tokens, chunked.model_config = 8192, NS(max_model_len=32768)
     assert any("prompts longer than 8192 tokens" in n for n in check_vllm_config(chunked).notes)

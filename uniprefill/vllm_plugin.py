@@ -170,6 +170,12 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
             "unless FULL_DECODE_ONLY or VLLM_USE_BREAKABLE_CUDAGRAPH asks otherwise), or FULL_DECODE_ONLY with "
             "UNIPREFILL_VLLM_DECODE_GRAPHS=1 (decode graphs that read each step's drop histories; experimental; "
             "run on the H200 with vLLM 0.26.0, docs/vllm.md)")
+    if mode in SUPPORTED_MODES:
+        check.notes.append(
+            f"compilation mode {mode} runs the model without Inductor's fusion and without piecewise CUDA graphs "
+            "for prefills: measured on the H200 (docs/benchmarks.md), dropping gave 2.07-2.42x standard vLLM's "
+            "prefill throughput on a Llama-3.1-8B shape but 0.48-0.84x on Gemma-3-270M, whose layers are too small "
+            "for that loss; compare with standard vLLM on your model")
     if drop_enabled and decode_graphs:
         check.notes.append("decode under CUDA graphs after drops (UNIPREFILL_VLLM_DECODE_GRAPHS=1): experimental "
                            "(run on the H200 with vLLM 0.26.0 and FA3); models with sliding-window layers after a drop run unaccelerated")
