@@ -13,7 +13,7 @@ with four dropping prompts took 2.1 s instead of ~0.2 s in vLLM, and
 compiled nothing (docs/benchmarks.md, "First-call compiles").
 
 `warm_up_score_and_select` runs `score_and_select` on small random inputs for 1, 2 and 16
-sequences with a token count that is and one that is not a multiple of 16, then
+sequences with a total token count that is and one that is not a multiple of 16, then
 `select_blocks` and `compact_tokens` on random block scores for every sort size up to
 `max_seqlen`, in each selection mode the caller may use (one p, a p per sequence, or a
 forced keep ratio). Nothing it computes is kept. The largest input is 16 sequences of a few
@@ -70,12 +70,15 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
     start = time.perf_counter()
     modes = selection_modes(p, keep_ratio, per_sequence_p)
     generator = torch.Generator(device=device).manual_seed(0)
-    # The shortest prompt that drops, rounded up to a multiple of 16, and one token more.
+    # The shortest prompt that drops, rounded up to a multiple of 16; the odd variant makes the
+    # first prompt one token longer, so that the total token count is not a multiple of 16 for
+    # any sequence count (16 equal odd prompts would sum to a multiple of 16).
     even = cdiv(max(min_tokens, sink + last_q, 2 * block_size), 16) * 16
     scored = 0
     for batch in SEQUENCE_COUNTS:
-        for length in (even, even + 1):
-            lengths = [length] * batch
+        for extra in (0, 1):
+            lengths = [even + extra] + [even] * (batch - 1)
+            length = even + extra
             n_q = [min(n, last_q) for n in lengths]
             q = torch.randn(sum(n_q), num_heads, head_dim, generator=generator, device=device).to(dtype)
             k = torch.randn(sum(lengths), num_kv_heads, head_dim, generator=generator, device=device).to(dtype)

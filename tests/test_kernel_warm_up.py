@@ -25,7 +25,8 @@ def test_warm_up_runs_each_sequence_count_length_parity_and_sort_size(impl, monk
     real_score, real_select = api.score_and_select, api.select_blocks
 
     def spy_score(q, k, cu_q, cu_k, max_seqlen_k, **kw):
-        seen_scored.append((cu_k.shape[0] - 1, max_seqlen_k, isinstance(kw["p"], torch.Tensor), kw["keep_ratio"]))
+        total = kw["host_cu_seqlens"][1][-1]  # every key of the step
+        seen_scored.append((cu_k.shape[0] - 1, total, isinstance(kw["p"], torch.Tensor), kw["keep_ratio"]))
         return real_score(q, k, cu_q, cu_k, max_seqlen_k, **kw)
 
     def spy_select(scores, cu_blocks, cu_k, **kw):
