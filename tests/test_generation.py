@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -153,13 +154,31 @@ def test_corrupted_history_raises():
         fast(input_ids=tok, cache=cache, use_cache=True)
 
 
-def test_cache_of_another_prompt_raises():
+def test_cache_no_drop_compacted_continues_as_the_plain_model():
+    """A cache that no dropped prefill filled (here the plain model's) holds every token:
+    continuing it through the compiled model is the plain model's continuation, even
+    right after a dropped prefill of another prompt."""
     model, fast, cache, tok = _prefill()
-    other = DynamicCache(config=model.config)
+    other, twin = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    prompt = _ids(1, 300, seed=5)
     with torch.no_grad():
-        model(input_ids=_ids(1, 300, seed=5), past_key_values=other, use_cache=True)  # read by 5.17 and 5.24
-        with pytest.raises(RuntimeError, match="does not belong"):
-            fast(input_ids=tok, cache=other, use_cache=True)
+        model(input_ids=prompt, past_key_values=other, use_cache=True)  # read by 5.17 and 5.24
+        model(input_ids=prompt, past_key_values=twin, use_cache=True)
+        out = fast(input_ids=tok, cache=other, use_cache=True).logits
+        ref = model(input_ids=tok, past_key_values=twin, use_cache=True).logits
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+def test_an_earlier_dropped_cache_still_decodes_with_its_own_history():
+    """Each dropped cache keeps its own history: a prefill of another prompt in between
+    does not change how the first cache decodes."""
+    model, fast, cache, tok = _prefill()
+    with torch.no_grad():
+        alone = fast(input_ids=tok, cache=copy.deepcopy(cache), use_cache=True).logits
+        fast(input_ids=_ids(1, 333, seed=9), cache=DynamicCache(config=model.config), use_cache=True)
+        assert uniprefill.last_drop_report(fast).seq_len == 333
+        after_other = fast(input_ids=tok, cache=cache, use_cache=True).logits
+    torch.testing.assert_close(after_other, alone, atol=0, rtol=0)
 
 
 def test_multi_token_continuation_raises():
@@ -248,15 +267,21 @@ def test_left_padded_batch_generation_at_p1_equals_uncompiled(arch):
     assert torch.equal(out, ref)
 
 
-def test_batch_that_is_not_left_padded_raises():
+def test_batch_that_is_not_left_padded_runs_unaccelerated_and_says_why():
     build, drops = MODELS["llama"]
     model = build()
     ids = _ids(2, 300)
     mask = torch.ones_like(ids)
     mask[1, -10:] = 0  # right padding
     fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.4, drop_layers=drops, **SMALL))
-    with torch.no_grad(), pytest.raises(ValueError, match="left padding"):
-        fast(input_ids=ids, attention_mask=mask, use_cache=True)
+    with torch.no_grad(), pytest.warns(UserWarning, match="not left-padded"):
+        out = fast(input_ids=ids, attention_mask=mask, use_cache=True).logits
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=True).logits
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    strict = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.4, drop_layers=drops, strict=True, **SMALL))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="not left-padded"):
+        strict(input_ids=ids, attention_mask=mask, use_cache=True)
 
 
 @pytest.mark.parametrize("rows", [1, 2])

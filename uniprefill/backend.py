@@ -98,7 +98,10 @@ class UniPrefillBackend:
         return run
 
     def _guarded(self, original: fx.GraphModule, result):
-        """Run the rewrite, except for inputs it must not see (short prompts, several rows it can't pack)."""
+        """Run the rewrite, except for inputs it must not see (short prompts, several rows it can't pack,
+        masks or positions the rewrite does not model: `passes.mask_inputs`)."""
+        from .passes.mask_inputs import failed_check
+
         tokens_pos = _tokens_position(result.graph_module)
         min_tokens = self.config.effective_min_tokens
         rewritten = result.graph_module
@@ -108,6 +111,12 @@ class UniPrefillBackend:
             self.recorder.last = None
             self.graph_calls += 1
             if tokens.shape[1] < min_tokens:
+                return original(*args)
+            unsound = failed_check(result.input_checks, args, tokens.shape[0], tokens.shape[1])
+            if unsound:
+                if self.config.strict:
+                    raise RuntimeError(f"uniprefill cannot accelerate this call: {unsound}")
+                self._warn(f"uniprefill: this call runs unaccelerated: {unsound}")
                 return original(*args)
             if result.single_row_only and tokens.shape[0] > 1:
                 self._warn(f"uniprefill: a batch of {tokens.shape[0]} rows runs unaccelerated: {result.single_row_reason}")

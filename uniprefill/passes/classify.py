@@ -51,8 +51,12 @@ class LayerInfo:
     detail: str = ""
 
 
-def analyse_mask(sdpa: fx.Node, padding_placeholders: set[fx.Node]) -> MaskInfo:
-    mask = sdpa.kwargs.get("attn_mask", sdpa.args[3] if len(sdpa.args) > 3 else None)
+def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
+    """Read the mask of one SDPA node; `input_roles` maps graph inputs a mask may read to
+    their `mask_inputs.InputRole` (any other tensor input makes the mask not understood)."""
+    from .mask_inputs import InputRole
+
+    mask = sdpa_mask_node(sdpa)
     is_causal = bool(sdpa.kwargs.get("is_causal", sdpa.args[5] if len(sdpa.args) > 5 else False))
     if mask is None:
         if is_causal:
@@ -67,8 +71,11 @@ def analyse_mask(sdpa: fx.Node, padding_placeholders: set[fx.Node]) -> MaskInfo:
     unknown = set()
     for node in nodes:
         if node.op == "placeholder":
-            if node in padding_placeholders:
+            role = input_roles.get(node)
+            if role is InputRole.PADDING:
                 padding = node
+            elif role is None and isinstance(node.meta.get("example_value"), torch.Tensor):
+                unknown.add(f"the input {node.name} (role not understood)")
             continue
         if node.op == "get_attr":
             continue
@@ -88,7 +95,11 @@ def analyse_mask(sdpa: fx.Node, padding_placeholders: set[fx.Node]) -> MaskInfo:
     return MaskInfo(True, causal=True, window=window, padding=padding)
 
 
-def classify_layers(graph: fx.Graph, padding_placeholders: set[fx.Node]) -> tuple[str | None, dict[int, LayerInfo]]:
+def sdpa_mask_node(sdpa: fx.Node):
+    return sdpa.kwargs.get("attn_mask", sdpa.args[3] if len(sdpa.args) > 3 else None)
+
+
+def classify_layers(graph: fx.Graph, input_roles: dict) -> tuple[str | None, dict[int, LayerInfo]]:
     """Map each decoder-layer index seen in the graph to its attention kind."""
     sdpa_nodes = [n for n in graph.nodes if is_sdpa(n)]
     container = layer_container(sdpa_nodes) if sdpa_nodes else _container_without_sdpa(graph)
@@ -108,7 +119,7 @@ def classify_layers(graph: fx.Graph, padding_placeholders: set[fx.Node]) -> tupl
             mixers.setdefault(idx, set()).add(target_name(node))
         if is_sdpa(node):
             info.sdpa.append(node)
-            info.masks.append(analyse_mask(node, padding_placeholders))
+            info.masks.append(analyse_mask(node, input_roles))
     for idx, info in layers.items():
         if info.sdpa:
             bad = [m for m in info.masks if not m.recognized]

@@ -38,9 +38,10 @@ from torch.fx.node import map_aggregate
 
 from .. import ops  # noqa: F401  (registers the custom ops)
 from ..config import UniPrefillConfig
-from .classify import LayerInfo, classify_layers
+from .classify import LayerInfo, classify_layers, sdpa_mask_node
 from .drop_points import resolve_drop_layers
 from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name
+from .mask_inputs import InputCheck, InputRole, mask_input_roles
 
 U = torch.ops.uniprefill
 _ADDS = {operator.add, torch.add, operator.iadd}
@@ -76,6 +77,7 @@ class RewriteResult:
     single_row_only: bool
     single_row_reason: str = ""
     returns_cache: bool = False
+    input_checks: tuple = ()  # mask_inputs.InputCheck: run before the rewritten graph
 
 
 @dataclass
@@ -148,14 +150,18 @@ class TokenDropPass:
                 "static-shape trace: the prompt length is baked into the graph; compile with "
                 "dynamic=True (uniprefill.compile does) or let dynamo recompile with dynamic shapes"
             )
-        # The 2-D padding mask: the `attention_mask` argument (position ids have the same shape).
-        self.padding = {
-            n for n in graph.nodes
-            if n.op == "placeholder" and "attention_mask" in n.name and isinstance(example_value(n), torch.Tensor)
-            and example_value(n).dim() == 2 and [_expr(s) for s in example_value(n).shape] == [self.axes.batch, self.axes.seq]
-        }
+        # Roles of the inputs the attention masks read (padding, document positions, ...),
+        # found from the graph's structure; see passes/mask_inputs.py.
+        masks = [m for m in (sdpa_mask_node(n) for n in graph.nodes if is_sdpa(n)) if isinstance(m, fx.Node)]
+        self.input_roles, _ = mask_input_roles(graph, masks, self.axes)
+        self.padding = {n for n, role in self.input_roles.items() if role is InputRole.PADDING}
+        if len(self.padding) > 1:
+            raise RewriteSkipped(f"the masks read {len(self.padding)} padding-mask inputs; expected one")
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self.input_checks = tuple(InputCheck(placeholders.index(n), role, n.name)
+                                  for n, role in self.input_roles.items())
         self._check_requests()
-        self.container, self.layers = classify_layers(graph, self.padding)
+        self.container, self.layers = classify_layers(graph, self.input_roles)
         if not self.layers:
             raise RewriteSkipped("no decoder layers found (no module list of attention layers in the graph)")
         present = sorted(self.layers)
@@ -199,6 +205,9 @@ class TokenDropPass:
             if node.op in ("call_function", "call_method") and any(
                     loss in target_name(node) for loss in ("cross_entropy", "nll_loss")):
                 raise RewriteSkipped("labels were given (the graph computes a loss): a loss needs every position")
+            if _active_dropout(node):
+                raise RewriteSkipped("dropout is active (the model is in training mode): every token's output is "
+                                     "random; call model.eval() for inference")
             val = example_value(node)
             if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.requires_grad and torch.is_grad_enabled():
                 raise RewriteSkipped("gradients are enabled: run inference under torch.no_grad()")
@@ -298,7 +307,8 @@ class TokenDropPass:
             for i, info in self.layers.items()
         ]
         return RewriteResult(gm, reports, self.drop_layers, dict(self.counts),
-                             bool(self.single_row_reason), self.single_row_reason, self._returns_cache())
+                             bool(self.single_row_reason), self.single_row_reason, self._returns_cache(),
+                             self.input_checks)
 
     def _returns_cache(self) -> bool:
         """Whether the graph hands key/value tensors out (a cache is being filled)."""
@@ -638,6 +648,18 @@ class TokenDropPass:
         lay = self.layouts[j]
         self.counts["scatters"] += 1
         return self.new.call_function(U.scatter_tokens.default, (lay.canvas, self.env[node], lay.orig_flat, 0, 1))
+
+
+def _active_dropout(node: fx.Node) -> bool:
+    """A dropout that is on: SDPA with `dropout_p` > 0, or a dropout call in training mode."""
+    if is_sdpa(node):
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return isinstance(p, fx.Node) or float(p) > 0.0
+    if node.op == "call_function" and "dropout" in target_name(node):
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+        return bool(training) and (isinstance(p, fx.Node) or float(p) > 0.0)
+    return False
 
 
 def _nones_before(positions, pos: int) -> int:

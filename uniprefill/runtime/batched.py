@@ -15,6 +15,8 @@ not a serving engine (the vLLM integration batches decode through its own metada
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,34 @@ class RowCaches(_base_cache_class()):
 
     def update(self, *args, **kwargs):
         raise RuntimeError("RowCaches is filled by UniPrefillModel only; pass it back to the same model")
+
+    # Beam search, contrastive search and num_return_sequences reorder, repeat or select the
+    # batch's rows in place. A row that appears twice afterwards gets its own copy: each copy
+    # appends its own decoded tokens to its cache and counts its own steps in its history.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.rows = _take_rows(self.rows, [int(i) for i in beam_idx.tolist()])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.rows = _take_rows(self.rows, [int(i) for i in indices.tolist()])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.rows = _take_rows(self.rows, [r for r in range(len(self.rows)) for _ in range(repeats)])
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("a batch prefilled row by row cannot be cropped (assisted decoding is not supported)")
+
+
+def _take_rows(rows: list[Row], order: list[int]) -> list[Row]:
+    taken, used = [], set()
+    for i in order:
+        row = rows[i]
+        if i in used:
+            history = None if row.history is None else dataclasses.replace(row.history, points=list(row.history.points),
+                                                                             _positions={})
+            row = Row(copy.deepcopy(row.cache), history)
+        used.add(i)
+        taken.append(row)
+    return taken
 
 
 def left_pad_counts(attention_mask: torch.Tensor | None, rows: int, length: int) -> list[int]:

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import math
+import threading
 import types
 
 import torch
@@ -33,6 +34,7 @@ from .batched import Row, RowCaches, left_pad_counts, stack_rows
 from .history import DropHistory
 
 ATTENTION_NAME = "uniprefill_decode"
+HISTORY_ATTRIBUTE = "uniprefill_drop_history"  # set on a cache filled by a dropped prefill
 # Every compiled model adds entries to dynamo's cache of the SAME code objects (transformers'
 # forward and its decorators), so the ninth model compiled in one process would pass dynamo's
 # default recompile_limit (8) and silently run eagerly. Prefill calls raise the limits to at
@@ -63,8 +65,14 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
         # query sees the last `window` of them (a sliding cache holds no more than that; a
         # full cache given to a sliding layer holds more)
         key, value = key[..., cached - window:, :], value[..., cached - window:, :]
-    positions = history.key_positions(layer, cached) if window and not compacted else None
-    if window == 0 or compacted or query_position - int(positions[0]) < window:
+    needs_positions = (window and not compacted) or history.pad_positions is not None
+    positions = history.key_positions(layer, key.shape[-2]) if needs_positions else None
+    if positions is not None and history.pad_positions is not None:
+        # padding tokens the cache holds (layers before the first drop): place them after the
+        # query, where the decode mask hides them
+        positions = torch.where(torch.isin(positions, history.pad_positions), query_position + 1, positions)
+    if positions is None or (history.pad_positions is None and (window == 0 or compacted
+                                                                 or query_position - int(positions[0]) < window)):
         # every cached key is visible (one query at the newest position; a full layer, or a
         # window that covers the oldest cached key): no mask, as the baseline's SDPA does
         out = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
@@ -72,7 +80,7 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
         from ..ops import to_device
 
         out = torch.ops.uniprefill.decode_attention(query, key, value, to_device(positions, key.device),
-                                                    query_position, window, scale, gqa)
+                                                    query_position, 0 if compacted else window, scale, gqa)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -123,7 +131,10 @@ class UniPrefillModel(torch.nn.Module):
         object.__setattr__(self, "backend", backend)
         bound = types.MethodType(type(model).forward, model)
         object.__setattr__(self, "_compiled_forward", torch.compile(bound, backend=backend, dynamic=True))
-        object.__setattr__(self, "_cache_id", None)
+        # prefills run one at a time (the recorder holds the latest call's history); generate()
+        # routes model.forward while any generate() runs, counted for several threads
+        object.__setattr__(self, "_lock", threading.RLock())
+        object.__setattr__(self, "_routing", 0)
         # after a batch prefilled row by row (see runtime.batched): each row's DropHistory
         object.__setattr__(self, "row_histories", None)
 
@@ -138,24 +149,76 @@ class UniPrefillModel(torch.nn.Module):
         return self.backend.recorder.last
 
     def forward(self, *args, **kwargs):
-        kwargs = _cache_keyword_for(self.model, kwargs)
-        ids = kwargs.get("input_ids", args[0] if args else None)
+        return self._forward(args, kwargs, from_generate=False)
+
+    def _forward(self, args, kwargs, from_generate: bool):
+        kwargs = _as_keywords(self.model, args, _cache_keyword_for(self.model, kwargs))
+        ids = kwargs.get("input_ids")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, RowCaches):
-            return self._decode_rows(cache, ids, args, kwargs)
-        if self._fills_rows(ids, cache, args, kwargs):
-            return self._prefill_rows(ids, kwargs)
-        history = self.history
-        dropped = history is not None and history.points
-        continuing = cache is not None and _cache_length(cache) > 0
-        if ids is not None and continuing and ids.shape[1] < self.backend.config.effective_min_tokens:
-            if dropped:
-                return self._decode(history, (cache, ids), *args, **kwargs)
-            # a short continuation of an undropped prefill: nothing to drop, run it eagerly
-            return type(self.model).forward(self.model, *args, **kwargs)
-        return self._prefill(ids, *args, **kwargs)
+            return self._decode_rows(cache, ids, kwargs)
+        rows = 0 if ids is None or ids.dim() != 2 else ids.shape[0]
+        empty_cache = cache is None or _cache_length(cache) == 0
+        if rows >= 2 and empty_cache and self._fills_cache(cache, kwargs):
+            why = self._rows_unsupported(cache, kwargs, from_generate)
+            if why is None:
+                return self._prefill_rows(ids, kwargs)
+            self._unaccelerated(why)
+            return self._eager(kwargs)
+        continuing = cache is not None and not empty_cache
+        if continuing:
+            history = getattr(cache, HISTORY_ATTRIBUTE, None)
+            if history is None and _compacted(cache):
+                raise RuntimeError(
+                    "this cache holds fewer tokens in later layers than in earlier ones (a dropped prefill filled "
+                    "it) but carries no drop history: continue it with the UniPrefillModel that filled it")
+            if history is None:
+                # a cache that no drop compacted (the plain model's, or an undropped prefill's):
+                # every layer holds every token, so the plain model continues it exactly
+                return self._eager(kwargs)
+            if ids is None or ids.shape[1] != 1:
+                raise NotImplementedError(
+                    f"after a dropped prefill only one-token decode steps are supported (got input_ids of shape "
+                    f"{None if ids is None else tuple(ids.shape)}); the cache holds only the kept tokens")
+            return self._decode_step(history, ids, **kwargs)
+        return self._prefill(ids, **kwargs)
 
-    def _prefill(self, ids, *args, **kwargs):
+    def _eager(self, kwargs):
+        return type(self.model).forward(self.model, **kwargs)
+
+    def _unaccelerated(self, why: str) -> None:
+        if self.backend.config.strict:
+            raise RuntimeError(f"uniprefill cannot accelerate this call: {why}")
+        self.backend._warn(f"uniprefill: this call runs unaccelerated: {why}")
+
+    def _fills_cache(self, cache, kwargs) -> bool:
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = getattr(self.model.config, "use_cache", True)
+        return bool(use_cache) or cache is not None
+
+    def _rows_unsupported(self, cache, kwargs, from_generate: bool) -> str | None:
+        """Why a batch that fills a cache cannot be prefilled row by row (None: it can)."""
+        extra = sorted(set(kwargs) - _ROW_KWARGS)
+        if extra:
+            return f"a batch of several rows that fills a cache is prefilled row by row, which does not support {extra}"
+        if kwargs.get("return_dict") is False:
+            return "a batch of several rows that fills a cache returns a ModelOutput (return_dict=False)"
+        if cache is not None and not from_generate:
+            return ("a cache object was passed in for a batch of several rows: row-by-row prefill gives every row a "
+                    "cache of its own and would leave the object passed in empty")
+        ids = kwargs["input_ids"]
+        try:
+            left_pad_counts(kwargs.get("attention_mask"), ids.shape[0], ids.shape[1])
+        except ValueError as exc:
+            return f"{exc} (a batch of several rows that fills a cache is prefilled row by row)"
+        return None
+
+    def _prefill(self, ids, **kwargs):
+        with self._lock:
+            return self._prefill_locked(ids, **kwargs)
+
+    def _prefill_locked(self, ids, **kwargs):
         # forget the previous history first, so a call that never reaches the compiled
         # graph (dynamo falling back to eager) cannot leave a stale one behind
         self.backend.recorder.last = None
@@ -165,38 +228,28 @@ class UniPrefillModel(torch.nn.Module):
         with limits.patch(recompile_limit=max(limits.recompile_limit, RECOMPILE_LIMIT),
                           accumulated_recompile_limit=max(limits.accumulated_recompile_limit,
                                                           ACCUMULATED_RECOMPILE_LIMIT)):
-            out = self._compiled_forward(*args, **kwargs)
+            out = self._compiled_forward(**kwargs)
         if self.backend.graph_calls == calls and ids is not None \
                 and ids.shape[1] >= self.backend.config.effective_min_tokens:
             self.backend._warn("uniprefill: a prefill ran outside the compiled graph (torch.compile fell back "
                                "to eager, e.g. at its recompile limit): it ran unaccelerated")
         history = self.history
-        cache_out = getattr(out, "past_key_values", None)
-        object.__setattr__(self, "_cache_id", id(cache_out) if history is not None and history.points else None)
+        if not (history is not None and history.points):
+            return out
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and history.rows == 1:
+            # positions of padding tokens: the layers before the first drop cache them, and a
+            # decode step must not attend to them (the plain model's mask hides them)
+            pads = torch.nonzero(~mask[0].bool()).flatten().cpu()
+            history.pad_positions = pads if pads.numel() else None
+        cache_out = _output_cache(out)
+        if cache_out is not None:
+            # the cache carries its history (copies of the cache copy it too): decode steps on
+            # it read it, whatever prefill the model ran since
+            setattr(cache_out, HISTORY_ATTRIBUTE, history)
         return out
 
-    def _fills_rows(self, ids, cache, args, kwargs) -> bool:
-        """A batch of several rows whose prefill fills a cache: prefill it row by row."""
-        if ids is None or args or ids.dim() != 2 or ids.shape[0] < 2:
-            return False
-        if set(kwargs) - _ROW_KWARGS:  # e.g. labels, output_hidden_states: the compiled path explains
-            return False
-        if cache is not None and _cache_length(cache) > 0:
-            return False
-        use_cache = kwargs.get("use_cache")
-        if use_cache is None:
-            use_cache = getattr(self.model.config, "use_cache", True)
-        return bool(use_cache) or cache is not None
-
     def _row_kwargs(self, kwargs) -> tuple[str, dict]:
-        unsupported = sorted(set(kwargs) - _ROW_KWARGS)
-        if unsupported:
-            raise NotImplementedError(
-                f"a batch of several rows that fills a cache is run row by row; these arguments are not "
-                f"supported there: {unsupported}")
-        if kwargs.get("return_dict") is False:
-            raise NotImplementedError("a batch of several rows that fills a cache returns a ModelOutput "
-                                      "(return_dict=False is not supported there)")
         cache_key = "cache" if "cache" in kwargs else "past_key_values"
         common = {"use_cache": True}
         if kwargs.get("logits_to_keep") is not None:
@@ -213,24 +266,32 @@ class UniPrefillModel(torch.nn.Module):
         for r in range(rows):
             cache = DynamicCache(config=self.model.config)
             row_ids = ids[r:r + 1, pads[r]:]
-            out = self._prefill(row_ids, input_ids=row_ids, **{cache_key: cache}, **common)
+            extra = {}
+            if kwargs.get("position_ids") is not None:
+                positions = kwargs["position_ids"]
+                extra["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1, pads[r]:]
+            out = self._prefill(row_ids, input_ids=row_ids, **{cache_key: cache}, **common, **extra)
             history = self.history
             states.append(Row(cache, history if history is not None and history.points else None))
             outs.append(out)
         caches = RowCaches(states, length)
-        object.__setattr__(self, "_cache_id", None)
         object.__setattr__(self, "row_histories", [row.history for row in states])
         return stack_rows(outs, pads, length, _output_cache_key(outs[0]), caches)
 
-    def _decode_rows(self, caches: RowCaches, ids, args, kwargs):
-        if args or ids is None or ids.shape != (len(caches.rows), 1):
+    def _decode_rows(self, caches: RowCaches, ids, kwargs):
+        if ids is None or ids.shape != (len(caches.rows), 1):
             raise NotImplementedError(
                 f"a batch prefilled row by row continues with one-token steps of all its {len(caches.rows)} rows "
                 f"as keyword arguments (got input_ids of shape {None if ids is None else tuple(ids.shape)})")
         cache_key, common = self._row_kwargs(kwargs)
         outs = []
+        positions = kwargs.get("position_ids")
         for r, row in enumerate(caches.rows):
             step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common}
+            if positions is not None and row.history is None:
+                # an undropped row decodes with the plain model: give it the row's true position
+                # (the padded batch's position ids count from the row's first real token)
+                step["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1]
             if row.history is None:
                 outs.append(type(self.model).forward(self.model, **step))
             else:
@@ -238,14 +299,7 @@ class UniPrefillModel(torch.nn.Module):
         caches.steps += 1
         return stack_rows(outs, [0] * len(outs), 1, _output_cache_key(outs[0]), caches)
 
-    def _decode(self, history: DropHistory, cache_and_ids, *args, **kwargs):
-        cache, ids = cache_and_ids
-        if id(cache) != self._cache_id:
-            raise RuntimeError("this cache does not belong to the last dropped prefill of this model; "
-                               "start a new prompt with a fresh cache")
-        return self._decode_step(history, ids, *args, **kwargs)
-
-    def _decode_step(self, history: DropHistory, ids, *args, **kwargs):
+    def _decode_step(self, history: DropHistory, ids, **kwargs):
         if ids.shape[0] != 1 or ids.shape[1] != 1:
             raise NotImplementedError(
                 f"after a dropped prefill only one-token decode steps are supported (got {tuple(ids.shape)})")
@@ -254,28 +308,51 @@ class UniPrefillModel(torch.nn.Module):
         windows = self.backend.layer_windows()
         compacted = self.backend.config.window_positions == "compacted"
         with _attention_implementation(self.model, ATTENTION_NAME), decode_kernels():
-            return type(self.model).forward(self.model, *args, uniprefill_decode=(history, windows, compacted), **kwargs)
+            return type(self.model).forward(self.model, uniprefill_decode=(history, windows, compacted), **kwargs)
 
     def generate(self, *args, **kwargs):
         """`transformers` generation with prefill through the backend and decode on the compacted caches."""
         model = self.model
-        original = model.forward
+        forward = type(model).forward
 
-        @functools.wraps(original)
+        @functools.wraps(forward)
         def routed(*a, **k):
-            return self.forward(*a, **k)
+            return self._forward(a, k, from_generate=True)
 
-        model.forward = routed
+        with self._lock:
+            if self._routing == 0:
+                model.forward = routed
+            object.__setattr__(self, "_routing", self._routing + 1)
         try:
             return type(model).generate(model, *args, **kwargs)
         finally:
-            del model.forward
+            with self._lock:
+                object.__setattr__(self, "_routing", self._routing - 1)
+                if self._routing == 0:
+                    del model.forward
 
 
 # keyword arguments a row-by-row batch understands; generation's own bookkeeping
 # (positions, cache positions, the padded mask) is rebuilt per row from the row's cache
 _ROW_KWARGS = frozenset({"input_ids", "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
                          "cache_position", "position_ids", "return_dict"})
+
+
+def _as_keywords(model, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by name (`model(ids, mask)` is `model(input_ids=ids, attention_mask=mask)`)."""
+    if not args:
+        return kwargs
+    bound = inspect.signature(type(model).forward).bind_partial(model, *args, **kwargs)
+    named = dict(bound.arguments)
+    named.pop(next(iter(inspect.signature(type(model).forward).parameters)), None)  # self
+    for key, value in list(named.items()):
+        param = inspect.signature(type(model).forward).parameters[key]
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            named.pop(key)
+            named.update(value)
+        elif param.kind is inspect.Parameter.VAR_POSITIONAL:
+            raise TypeError(f"{type(model).__name__}.forward takes extra positional arguments; pass them by name")
+    return named
 
 
 def _cache_keyword_for(model, kwargs: dict) -> dict:
@@ -294,6 +371,22 @@ def _cache_keyword_for(model, kwargs: dict) -> dict:
     kwargs = dict(kwargs)
     kwargs["past_key_values"] = kwargs.pop("cache")
     return kwargs
+
+
+def _compacted(cache) -> bool:
+    """Whether full-attention layers of a transformers cache hold different token counts."""
+    lengths = set()
+    for layer in getattr(cache, "layers", ()):
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.dim() >= 2 and not getattr(layer, "is_sliding", False):
+            lengths.add(keys.shape[-2])
+    return len(lengths) > 1
+
+
+def _output_cache(out):
+    """The cache object a forward returned (ModelOutput or tuple), or None."""
+    items = out.values() if hasattr(out, "values") else (out if isinstance(out, tuple) else ())
+    return next((item for item in items if hasattr(item, "get_seq_length")), None)
 
 
 def _output_cache_key(out) -> str:

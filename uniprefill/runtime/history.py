@@ -38,6 +38,9 @@ class DropHistory:
     points: list[DropPoint] = field(default_factory=list)
     policy: str = "cumulative"
     decoded: int = 0  # tokens decoded after this prefill
+    # ORIGINAL positions of padding tokens in row 0 (None: none): layers before the first
+    # drop cache them, and decode steps must not attend to them
+    pad_positions: torch.Tensor | None = None
     _positions: dict = field(default_factory=dict, repr=False, compare=False)  # memo of layer_positions
 
     def layer_positions(self, layer: int, row: int = 0) -> torch.Tensor:

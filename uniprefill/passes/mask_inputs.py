@@ -1,0 +1,105 @@
+"""The graph inputs that attention masks read, their roles, and the runtime checks on them.
+
+The rewrite rebuilds every attention mask from ORIGINAL token positions: causal, an
+optional sliding window, and key padding. That is the plain model's mask only when the
+inputs the traced mask reads say nothing more. So every tensor input of the graph that a
+mask reads gets a role, found from the graph's structure (never from its name: a mask
+passed positionally arrives as `l_args_2_`, and after a recompile its batch axis may have
+a symbol of its own):
+
+* `PADDING`: a 2-D `[rows, N]` input read directly (transformers' padding mask). The
+  rewrite reads it as key validity; at run time it must have the token input's shape and
+  every row must hold a real token.
+* `DOCUMENT_POSITIONS`: a 2-D `[rows or 1, N]` input whose consecutive differences the
+  mask reads (`diff` / `cumsum`: transformers' packed-document detection from
+  `position_ids`). Sound only when every row is ONE document, i.e. its positions are
+  consecutive; otherwise the call runs unaccelerated, naming the reason.
+* `CACHE_POSITION`: a 1-D `[N]` input; it must be `arange(N)` (a prefill from position 0).
+
+A mask that reads any other tensor input is not understood and its layer is not
+rewritten (the reason names the input). Checks run before the rewritten graph; a failed
+check runs the original graph instead.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .fx_utils import TokenAxes, ancestors, example_value, target_name
+
+_DOCUMENT_OPS = ("diff", "cumsum")
+
+
+class InputRole(enum.Enum):
+    PADDING = "padding mask"
+    DOCUMENT_POSITIONS = "position ids (document boundaries)"
+    CACHE_POSITION = "cache positions"
+
+
+@dataclass(frozen=True)
+class InputCheck:
+    """A runtime check on the graph input at `index` (placeholder order)."""
+
+    index: int
+    role: InputRole
+    name: str
+
+
+def mask_input_roles(graph: fx.Graph, masks: list[fx.Node], axes: TokenAxes) -> tuple[dict, dict]:
+    """Roles of the tensor inputs that the given mask nodes read: `({node: role}, {node: why unknown})`."""
+    inside: set[fx.Node] = set()
+    for mask in masks:
+        inside |= ancestors(mask) | {mask}
+    roles, unknown = {}, {}
+    for node in graph.nodes:
+        if node.op != "placeholder" or node not in inside:
+            continue
+        val = example_value(node)
+        if not isinstance(val, torch.Tensor):
+            continue  # shape symbols
+        sizes = [axes.size_expr(s) for s in val.shape]
+        if val.dim() == 2 and sizes[1] == axes.seq:
+            users = _descendants_within(node, inside)
+            reads_steps = any(any(op in target_name(u) for op in _DOCUMENT_OPS) for u in users)
+            roles[node] = InputRole.DOCUMENT_POSITIONS if reads_steps else InputRole.PADDING
+        elif val.dim() == 1 and sizes[0] == axes.seq and not val.is_floating_point():
+            roles[node] = InputRole.CACHE_POSITION
+        else:
+            unknown[node] = f"the mask reads the input {node.name} of shape {list(val.shape)}, whose role is not understood"
+    return roles, unknown
+
+
+def _descendants_within(node: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        for user in todo.pop().users:
+            if user in inside and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def failed_check(checks: tuple[InputCheck, ...], args, rows: int, seq: int) -> str | None:
+    """The reason the rewritten graph must not run on `args`, or None when every check passes."""
+    for check in checks:
+        value = args[check.index]
+        if not isinstance(value, torch.Tensor):
+            return f"{check.role.value} input {check.name} is not a tensor at run time"
+        if check.role is InputRole.PADDING:
+            if tuple(value.shape) != (rows, seq):
+                return (f"the padding mask has shape {tuple(value.shape)} for {rows} row(s) of {seq} tokens "
+                        "(a mask must give one value per token)")
+            if not bool(value.bool().any(dim=1).all()):
+                return "a row of the batch holds no real token (its attention mask is all zeros)"
+        elif check.role is InputRole.DOCUMENT_POSITIONS:
+            if value.shape[-1] > 1 and not bool((torch.diff(value, dim=-1) == 1).all()):
+                return ("position_ids are not consecutive (packed documents or strided positions): "
+                        "transformers then masks attention per document, which the rewrite does not model")
+        elif check.role is InputRole.CACHE_POSITION:
+            if not torch.equal(value.cpu(), torch.arange(seq, dtype=value.dtype)):
+                return "cache_position does not run 0..N-1 (a prefill that does not start at position 0)"
+    return None
