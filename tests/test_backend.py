@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
 import uniprefill
 from uniprefill import UniPrefillConfig
 
-from .eager_reference import reference_last_logits
+from uniprefill.testing.eager_reference import reference_last_logits
 
 SMALL = dict(sink=16, last_q=16, block_size=16)
 ATOL = 1e-4

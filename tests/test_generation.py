@@ -13,7 +13,7 @@ from transformers import DynamicCache
 import uniprefill
 from uniprefill import UniPrefillConfig
 
-from .eager_reference import reference_last_logits
+from uniprefill.testing.eager_reference import reference_last_logits
 from .test_backend import MODELS, SMALL, _ids
 
 NEW_TOKENS = 5

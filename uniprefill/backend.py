@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import UniPrefillConfig
 from .runtime.history import DropHistory, DropRecorder
 
 logger = logging.getLogger("uniprefill.passes")
+REWRITE_FAILED = "the rewritten graph failed"
 
 
 @dataclass
@@ -62,27 +64,38 @@ class GraphReport:
 class UniPrefillBackend:
     """A dynamo backend bound to one `UniPrefillConfig` and one drop recorder."""
 
-    def __init__(self, config: UniPrefillConfig | None = None) -> None:
+    def __init__(self, config: UniPrefillConfig | None = None, decodes_caches: bool = False) -> None:
         self.config = config or UniPrefillConfig()
+        # whether the caller decodes the compacted caches a dropped prefill returns (UniPrefillModel
+        # does; a model called through plain torch.compile decodes with the plain attention, which
+        # needs every token, so a call that fills a cache runs unaccelerated there)
+        self.decodes_caches = decodes_caches
         self.recorder = DropRecorder(self.config.policy)
         self.graphs: list[GraphReport] = []
         self._warned: set[str] = set()
         self.graph_calls = 0  # calls that reached a graph this backend compiled (rewritten or not)
+        # why the latest call ran unaccelerated (None: it ran the rewritten graph, or nothing ran yet)
+        self.last_unaccelerated: str | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
-        from .passes.token_drop import RewriteSkipped, TokenDropPass
+        from .passes.token_drop import NothingToDrop, RewriteSkipped, TokenDropPass
+
+        from .first_call import restart_with_dynamic_length
 
         if self.config.debug:
             logger.info("uniprefill: graph before rewrite\n%s", gm.print_readable(print_output=False))
+        restart_with_dynamic_length(gm, example_inputs)  # a static first trace: retrace with a symbolic length
         try:
             result = TokenDropPass(gm, self.config, self.recorder).run()
         except RewriteSkipped as exc:
             reason = str(exc)
             self.graphs.append(GraphReport(False, reason))
+            if isinstance(exc, NothingToDrop):
+                return self._counted(gm.forward, reason)
             if self.config.strict:
                 raise RuntimeError(f"uniprefill cannot rewrite this graph: {reason}") from exc
             self._warn(f"uniprefill: running a graph unaccelerated: {reason}")
-            return self._counted(gm.forward)
+            return self._counted(gm.forward, reason)
         report = GraphReport(True, "", result.layers, result.drop_layers, result.counts,
                              result.single_row_only, result.single_row_reason)
         self.graphs.append(report)
@@ -90,9 +103,10 @@ class UniPrefillBackend:
             logger.info("uniprefill: graph after rewrite\n%s", result.graph_module.print_readable(print_output=False))
         return self._guarded(gm, result)
 
-    def _counted(self, forward):
+    def _counted(self, forward, reason: str):
         def run(*args):
             self.graph_calls += 1
+            self.last_unaccelerated = f"graph not rewritten: {reason}"
             return forward(*args)
 
         return run
@@ -100,8 +114,6 @@ class UniPrefillBackend:
     def _guarded(self, original: fx.GraphModule, result):
         """Run the rewrite, except for inputs it must not see (short prompts, several rows it can't pack,
         masks or positions the rewrite does not model: `passes.mask_inputs`)."""
-        from .passes.mask_inputs import failed_check
-
         tokens_pos = _tokens_position(result.graph_module)
         min_tokens = self.config.effective_min_tokens
         rewritten = result.graph_module
@@ -110,24 +122,48 @@ class UniPrefillBackend:
             tokens = args[tokens_pos]
             self.recorder.last = None
             self.graph_calls += 1
-            if tokens.shape[1] < min_tokens:
-                return original(*args)
-            unsound = failed_check(result.input_checks, args, tokens.shape[0], tokens.shape[1])
-            if unsound:
+            why = self._unsound_call(result, args, tokens.shape[0], tokens.shape[1], min_tokens)
+            if why is None and result.returns_cache and not self.decodes_caches:
+                why = ("a call that fills a cache (use_cache=True, the transformers default) under plain torch.compile: "
+                       "its decode steps would attend over compacted caches without the drop history; pass "
+                       "use_cache=False for prefill-only calls, or use uniprefill.compile(model) to generate")
+            self.last_unaccelerated = why
+            if why is None:
+                try:
+                    return rewritten(*args)
+                except Exception as exc:  # noqa: BLE001
+                    # a bug of the rewrite (a graph it should have refused): never the user's
+                    # problem. The rewritten graph writes caches only through ops that
+                    # overwrite, so running the original afterwards gives the plain answer.
+                    if self.config.strict:
+                        raise
+                    why = f"{REWRITE_FAILED}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    self.last_unaccelerated = why
+                    self._warn(f"uniprefill: {why}; this call runs unaccelerated (please report it)")
+                    return original(*args)
+            if not why.startswith("shorter than"):
                 if self.config.strict:
-                    raise RuntimeError(f"uniprefill cannot accelerate this call: {unsound}")
-                self._warn(f"uniprefill: this call runs unaccelerated: {unsound}")
-                return original(*args)
-            if result.single_row_only and tokens.shape[0] > 1:
-                self._warn(f"uniprefill: a batch of {tokens.shape[0]} rows runs unaccelerated: {result.single_row_reason}")
-                return original(*args)
-            if result.returns_cache and tokens.shape[0] > 1:
-                self._warn("uniprefill: a batch of several rows that fills a cache runs unaccelerated here; "
-                           "uniprefill.compile(...) prefills and decodes such batches row by row")
-                return original(*args)
-            return rewritten(*args)
+                    raise RuntimeError(f"uniprefill cannot accelerate this call: {why}")
+                self._warn(f"uniprefill: this call runs unaccelerated: {why}")
+            return original(*args)
 
         return run
+
+    @staticmethod
+    def _unsound_call(result, args, rows: int, seq: int, min_tokens: int) -> str | None:
+        from .passes.mask_inputs import failed_check
+
+        if seq < min_tokens:
+            return f"shorter than min_tokens ({seq} < {min_tokens} tokens): nothing to drop"
+        unsound = failed_check(result.input_checks, args, rows, seq)
+        if unsound:
+            return unsound
+        if result.single_row_only and rows > 1:
+            return f"a batch of {rows} rows: {result.single_row_reason}"
+        if result.returns_cache and rows > 1:
+            return ("a batch of several rows that fills a cache (uniprefill.compile(...) prefills and decodes "
+                    "such batches row by row)")
+        return None
 
     def _warn(self, message: str) -> None:
         if message not in self._warned:
@@ -157,9 +193,34 @@ def _tokens_position(gm: fx.GraphModule) -> int:
     raise RuntimeError("rewritten graph has no token input")
 
 
+# The backends that the string entry point made, by the model's input-embedding weight (held
+# weakly: an entry goes with its model). `torch.compile(model, backend="uniprefill")` hands the
+# backend a graph and weights, never the module, and returns a module that holds no reference
+# to the backend; this map is how one compiled model gets one backend (one drop recorder, every
+# graph's report) and how `last_drop_report(compiled)` finds it. The only module-level state.
+_BY_EMBEDDING = WeakIdKeyDictionary()
+
+
 def uniprefill_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
     """Entry point for `torch.compile(model, backend="uniprefill", options={...})`."""
-    return UniPrefillBackend(UniPrefillConfig.from_options(options))(gm, example_inputs)
+    config = UniPrefillConfig.from_options(options)
+    weight = _embedding_weight(gm, example_inputs)
+    backend = _BY_EMBEDDING.get(weight) if weight is not None else None
+    if backend is None or backend.config != config:
+        backend = UniPrefillBackend(config)
+        if weight is not None:
+            _BY_EMBEDDING[weight] = backend
+    return backend(gm, example_inputs)
+
+
+def _embedding_weight(gm: fx.GraphModule, example_inputs):
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "embedding" in str(node.target) and len(node.args) > 1:
+            weight = node.args[1]
+            if weight in placeholders and isinstance(example_inputs[placeholders.index(weight)], torch.Tensor):
+                return example_inputs[placeholders.index(weight)]
+    return None
 
 
 def compile(model: torch.nn.Module, config: UniPrefillConfig | None = None, **options):
@@ -176,14 +237,23 @@ def compile(model: torch.nn.Module, config: UniPrefillConfig | None = None, **op
     from .runtime.generation import UniPrefillModel
 
     make_linear_attention_opaque(model)
-    backend = UniPrefillBackend(config)
+    backend = UniPrefillBackend(config, decodes_caches=True)
     return UniPrefillModel(model, backend)
 
 
 def _backend_of(compiled) -> UniPrefillBackend:
+    """The backend of a `uniprefill.compile` result, of the module `torch.compile(model,
+    backend="uniprefill")` returned, or of a model whose forward that compiled."""
     backend = getattr(compiled, "backend", None)
+    if isinstance(backend, UniPrefillBackend):
+        return backend
+    module = getattr(compiled, "_orig_mod", compiled)
+    embeddings = getattr(module, "get_input_embeddings", None)
+    weight = getattr(embeddings(), "weight", None) if callable(embeddings) else None
+    backend = _BY_EMBEDDING.get(weight) if weight is not None else None
     if backend is None:
-        raise ValueError("this model was not compiled with uniprefill.compile(...)")
+        raise ValueError("this model was not compiled with uniprefill.compile(...) or "
+                         "torch.compile(..., backend=\"uniprefill\"), or has not run yet")
     return backend
 
 

@@ -101,11 +101,19 @@ class TokenAxes:
     batch: object  # sympy expr or int
     seq: object  # sympy expr or int
     static: bool
+    # other symbols that stand for the same sizes (an input recompiled with a symbol of its own;
+    # the backend checks at run time that they are equal): ((symbol, batch or seq), ...)
+    aliases: tuple = ()
 
     def size_expr(self, size):
         if isinstance(size, torch.SymInt):
-            return size.node.expr
+            return self.unalias(size.node.expr)
         return int(size)
+
+    def unalias(self, expr):
+        if not self.aliases:
+            return expr
+        return sympy.sympify(expr).xreplace(dict(self.aliases))
 
     def token_dims(self, value) -> list[int]:
         """Axes of size N (one for activations, two for [N, N] masks)."""

@@ -38,6 +38,8 @@ class InputRole(enum.Enum):
     PADDING = "padding mask"
     DOCUMENT_POSITIONS = "position ids (document boundaries)"
     CACHE_POSITION = "cache positions"
+    SAME_LENGTH = "token axis"  # axis `dim` must have the prompt's length
+    SAME_ROWS = "batch axis"  # axis `dim` must have the prompt's row count
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,38 @@ class InputCheck:
     index: int
     role: InputRole
     name: str
+    dim: int = -1
+
+
+def size_aliases(graph: fx.Graph, batch, seq) -> tuple[tuple, list[tuple[fx.Node, int, str]]]:
+    """Symbols of 2-D inputs `[rows, N]` that differ from the token input's own but had the same
+    value when traced (dynamo gives an input recompiled on its own a symbol of its own).
+
+    Returns `((symbol, batch or seq), ...)` and `(input, axis, "batch" or "seq")` to check at run time.
+    """
+    aliases, checks = {}, []
+    for node in graph.nodes:
+        val = example_value(node)
+        if node.op != "placeholder" or not isinstance(val, torch.Tensor) or val.dim() != 2:
+            continue
+        for dim, (size, target) in enumerate(zip(val.shape, (batch, seq))):
+            if not isinstance(size, torch.SymInt) or isinstance(target, int):
+                continue
+            expr = size.node.expr
+            if expr == target or not expr.is_Symbol or not size.node.has_hint():
+                continue
+            if size.node.hint == _hint_of(graph, target):
+                aliases[expr] = target
+                checks.append((node, dim, "seq" if target is seq else "batch"))
+    return tuple(aliases.items()), checks
+
+
+def _hint_of(graph: fx.Graph, symbol):
+    for node in graph.nodes:
+        val = example_value(node)
+        if node.op == "placeholder" and isinstance(val, torch.SymInt) and val.node.expr == symbol:
+            return val.node.hint if val.node.has_hint() else None
+    return None
 
 
 def mask_input_roles(graph: fx.Graph, masks: list[fx.Node], axes: TokenAxes) -> tuple[dict, dict]:
@@ -62,7 +96,7 @@ def mask_input_roles(graph: fx.Graph, masks: list[fx.Node], axes: TokenAxes) -> 
         if not isinstance(val, torch.Tensor):
             continue  # shape symbols
         sizes = [axes.size_expr(s) for s in val.shape]
-        if val.dim() == 2 and sizes[1] == axes.seq:
+        if val.dim() == 2 and sizes[1] == axes.seq and sizes[0] in (axes.batch, 1):
             users = _descendants_within(node, inside)
             reads_steps = any(any(op in target_name(u) for op in _DOCUMENT_OPS) for u in users)
             roles[node] = InputRole.DOCUMENT_POSITIONS if reads_steps else InputRole.PADDING
@@ -87,6 +121,12 @@ def failed_check(checks: tuple[InputCheck, ...], args, rows: int, seq: int) -> s
     """The reason the rewritten graph must not run on `args`, or None when every check passes."""
     for check in checks:
         value = args[check.index]
+        if check.role in (InputRole.SAME_LENGTH, InputRole.SAME_ROWS):
+            want = seq if check.role is InputRole.SAME_LENGTH else rows
+            if not isinstance(value, torch.Tensor) or value.shape[check.dim] != want:
+                return (f"the input {check.name} has {check.role.value} {check.dim} of another size than the "
+                        f"prompt's ({want})")
+            continue
         if not isinstance(value, torch.Tensor):
             return f"{check.role.value} input {check.name} is not a tensor at run time"
         if check.role is InputRole.PADDING:

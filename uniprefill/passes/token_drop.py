@@ -27,6 +27,7 @@ reason; the backend then runs the graph unchanged (or raises under `strict`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from ..config import UniPrefillConfig
 from .classify import LayerInfo, classify_layers, sdpa_mask_node
 from .drop_points import resolve_drop_layers
 from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name
-from .mask_inputs import InputCheck, InputRole, mask_input_roles
+from .mask_inputs import InputCheck, InputRole, mask_input_roles, size_aliases
 
 U = torch.ops.uniprefill
 _ADDS = {operator.add, torch.add, operator.iadd}
@@ -53,6 +54,10 @@ _SAFE_MODULES = ("torch", "operator", "builtins", "math", "_operator", "transfor
 
 class RewriteSkipped(Exception):
     """The graph cannot be rewritten safely; the message says why."""
+
+
+class NothingToDrop(RewriteSkipped):
+    """The graph is too short to drop from (a decode step): left unchanged without a warning."""
 
 
 @dataclass
@@ -145,11 +150,16 @@ class TokenDropPass:
         val = example_value(self.tokens)
         static = not isinstance(val.shape[1], torch.SymInt)
         self.axes = TokenAxes(_expr(val.shape[0]), _expr(val.shape[1]), static)
+        if static and int(val.shape[1]) < self.config.effective_min_tokens:
+            raise NothingToDrop(f"a graph traced for {int(val.shape[1])} token(s) (a decode step or a short "
+                                "prompt): nothing to drop")
         if static:
             raise RewriteSkipped(
                 "static-shape trace: the prompt length is baked into the graph; compile with "
                 "dynamic=True (uniprefill.compile does) or let dynamo recompile with dynamic shapes"
             )
+        aliases, alias_checks = size_aliases(graph, self.axes.batch, self.axes.seq)
+        self.axes = dataclasses.replace(self.axes, aliases=aliases)
         # Roles of the inputs the attention masks read (padding, document positions, ...),
         # found from the graph's structure; see passes/mask_inputs.py.
         masks = [m for m in (sdpa_mask_node(n) for n in graph.nodes if is_sdpa(n)) if isinstance(m, fx.Node)]
@@ -159,7 +169,9 @@ class TokenDropPass:
             raise RewriteSkipped(f"the masks read {len(self.padding)} padding-mask inputs; expected one")
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.input_checks = tuple(InputCheck(placeholders.index(n), role, n.name)
-                                  for n, role in self.input_roles.items())
+                                  for n, role in self.input_roles.items()) + tuple(
+            InputCheck(placeholders.index(n), InputRole.SAME_LENGTH if which == "seq" else InputRole.SAME_ROWS, n.name, dim)
+            for n, dim, which in alias_checks)
         self._check_requests()
         self.container, self.layers = classify_layers(graph, self.input_roles)
         if not self.layers:
@@ -356,7 +368,8 @@ class TokenDropPass:
         self.layout_of[node] = j
 
     def _mentions_tokens(self, node: fx.Node) -> bool:
-        token_syms = {self.axes.seq} | ({self.axes.batch} if not isinstance(self.axes.batch, int) else set())
+        token_syms = {self.axes.seq} | ({self.axes.batch} if not isinstance(self.axes.batch, int) else set()) \
+            | {alias for alias, _ in self.axes.aliases}
         found = []
 
         def visit(a):
@@ -471,7 +484,7 @@ class TokenDropPass:
         subs = {self.axes.seq: t_sym}
         if not isinstance(self.axes.batch, int):
             subs[self.axes.batch] = 1
-        new_expr = sympy.sympify(expr).subs(subs)
+        new_expr = self.axes.unalias(sympy.sympify(expr)).subs(subs)
         if new_expr != expr:
             self.counts["shape_rewrites"] += 1
         return self._emit(new_expr, {t_sym: self.layouts[j].size})

@@ -187,6 +187,7 @@ class UniPrefillModel(torch.nn.Module):
         return type(self.model).forward(self.model, **kwargs)
 
     def _unaccelerated(self, why: str) -> None:
+        self.backend.last_unaccelerated = why
         if self.backend.config.strict:
             raise RuntimeError(f"uniprefill cannot accelerate this call: {why}")
         self.backend._warn(f"uniprefill: this call runs unaccelerated: {why}")

@@ -1,4 +1,4 @@
-"""An independent, slow, obviously-correct eager reference of token dropping (tests only).
+"""An independent, slow, obviously-correct eager reference of token dropping (tests and the fuzzer).
 
 It runs a Hugging Face Llama or Gemma-3 model sublayer by sublayer with plain calls to its
 modules: every layer runs on the current set of tokens, with RoPE at their ORIGINAL

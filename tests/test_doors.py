@@ -1,0 +1,188 @@
+"""The ordinary doors: each of these gave a silent wrong answer or no acceleration before.
+
+At p = 1 the compiled model must equal the plain model however it is called; where a
+call cannot be accelerated soundly it runs unaccelerated and says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import uniprefill
+from uniprefill import UniPrefillConfig
+
+from .test_backend import MODELS, SMALL, _ids
+
+P1 = UniPrefillConfig(p=1.0, drop_layers=(1, 2), **SMALL)
+ATOL = 1e-4
+
+
+def _llama():
+    return MODELS["llama"][0]()
+
+
+def _last(out):
+    return out.logits[:, -1]
+
+
+def _padded(rows=2, length=300):
+    ids = _ids(rows, length)
+    mask = torch.ones_like(ids)
+    mask[1, :29] = 0
+    return ids, mask
+
+
+@torch.no_grad()
+def test_padded_batch_after_a_batch_1_call_equals_the_plain_model():
+    """After a batch-1 call the recompiled graph gives the mask's batch axis a symbol of its own;
+    the padding mask is still found (by its role) and the pads stay out."""
+    model = _llama()
+    ids, mask = _padded()
+    fast = uniprefill.compile(model, P1)
+    fast(input_ids=ids[:1], use_cache=False)
+    out = fast(input_ids=ids, attention_mask=mask, use_cache=False)
+    torch.testing.assert_close(_last(out), _last(model(input_ids=ids, attention_mask=mask, use_cache=False)),
+                               atol=ATOL, rtol=0)
+    history = uniprefill.last_drop_report(fast)
+    assert history.points[0].entering == (300, 271)
+
+
+@torch.no_grad()
+def test_mask_passed_positionally_is_read_as_the_padding_mask():
+    model = _llama()
+    ids, mask = _padded()
+    fast = uniprefill.compile(model, P1)
+    out = fast(ids, mask, use_cache=False)
+    torch.testing.assert_close(_last(out), _last(model(ids, mask, use_cache=False)), atol=ATOL, rtol=0)
+    assert uniprefill.last_drop_report(fast).points[0].entering == (300, 271)
+
+
+@pytest.mark.parametrize("positions", ["packed", "strided"])
+@torch.no_grad()
+def test_packed_or_strided_position_ids_run_unaccelerated_and_say_why(positions):
+    model = _llama()
+    ids = _ids(1, 300)
+    pid = torch.cat([torch.arange(150), torch.arange(150)])[None] if positions == "packed" else (torch.arange(300) * 2)[None]
+    fast = uniprefill.compile(model, P1)
+    with pytest.warns(UserWarning, match="position_ids are not consecutive"):
+        out = fast(input_ids=ids, position_ids=pid, use_cache=False)
+    torch.testing.assert_close(_last(out), _last(model(input_ids=ids, position_ids=pid, use_cache=False)),
+                               atol=ATOL, rtol=0)
+    assert uniprefill.last_drop_report(fast) is None
+    assert "not consecutive" in fast.backend.last_unaccelerated
+    # consecutive positions from an offset are one document: accelerated, and equal
+    offset = (torch.arange(300) + 7)[None]
+    out = fast(input_ids=ids, position_ids=offset, use_cache=False)
+    torch.testing.assert_close(_last(out), _last(model(input_ids=ids, position_ids=offset, use_cache=False)),
+                               atol=ATOL, rtol=0)
+    assert uniprefill.last_drop_report(fast) is not None
+
+
+@torch.no_grad()
+def test_training_mode_with_dropout_is_not_rewritten():
+    model = _llama()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.train()
+    fast = uniprefill.compile(model, P1)
+    with pytest.warns(UserWarning, match="dropout is active"):
+        fast(input_ids=_ids(1, 300), use_cache=False)
+    assert not uniprefill.graph_reports(fast)[-1].rewritten
+
+
+@pytest.mark.parametrize("mode", ["beam", "padded single row"])
+@torch.no_grad()
+def test_generate_modes_equal_the_plain_model(mode):
+    model = _llama()
+    ids = _ids(1, 300)
+    mask = torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    if mode == "beam":
+        kwargs["num_beams"] = 4
+    else:
+        mask[:, :100] = 0
+    fast = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1, 2), **SMALL))
+    ref = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    out = fast.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert torch.equal(out, ref)
+
+
+@torch.no_grad()
+def test_a_cache_passed_in_for_a_batch_is_filled_not_replaced():
+    model = _llama()
+    ids, mask = _padded()
+    fast = uniprefill.compile(model, P1)
+    cache = DynamicCache(config=model.config)
+    with pytest.warns(UserWarning, match="cache object was passed in"):
+        out = fast(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    assert cache.get_seq_length() == 300
+    assert out.past_key_values is cache
+
+
+@torch.no_grad()
+def test_row_by_row_prefill_keeps_explicit_position_ids():
+    model = _llama()
+    ids, mask = _padded()
+    pid = (torch.arange(300) * 2)[None].expand(2, -1)  # RoPE sees these; strided keeps it visible
+    fast = uniprefill.compile(model, P1)
+    out = fast(input_ids=ids, attention_mask=mask, position_ids=pid, use_cache=True)
+    ref = model(input_ids=ids, attention_mask=mask, position_ids=pid, use_cache=True)
+    torch.testing.assert_close(_last(out), _last(ref), atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_a_multi_token_continuation_of_a_plain_cache_runs_as_the_plain_model():
+    model = _llama()
+    ids = _ids(1, 300)
+    fast = uniprefill.compile(model, P1)
+    cache, twin = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=cache)
+    model(input_ids=ids, past_key_values=twin)
+    more = _ids(1, 40, seed=3)
+    out = fast(input_ids=more, past_key_values=cache)
+    ref = model(input_ids=more, past_key_values=twin)
+    torch.testing.assert_close(out.logits, ref.logits, atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_plain_torch_compile_drops_from_its_first_call_without_recompiling_per_length():
+    model = _llama()
+    options = {"p": 1.0, "drop_layers": (1, 2), **SMALL}
+    compiled = torch.compile(model, backend="uniprefill", options=options)
+    for length in (300, 333, 257):
+        ids = _ids(1, length)
+        out = compiled(input_ids=ids, use_cache=False)
+        torch.testing.assert_close(_last(out), _last(model(input_ids=ids, use_cache=False)), atol=ATOL, rtol=0)
+        history = uniprefill.last_drop_report(compiled)
+        assert history is not None and history.seq_len == length, "dropped from the first call"
+    reports = uniprefill.graph_reports(compiled)
+    assert [r.rewritten for r in reports] == [True], "one dynamic graph for every length"
+
+
+@torch.no_grad()
+def test_plain_torch_compile_call_that_fills_a_cache_runs_unaccelerated_with_the_reason():
+    model = _llama()
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": (1, 2), **SMALL})
+    ids = _ids(1, 300)
+    with pytest.warns(UserWarning, match="fills a cache"):
+        out = compiled(input_ids=ids)
+    torch.testing.assert_close(_last(out), _last(model(input_ids=ids)), atol=ATOL, rtol=0)
+    assert uniprefill.last_drop_report(compiled) is None
+
+
+@torch.no_grad()
+def test_plain_torch_compile_of_forward_then_generate_equals_the_plain_model():
+    """transformers' documented idiom: the prefill fills a cache, so it runs unaccelerated
+    (with the reason) and the decode continues a complete cache."""
+    model = _llama()
+    ids = _ids(1, 300)
+    ref = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    model.forward = torch.compile(model.forward, backend="uniprefill",
+                                  options={"keep_ratio": 0.5, "drop_layers": (1, 2), **SMALL})
+    try:
+        out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    finally:
+        del model.forward
+    assert torch.equal(out, ref)

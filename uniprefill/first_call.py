@@ -1,0 +1,80 @@
+"""Plain `torch.compile(model, backend="uniprefill")`: dynamic shapes from the first call.
+
+Without `dynamic=True`, dynamo traces the first call with static shapes: the prompt length
+is a constant of the graph, so the kept-token count (data-dependent) cannot replace it.
+Rewriting literal lengths back into symbols would be guesswork (a hidden size can equal
+the prompt length). Instead the backend asks dynamo for the graph it would have traced with
+`dynamic=True`: it marks the token axis of the call's own input tensors as dynamic
+(`torch._dynamo.maybe_mark_dynamic`, the public marking) and restarts the analysis of the
+frame. Dynamo then traces once more, now with a symbolic length, and the rewrite applies
+from this first call on; later lengths reuse that graph (no recompile per length).
+
+The restart is signalled with `TensorifyScalarRestartAnalysis`, the one restart exception
+dynamo lets through from a backend (torch >= 2.6; checked on 2.11 and 2.13). Where it is
+missing, or the user asked for static shapes (`dynamic=False`, which makes dynamo ignore the
+marking), the call runs unaccelerated with the reason, as before. The marking stays on the
+caller's tensors (`_dynamo_weak_dynamic_indices`); it only means "this axis varies" to any
+later compile of the same tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .passes.fx_utils import example_value, target_name
+
+_PARAMETER_SOURCES = ("._modules", "._parameters", "._buffers", ".__dict__")
+
+
+def user_inputs(gm: fx.GraphModule, example_inputs) -> list[tuple[fx.Node, torch.Tensor]]:
+    """(placeholder, real tensor) of the call's own tensor arguments (not weights or buffers)."""
+    out = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        grapharg = node.meta.get("grapharg")
+        source = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
+        source = source() if callable(source) else str(source)
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                and not any(part in source for part in _PARAMETER_SOURCES):
+            out.append((node, value))
+    return out
+
+
+def token_length(gm: fx.GraphModule) -> tuple[fx.Node, int] | None:
+    """The token input (ids into an embedding, or `inputs_embeds`) and its static length, if static."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and target_name(node).endswith("embedding"):
+            src = node.args[0]
+            if isinstance(src, fx.Node) and src.op == "placeholder":
+                val = example_value(src)
+                if isinstance(val, torch.Tensor) and val.dim() >= 2 and not isinstance(val.shape[1], torch.SymInt):
+                    return src, int(val.shape[1])
+                return None
+    for node in gm.graph.nodes:
+        val = example_value(node)
+        if node.op == "placeholder" and "inputs_embeds" in node.name and isinstance(val, torch.Tensor) \
+                and val.dim() == 3 and not isinstance(val.shape[1], torch.SymInt):
+            return node, int(val.shape[1])
+    return None
+
+
+def restart_with_dynamic_length(gm: fx.GraphModule, example_inputs) -> None:
+    """For a static trace: mark the token axis of every input of that length dynamic and restart
+    dynamo's analysis (raises the restart exception). Returns when that is not possible."""
+    try:
+        from torch._dynamo.exc import TensorifyScalarRestartAnalysis
+    except ImportError:
+        return
+    found = token_length(gm)
+    if found is None:
+        return
+    _, length = found
+    marked = False
+    for _, tensor in user_inputs(gm, example_inputs):
+        for dim in ((0,) if tensor.dim() == 1 else range(1, min(tensor.dim(), 3))):
+            if tensor.shape[dim] == length and dim not in getattr(tensor, "_dynamo_weak_dynamic_indices", ()):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                marked = True
+    if marked:  # never twice for the same tensors: if dynamo still traced statically, give up
+        raise TensorifyScalarRestartAnalysis()

@@ -1,0 +1,355 @@
+"""A differential fuzzer: random calls through `uniprefill.compile` against the plain model.
+
+Compilers are tested with random programs checked against a reference; this does the same
+for the doors a user comes through. Every case draws an architecture (tiny random configs,
+hybrids included), a call sequence and the arguments of each call (batch 1-3, padding
+none / left / holes / an all-pad row, mask bool / int / float passed by keyword, position or
+not at all, position ids none / offset / strided / packed documents, `input_ids` or
+`inputs_embeds`, `use_cache`, `logits_to_keep`, dtype), or a generation mode (greedy,
+seeded sampling, beam search, `num_return_sequences`, an explicit cache object), and checks:
+
+* at p = 1 the compiled model equals the plain model: logits at every real token within the
+  dtype's tolerance, generated tokens exactly;
+* at p < 1 (Llama and Gemma-3, one row) the last logits equal the eager reference
+  (`uniprefill.testing.eager_reference`) on the positions the drop history reports;
+* a call long enough to drop that ran unaccelerated says why (`backend.last_unaccelerated`).
+
+Compiled models are pooled per (architecture, dtype, settings) and reused, so the ORDER of
+calls varies across cases (a batch after a batch-1 call, lengths changing, two models
+alternating); every `fresh_every` cases the pool is emptied and dynamo reset, so first calls
+are exercised too. `run_fuzz` returns a `FuzzSummary`; `uniprefill fuzz` is the command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import random
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backend import REWRITE_FAILED
+
+SETTINGS = dict(sink=16, last_q=16, block_size=16)
+MIN_TOKENS = SETTINGS["sink"] + SETTINGS["last_q"]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # times max(1, |reference|max)
+_EXTRA_ARCHS = {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
+ARCHS = ("tiny-llama", "tiny-gemma3", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-lfm2", "tiny-granitemoehybrid",
+         "tiny-jamba", "tiny-olmo3", *_EXTRA_ARCHS)
+REFERENCE_ARCHS = ("tiny-llama", "tiny-gemma3")
+
+
+@dataclass
+class CaseResult:
+    case: int
+    arch: str
+    kind: str
+    status: str  # "equal", "mismatch", "error", "unexplained", "invalid"
+    detail: str = ""
+    reasons: list[str] = field(default_factory=list)  # why calls ran unaccelerated
+    accelerated: int = 0  # calls that ran the rewritten graph
+
+
+@dataclass
+class FuzzSummary:
+    cases: int = 0
+    by_status: Counter = field(default_factory=Counter)
+    by_kind: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
+    accelerated_calls: int = 0
+    failures: list[CaseResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def mismatches(self) -> int:
+        return sum(self.by_status[s] for s in ("mismatch", "error", "unexplained"))
+
+    def add(self, result: CaseResult) -> None:
+        self.cases += 1
+        self.by_status[result.status] += 1
+        self.by_kind[result.kind] += 1
+        self.accelerated_calls += result.accelerated
+        for reason in result.reasons:
+            self.reasons[_reason_class(reason)] += 1
+        if result.status in ("mismatch", "error", "unexplained"):
+            self.failures.append(result)
+
+    def __str__(self) -> str:
+        lines = [f"{self.cases} cases in {self.seconds:.0f} s: " + ", ".join(f"{k} {v}" for k, v in sorted(self.by_status.items())),
+                 "kinds: " + ", ".join(f"{k} {v}" for k, v in sorted(self.by_kind.items())),
+                 f"calls that ran the rewritten graph: {self.accelerated_calls}",
+                 "calls run unaccelerated, by reason:"]
+        lines += [f"  {n:5d}  {r}" for r, n in self.reasons.most_common()]
+        lines += [f"FAILED case {f.case} ({f.arch}, {f.kind}): {f.status}: {f.detail}" for f in self.failures[:20]]
+        return "\n".join(lines)
+
+
+def _reason_class(reason: str) -> str:
+    """The reason without its numbers (row indices, lengths), so that counts group."""
+    import re
+
+    return re.sub(r"\d+", "N", reason)[:160]
+
+
+def build_model(arch: str, dtype: torch.dtype):
+    """A tiny random-weight model of `arch` (seeded), in eval mode, SDPA attention."""
+    import transformers
+
+    from ..models.presets import build_random_model
+
+    torch.manual_seed(0)
+    if arch in _EXTRA_ARCHS:
+        cfg = getattr(transformers, _EXTRA_ARCHS[arch])(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,
+            **({"sliding_window": None} if arch == "mistral" else {}))
+        cfg._attn_implementation = "sdpa"
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    else:
+        model = build_random_model(arch, dtype, "cpu")
+    return model.eval()
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.entries: dict = {}
+
+    def get(self, arch: str, dtype: torch.dtype, **options):
+        import uniprefill
+        from uniprefill.models.layer_kinds import layer_kinds
+
+        key = (arch, dtype, tuple(sorted(options.items())))
+        if key not in self.entries:
+            model = self.entries.get((arch, dtype, "model")) or build_model(arch, dtype)
+            self.entries[(arch, dtype, "model")] = model
+            kinds = layer_kinds(model.config)
+            drops = tuple(i for i, k in enumerate(kinds) if k == "full")[:2] or "all"
+            config = uniprefill.UniPrefillConfig(drop_layers=drops, **SETTINGS, **options)
+            self.entries[key] = (model, uniprefill.compile(model, config))
+        return self.entries[key]
+
+    def clear(self) -> None:
+        self.entries.clear()
+        torch._dynamo.reset()
+
+
+def _random_inputs(rng: random.Random, model, dtype) -> dict:
+    vocab = model.config.vocab_size
+    rows = rng.choice([1, 1, 2, 3])
+    length = rng.choice([rng.randint(8, MIN_TOKENS - 1), rng.randint(MIN_TOKENS, 120), rng.randint(120, 260)])
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    ids = torch.randint(3, vocab, (rows, length), generator=gen)
+    spec = {"rows": rows, "length": length}
+    spec["padding"] = padding = rng.choice(["none", "none", "left", "holes"] + (["all-pad row"] if rows > 1 else []))
+    mask = torch.ones(rows, length, dtype=torch.int64)
+    if padding == "left":
+        for r in range(rows):
+            mask[r, : rng.randint(0, length // 2)] = 0
+    elif padding == "holes":
+        r = rng.randrange(rows)
+        a = rng.randint(0, length - 2)
+        mask[r, a: rng.randint(a + 1, length - 1)] = 0
+    elif padding == "all-pad row":
+        mask[rng.randrange(rows)] = 0
+    form = rng.choice(["int", "bool", "float", "absent"] if padding == "none" else ["int", "bool", "float"])
+    spec["mask"] = form
+    kwargs = {"input_ids": ids}
+    if form != "absent":
+        kwargs["attention_mask"] = {"int": mask, "bool": mask.bool(), "float": mask.to(dtype)}[form]
+    spec["positions"] = positions = rng.choice(["none", "none", "offset", "strided", "packed"])
+    if positions != "none":
+        base = torch.arange(length)
+        if positions == "offset":
+            pos = base + rng.randint(1, 50)
+        elif positions == "strided":
+            pos = base * 2
+        else:
+            cut = rng.randint(1, length - 1)
+            pos = torch.cat([torch.arange(cut), torch.arange(length - cut)])
+        kwargs["position_ids"] = pos[None].expand(rows, -1) if rng.random() < 0.5 else pos[None]
+    if rng.random() < 0.1:
+        kwargs["inputs_embeds"] = model.get_input_embeddings()(kwargs.pop("input_ids")).detach()
+        spec["embeds"] = True
+    use_cache = rng.choice([None, True, False])
+    if use_cache is not None:
+        kwargs["use_cache"] = use_cache
+    keep = rng.choice([None, None, 0, 1])
+    if keep is not None:
+        kwargs["logits_to_keep"] = keep
+    spec["positional"] = rng.random() < 0.3
+    return {"kwargs": kwargs, "spec": spec, "mask": mask}
+
+
+def _call(target, model, kwargs: dict, positional: bool):
+    if positional and "input_ids" in kwargs:
+        names = list(inspect.signature(type(model).forward).parameters)[1:4]
+        args, rest = [], dict(kwargs)
+        for name in names:
+            if name not in rest:
+                break
+            args.append(rest.pop(name))
+        return target(*args, **rest)
+    return target(**kwargs)
+
+
+def _compare_logits(out, ref, mask: torch.Tensor, keep, dtype) -> str | None:
+    if out.shape != ref.shape:
+        return f"logits shape {tuple(out.shape)} vs {tuple(ref.shape)}"
+    real = mask.bool()
+    if out.shape[1] != real.shape[1]:
+        real = real[:, -out.shape[1]:]
+    tol = TOLERANCE[dtype] * max(1.0, float(ref.float().abs().max()))
+    diff = (out.float() - ref.float()).abs().amax(-1)  # [rows, positions]
+    worst = float(diff[real].max()) if real.any() else 0.0
+    if worst > tol:
+        return f"logits differ by {worst:.3g} at real tokens (tolerance {tol:.3g})"
+    return None
+
+
+def _accelerated(fast) -> bool:
+    history = fast.history
+    rows = fast.row_histories
+    return bool((history is not None and history.points) or (rows and any(h is not None and h.points for h in rows)))
+
+
+def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
+    result = CaseResult(case, arch, "forward", "equal")
+    archs = [arch] + ([rng.choice(ARCHS)] if rng.random() < 0.2 else [])
+    for step in range(rng.randint(1, 3)):
+        model, fast = pool.get(archs[step % len(archs)], dtype, p=1.0)
+        call = _random_inputs(rng, model, dtype)
+        kwargs, spec = call["kwargs"], call["spec"]
+        result.detail = f"call {step + 1} on {archs[step % len(archs)]}: {spec}"
+        with torch.no_grad():
+            try:
+                ref = _call(model, model, kwargs, spec["positional"]).logits
+            except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
+                result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
+                return result
+            fast.backend.last_unaccelerated = None
+            out = _call(fast, model, kwargs, spec["positional"]).logits
+        bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype)
+        if bad:
+            result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
+            return result
+        if (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
+            result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
+            return result
+        if _accelerated(fast):
+            result.accelerated += 1
+        elif fast.backend.last_unaccelerated:
+            result.reasons.append(fast.backend.last_unaccelerated)
+        elif spec["length"] >= MIN_TOKENS:
+            result.status = "unexplained"
+            result.detail = f"ran unaccelerated without a reason; {result.detail}"
+            return result
+        else:
+            result.reasons.append("shorter than min_tokens")
+    return result
+
+
+def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
+    from transformers import DynamicCache
+
+    model, fast = pool.get(arch, dtype, p=1.0)
+    mode = rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache"])
+    rows = rng.choice([1, 2])
+    length = rng.randint(MIN_TOKENS, 160)
+    ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(case))
+    mask = torch.ones_like(ids)
+    padding = rng.choice(["none", "left"] + (["holes"] if rows == 1 else []))
+    if padding == "left":
+        for r in range(rows):
+            mask[r, : rng.randint(0, length // 3)] = 0
+    elif padding == "holes":
+        mask[0, 5: rng.randint(6, length // 2)] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=rng.randint(2, 5), pad_token_id=0)
+    if mode == "sample":
+        kwargs.update(do_sample=True, top_k=0, top_p=1.0)
+    elif mode == "beam":
+        kwargs.update(num_beams=rng.choice([2, 3]), do_sample=False)
+    elif mode == "return_sequences":
+        kwargs.update(do_sample=True, num_return_sequences=2, top_k=0)
+    else:
+        kwargs.update(do_sample=False)
+    result = CaseResult(case, arch, f"generate {mode}", "equal",
+                        detail=f"rows {rows}, length {length}, padding {padding}, {mode}")
+    seed = rng.randrange(1 << 30)
+    with torch.no_grad():
+        try:
+            torch.manual_seed(seed)
+            extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
+            ref = model.generate(**kwargs, **extra)
+        except Exception as exc:  # noqa: BLE001
+            result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
+            return result
+        torch.manual_seed(seed)
+        extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
+        out = fast.generate(**kwargs, **extra)
+    if not torch.equal(out, ref):
+        result.status = "mismatch"
+        result.detail = f"tokens {out[:, length:].tolist()} vs {ref[:, length:].tolist()}; {result.detail}"
+    elif _accelerated(fast):
+        result.accelerated += 1
+    elif fast.backend.last_unaccelerated:
+        result.reasons.append(fast.backend.last_unaccelerated)
+    return result
+
+
+def _reference_case(rng, pool, case, arch, dtype) -> CaseResult:
+    from .eager_reference import reference_last_logits
+
+    ratio = rng.choice([0.3, 0.5, 0.8])
+    model, fast = pool.get(arch, torch.float32, keep_ratio=ratio)
+    length = rng.randint(MIN_TOKENS + 16, 260)
+    ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(case))
+    result = CaseResult(case, arch, "reference p<1", "equal", detail=f"length {length}, keep_ratio {ratio}")
+    with torch.no_grad():
+        out = fast(input_ids=ids, use_cache=rng.choice([True, False])).logits[:, -1]
+        history = fast.history
+        if history is None or not history.points:
+            result.status, result.detail = "unexplained", f"nothing dropped; {result.detail}"
+            return result
+        kept = {p.layer: p.kept_positions(0, length) for p in history.points}
+        ref = reference_last_logits(model, ids, kept)
+    result.accelerated = 1
+    bad = _compare_logits(out[:, None], ref[:, None], torch.ones(1, 1), None, torch.float32)
+    if bad:
+        result.status, result.detail = "mismatch", f"vs the eager reference: {bad}; {result.detail}"
+    return result
+
+
+def run_case(rng: random.Random, pool: _Pool, case: int, archs=ARCHS) -> CaseResult:
+    arch = rng.choice(archs)
+    dtype = torch.bfloat16 if rng.random() < 0.1 else torch.float32
+    roll = rng.random()
+    try:
+        if roll < 0.1 and arch in REFERENCE_ARCHS:
+            return _reference_case(rng, pool, case, arch, dtype)
+        if roll < 0.3:
+            return _generate_case(rng, pool, case, arch, dtype)
+        return _forward_case(rng, pool, case, arch, dtype)
+    except Exception as exc:  # noqa: BLE001  (an exception of the compiled path is a finding)
+        return CaseResult(case, arch, "?", "error", f"{type(exc).__name__}: {exc}"[:500])
+
+
+def run_fuzz(cases: int, seed: int = 0, archs=ARCHS, fresh_every: int = 25, progress=None) -> FuzzSummary:
+    """Run `cases` random cases from `seed`; `progress(i, summary)` is called after each."""
+    rng = random.Random(seed)
+    pool = _Pool()
+    summary = FuzzSummary()
+    start = time.perf_counter()
+    with warnings.catch_warnings(), contextlib.ExitStack():
+        warnings.simplefilter("ignore")
+        for i in range(cases):
+            if i % fresh_every == 0:
+                pool.clear()
+            summary.add(run_case(rng, pool, seed * 1_000_003 + i, archs))
+            summary.seconds = time.perf_counter() - start
+            if progress is not None:
+                progress(i + 1, summary)
+    return summary
