@@ -6,8 +6,20 @@ sublayer runs on the kept tokens only. Importing this package initialises no GPU
 imports neither vLLM nor transformers.
 """
 
-from .backend import UniPrefillBackend, compile, graph_reports, last_drop_report
+from .backend import UniPrefillBackend, compile, graph_reports, last_drop_report, uniprefill_backend
 from .config import UniPrefillConfig
+
+
+def _register_backend_name() -> None:
+    """`import uniprefill` makes `backend="uniprefill"` work without the installed entry point
+    (a source checkout on PYTHONPATH); with it installed, both name the same function."""
+    from torch._dynamo.backends import registry
+
+    if "uniprefill" not in registry._COMPILER_FNS:  # noqa: SLF001  (no public "is registered" query)
+        registry.register_backend(uniprefill_backend, name="uniprefill")
+
+
+_register_backend_name()
 
 __version__ = "0.1.0"
 __all__ = ["UniPrefillBackend", "UniPrefillConfig", "compile", "graph_reports", "last_drop_report", "__version__"]

@@ -155,7 +155,7 @@ class UniPrefillBackend:
 
         if seq < min_tokens:
             return f"shorter than min_tokens ({seq} < {min_tokens} tokens): nothing to drop"
-        unsound = failed_check(result.input_checks, args, rows, seq)
+        unsound = failed_check(result.input_checks, args, rows, seq, result.left_padding_only)
         if unsound:
             return unsound
         if result.single_row_only and rows > 1:

@@ -382,7 +382,50 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--plot", help="write the accuracy vs speedup Pareto plot to this PNG")
     ev.add_argument("--quiet", action="store_true", help="no progress bar")
     ev.set_defaults(handler=cmd_eval)
+
+    fz = sub.add_parser("fuzz", help="differential fuzzer: random calls vs the plain model and the eager reference",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    fz.add_argument("--cases", type=int, default=200, help="random cases to run")
+    fz.add_argument("--seed", type=int, default=0, help="the run's seed (a case is reproduced by seed and index)")
+    fz.add_argument("--archs", default="all", help="comma-separated architectures, or all")
+    fz.add_argument("--fresh-every", type=int, default=25,
+                    help="empty the pool of compiled models (and reset dynamo) every this many cases")
+    fz.add_argument("--out", help="write the summary and every failing case as JSON to this file")
+    fz.add_argument("--quiet", action="store_true", help="no progress line")
+    fz.set_defaults(handler=cmd_fuzz)
     return parser
+
+
+def cmd_fuzz(args, checks) -> int:
+    import json
+    import sys
+
+    from .testing.fuzz import ARCHS, run_fuzz
+
+    with checks():
+        archs = ARCHS if args.archs == "all" else tuple(a.strip() for a in args.archs.split(","))
+        unknown = sorted(set(archs) - set(ARCHS))
+        if unknown:
+            raise ValueError(f"unknown architectures {unknown}; choose from {', '.join(ARCHS)}")
+        if args.cases < 1 or args.fresh_every < 1:
+            raise ValueError("--cases and --fresh-every must be positive")
+
+    def progress(done, summary):
+        if not args.quiet:
+            print(f"\r{done}/{args.cases} cases, {summary.seconds:.0f} s: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(summary.by_status.items())), end="", file=sys.stderr)
+
+    summary = run_fuzz(args.cases, args.seed, archs, args.fresh_every, progress)
+    if not args.quiet:
+        print(file=sys.stderr)
+    print(summary)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"cases": summary.cases, "seed": args.seed, "archs": list(archs), "seconds": summary.seconds,
+                       "by_status": dict(summary.by_status), "by_kind": dict(summary.by_kind),
+                       "accelerated_calls": summary.accelerated_calls, "unaccelerated_reasons": dict(summary.reasons),
+                       "failures": [vars(f) for f in summary.failures]}, fh, indent=1)
+    return 1 if summary.mismatches else 0
 
 
 def main(argv: list[str] | None = None) -> int:

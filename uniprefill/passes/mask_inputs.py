@@ -117,7 +117,7 @@ def _descendants_within(node: fx.Node, inside: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def failed_check(checks: tuple[InputCheck, ...], args, rows: int, seq: int) -> str | None:
+def failed_check(checks: tuple[InputCheck, ...], args, rows: int, seq: int, left_padding_only: bool = False) -> str | None:
     """The reason the rewritten graph must not run on `args`, or None when every check passes."""
     for check in checks:
         value = args[check.index]
@@ -135,6 +135,10 @@ def failed_check(checks: tuple[InputCheck, ...], args, rows: int, seq: int) -> s
                         "(a mask must give one value per token)")
             if not bool(value.bool().any(dim=1).all()):
                 return "a row of the batch holds no real token (its attention mask is all zeros)"
+            real = value.bool()
+            if left_padding_only and seq > 1 and not bool((real[:, 1:] >= real[:, :-1]).all()):
+                return ("padding inside a row (a pad after a real token) in a model with convolutions or scans, "
+                        "which see pad positions as tokens: only left padding is accelerated there")
         elif check.role is InputRole.DOCUMENT_POSITIONS:
             if value.shape[-1] > 1 and not bool((torch.diff(value, dim=-1) == 1).all()):
                 return ("position_ids are not consecutive (packed documents or strided positions): "

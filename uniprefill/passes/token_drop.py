@@ -83,6 +83,9 @@ class RewriteResult:
     single_row_reason: str = ""
     returns_cache: bool = False
     input_checks: tuple = ()  # mask_inputs.InputCheck: run before the rewritten graph
+    # a convolution or scan sees every position, pads included: dropping pads from the middle
+    # of a row (holes) changes its neighbourhoods, so such graphs accept left padding only
+    left_padding_only: bool = False
 
 
 @dataclass
@@ -320,7 +323,8 @@ class TokenDropPass:
         ]
         return RewriteResult(gm, reports, self.drop_layers, dict(self.counts),
                              bool(self.single_row_reason), self.single_row_reason, self._returns_cache(),
-                             self.input_checks)
+                             self.input_checks,
+                             bool(self.single_row_reason) or any(i.kind == "linear" for i in self.layers.values()))
 
     def _returns_cache(self) -> bool:
         """Whether the graph hands key/value tensors out (a cache is being filled)."""

@@ -103,7 +103,10 @@ def stack_rows(outputs: list, pads: list[int], length: int, cache_key: str, cach
     """One output for the batch: per-row logits right-aligned into `[B, L, V]`, pads zero."""
     logits = [o.logits for o in outputs]
     width = max(x.shape[1] for x in logits)
-    if all(x.shape[1] == width for x in logits):
+    # rows stripped of their pads return shorter logits: right-align them into the padded
+    # length, unless every row returned the same few last positions (logits_to_keep)
+    full = all(x.shape[1] == length - pad for x, pad in zip(logits, pads)) and any(pads)
+    if all(x.shape[1] == width for x in logits) and not full:
         stacked = torch.cat(logits, dim=0)
     else:  # full-length logits of rows of different lengths: right-align, pads hold zeros
         stacked = logits[0].new_zeros((len(logits), length, logits[0].shape[-1]))

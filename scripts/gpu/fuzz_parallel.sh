@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The differential fuzzer (`uniprefill fuzz`) on many CPU cores: WORKERS processes, each running
+# batches of BATCH cases with its own seeds until SECONDS_BUDGET has passed, one JSON per batch,
+# then all of them in one tar.gz under OUT_DIR. CPU only (CUDA hidden): the fuzzer's models are
+# tiny; a machine with many cores (the GPU box has 16) runs thousands of cases in minutes.
+#   WORKERS=15 BATCH=10 SECONDS_BUDGET=420 OUT_DIR=$OUT bash scripts/gpu/fuzz_parallel.sh
+# Architectures that do not build under the installed transformers are left out (listed).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+WORKERS=${WORKERS:-8} BATCH=${BATCH:-10} SECONDS_BUDGET=${SECONDS_BUDGET:-300} OUT_DIR=$(realpath -m "${OUT_DIR:-/tmp/fuzz-out}")
+BASE_SEED=${BASE_SEED:-1000}
+PP=/tmp/pp-fuzz
+mkdir -p "$OUT_DIR/runs" "$PP" && rm -rf "$PP/uniprefill" && cp -r uniprefill "$PP/" && cp -r kernels "$PP/uniprefill/kernels"
+export PYTHONPATH=$PP PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+ARCHS=$(python3 - <<'PY'
+import torch
+from uniprefill.testing.fuzz import ARCHS, build_model
+ok = []
+for arch in ARCHS:
+    try:
+        build_model(arch, torch.float32); ok.append(arch)
+    except Exception as exc:  # noqa: BLE001
+        import sys; print(f"left out {arch}: {type(exc).__name__}: {exc}"[:200], file=sys.stderr)
+print(",".join(ok))
+PY
+)
+echo "architectures: $ARCHS"
+end=$((SECONDS + SECONDS_BUDGET))
+for w in $(seq 0 $((WORKERS - 1))); do
+  (
+    batch=0
+    while [ $SECONDS -lt $end ]; do
+      seed=$((BASE_SEED + w * 1000 + batch))
+      # from /tmp: `python3 -m` puts the working directory first on sys.path, and the checkout's
+      # uniprefill/ lacks uniprefill/kernels (the installed layout lives in $PP)
+      (cd /tmp && timeout $((end - SECONDS + 60)) python3 -m uniprefill fuzz --cases "$BATCH" --seed "$seed" --archs "$ARCHS" \
+        --fresh-every "$BATCH" --quiet --out "$OUT_DIR/runs/fuzz-$seed.json" > "$OUT_DIR/runs/fuzz-$seed.log" 2>&1)
+      batch=$((batch + 1))
+    done
+  ) &
+done
+wait
+python3 - "$OUT_DIR/runs" <<'PY'
+import collections, glob, json, sys
+total = collections.Counter(); reasons = collections.Counter(); failures = []; cases = acc = 0
+for path in sorted(glob.glob(sys.argv[1] + "/fuzz-*.json")):
+    r = json.load(open(path)); cases += r["cases"]; acc += r["accelerated_calls"]
+    total.update(r["by_status"]); reasons.update(r["unaccelerated_reasons"]); failures += r["failures"]
+print(f"{cases} cases: {dict(total)}; calls that ran the rewritten graph: {acc}")
+for reason, n in reasons.most_common(): print(f"  {n:5d}  {reason}")
+for f in failures[:30]: print("FAILED", json.dumps(f)[:600])
+PY
+tar czf "$OUT_DIR/fuzz-runs.tar.gz" -C "$OUT_DIR" runs && rm -rf "$OUT_DIR/runs"

@@ -1,0 +1,51 @@
+"""The differential fuzzer's fixed-seed slice: random doors against the plain model.
+
+The long form is `uniprefill fuzz --cases 10000 --seed S` (docs/benchmarks.md); CI runs a
+slice that covers every architecture and every kind of case in a few minutes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from uniprefill.testing import fuzz
+
+
+def test_fuzz_slice_has_no_mismatch_and_explains_every_unaccelerated_call():
+    summary = fuzz.run_fuzz(cases=40, seed=20261202, fresh_every=20)
+    assert summary.cases == 40
+    assert summary.mismatches == 0, str(summary)
+    assert summary.by_status["equal"] >= 30, str(summary)  # not a slice of plain-model refusals
+    assert summary.accelerated_calls >= 20, str(summary)
+
+
+def test_fuzz_detects_a_wrong_answer():
+    """The oracle itself: a compiled model whose logits are off is reported as a mismatch."""
+    pool = fuzz._Pool()
+    model, fast = pool.get("tiny-llama", torch.float32, p=1.0)
+    forward = fast.forward
+    fast.forward = lambda *a, **k: _perturbed(forward(*a, **k))
+    result = fuzz._forward_case(random.Random(3), _SinglePool(model, fast), 7, "tiny-llama", torch.float32)
+    assert result.status == "mismatch", result
+
+
+def _perturbed(out):
+    out.logits = out.logits + 1e-2
+    return out
+
+
+class _SinglePool:
+    def __init__(self, model, fast):
+        self.entry = (model, fast)
+
+    def get(self, *args, **kwargs):
+        return self.entry
+
+
+@pytest.mark.parametrize("arch", fuzz.ARCHS)
+def test_every_fuzz_architecture_builds(arch):
+    model = fuzz.build_model(arch, torch.float32)
+    assert not model.training
