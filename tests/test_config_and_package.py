@@ -92,3 +92,19 @@ def test_kernels_folder_does_not_trip_transformers_probe():
 def test_pytest_does_not_put_the_root_on_sys_path():
     assert str(ROOT) not in [str(Path(p).resolve()) for p in sys.path if p], \
         "run pytest with --import-mode=importlib (pyproject sets it)"
+
+
+def test_import_registers_the_backend_name_without_the_entry_point(tmp_path):
+    """A source checkout on PYTHONPATH (no installed entry point): `import uniprefill` is enough
+    for torch.compile(..., backend="uniprefill")."""
+    code = (
+        "import importlib.metadata as md\n"
+        "real = md.entry_points\n"
+        "md.entry_points = lambda **kw: [] if kw.get('group') == 'torch_dynamo_backends' else real(**kw)\n"
+        "import uniprefill\n"
+        "from torch._dynamo.backends.registry import lookup_backend\n"
+        "assert lookup_backend('uniprefill') is uniprefill.uniprefill_backend\n"
+        "print('registered')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "registered" in result.stdout, result.stderr

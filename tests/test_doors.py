@@ -186,3 +186,89 @@ def test_plain_torch_compile_of_forward_then_generate_equals_the_plain_model():
     finally:
         del model.forward
     assert torch.equal(out, ref)
+
+
+def test_numpy_and_torch_scalars_are_accepted_as_settings():
+    np = pytest.importorskip("numpy")
+    config = UniPrefillConfig(drop_layers=np.array([1, 2]), block_size=np.int64(16), p=np.float32(0.5),
+                              keep_ratio=torch.tensor([0.5, 0.6]), sink=np.int32(16))
+    assert config.drop_layers == (1, 2) and config.block_size == 16 and config.sink == 16
+    assert isinstance(config.p, float) and config.keep_ratio == pytest.approx((0.5, 0.6))
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"drop_layers": [999]}, "has 4 decoder layers"),
+    ({"drop_layers": [1, 2], "keep_ratio": [0.5, 0.5, 0.5]}, "3 values for 2 drop points"),
+])
+def test_settings_that_cannot_fit_the_model_raise_at_compile(options, match):
+    with pytest.raises(ValueError, match=match):
+        uniprefill.compile(_llama(), UniPrefillConfig(**options))
+
+
+def test_a_sliding_layer_as_drop_point_raises_at_compile():
+    from .test_backend import _gemma3
+
+    with pytest.raises(ValueError, match="not full-attention layers"):
+        uniprefill.compile(_gemma3(), UniPrefillConfig(drop_layers=(0,)))
+
+
+@torch.no_grad()
+def test_two_threads_generating_on_one_model_both_equal_the_plain_model():
+    import threading
+
+    model = _llama()
+    fast = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1, 2), **SMALL))
+    prompts = [_ids(1, 300, seed=s) for s in (1, 2)]
+    refs = [model.generate(input_ids=p, max_new_tokens=5, do_sample=False) for p in prompts]
+    fast.generate(input_ids=prompts[0], max_new_tokens=2, do_sample=False)  # compile outside the threads
+    outs, errors = [None, None], []
+
+    def run(i):
+        try:
+            with torch.no_grad():
+                outs[i] = fast.generate(input_ids=prompts[i], max_new_tokens=5, do_sample=False)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(torch.equal(o, r) for o, r in zip(outs, refs))
+    assert "forward" not in vars(model), "generate() left its routing on the model"
+
+
+def _tiny(config_name: str, **extra):
+    import transformers
+
+    cfg = getattr(transformers, config_name)(vocab_size=128, hidden_size=64, num_hidden_layers=3,
+                                             num_attention_heads=4, max_position_embeddings=4096, **extra)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@torch.no_grad()
+def test_stablelm_generate_after_a_drop_reaches_the_decode_attention():
+    """StableLM's attention does not forward extra keyword arguments to the attention function;
+    the decode step's history reaches it all the same."""
+    model = _tiny("StableLmConfig", intermediate_size=128, num_key_value_heads=2)
+    ids = _ids(1, 200)
+    fast = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1,), **SMALL))
+    out = fast.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    assert uniprefill.last_drop_report(fast) is not None
+    assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=5, do_sample=False))
+
+
+@torch.no_grad()
+def test_falcon_attention_outside_the_interface_generates_unaccelerated_with_the_reason():
+    model = _tiny("FalconConfig", num_kv_heads=2, new_decoder_architecture=True)
+    ids = _ids(1, 200)
+    fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers=(1,), **SMALL))
+    with pytest.warns(UserWarning, match="not through transformers' attention interface"):
+        out = fast.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=5, do_sample=False))
+    fast(input_ids=ids, use_cache=False)
+    assert uniprefill.last_drop_report(fast) is not None, "prefill-only calls still drop"

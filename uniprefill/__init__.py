@@ -12,7 +12,13 @@ from .config import UniPrefillConfig
 
 def _register_backend_name() -> None:
     """`import uniprefill` makes `backend="uniprefill"` work without the installed entry point
-    (a source checkout on PYTHONPATH); with it installed, both name the same function."""
+    (a source checkout on PYTHONPATH). Installed, the entry point names it and nothing is done
+    here: registering would import torch._dynamo, which a lean import (and vLLM's plugin
+    loading in every worker) should not pay for."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "uniprefill" for ep in entry_points(group="torch_dynamo_backends")):
+        return
     from torch._dynamo.backends import registry
 
     if "uniprefill" not in registry._COMPILER_FNS:  # noqa: SLF001  (no public "is registered" query)
@@ -22,4 +28,5 @@ def _register_backend_name() -> None:
 _register_backend_name()
 
 __version__ = "0.1.0"
-__all__ = ["UniPrefillBackend", "UniPrefillConfig", "compile", "graph_reports", "last_drop_report", "__version__"]
+__all__ = ["UniPrefillBackend", "UniPrefillConfig", "compile", "graph_reports", "last_drop_report", "uniprefill_backend",
+           "__version__"]

@@ -64,12 +64,17 @@ class GraphReport:
 class UniPrefillBackend:
     """A dynamo backend bound to one `UniPrefillConfig` and one drop recorder."""
 
-    def __init__(self, config: UniPrefillConfig | None = None, decodes_caches: bool = False) -> None:
+    def __init__(self, config: UniPrefillConfig | None = None, decodes_caches: bool = False,
+                 why_no_decode: str = "") -> None:
         self.config = config or UniPrefillConfig()
         # whether the caller decodes the compacted caches a dropped prefill returns (UniPrefillModel
         # does; a model called through plain torch.compile decodes with the plain attention, which
         # needs every token, so a call that fills a cache runs unaccelerated there)
         self.decodes_caches = decodes_caches
+        self.why_no_decode = why_no_decode or (
+            "a call that fills a cache (use_cache=True, the transformers default) under plain torch.compile: "
+            "its decode steps would attend over compacted caches without the drop history; pass "
+            "use_cache=False for prefill-only calls, or use uniprefill.compile(model) to generate")
         self.recorder = DropRecorder(self.config.policy)
         self.graphs: list[GraphReport] = []
         self._warned: set[str] = set()
@@ -124,9 +129,7 @@ class UniPrefillBackend:
             self.graph_calls += 1
             why = self._unsound_call(result, args, tokens.shape[0], tokens.shape[1], min_tokens)
             if why is None and result.returns_cache and not self.decodes_caches:
-                why = ("a call that fills a cache (use_cache=True, the transformers default) under plain torch.compile: "
-                       "its decode steps would attend over compacted caches without the drop history; pass "
-                       "use_cache=False for prefill-only calls, or use uniprefill.compile(model) to generate")
+                why = self.why_no_decode
             self.last_unaccelerated = why
             if why is None:
                 try:
@@ -233,12 +236,45 @@ def compile(model: torch.nn.Module, config: UniPrefillConfig | None = None, **op
     if config is not None and options:
         raise ValueError("pass either a UniPrefillConfig or option keywords, not both")
     config = config or UniPrefillConfig.from_options(options)
+    check_against_model(config, getattr(model, "config", None))
     from .compat import make_linear_attention_opaque
-    from .runtime.generation import UniPrefillModel
+    from .runtime.generation import UniPrefillModel, attention_interface_missing
 
     make_linear_attention_opaque(model)
-    backend = UniPrefillBackend(config, decodes_caches=True)
+    why = attention_interface_missing(model)
+    backend = UniPrefillBackend(config, decodes_caches=not why, why_no_decode=why)
     return UniPrefillModel(model, backend)
+
+
+def check_against_model(config: UniPrefillConfig, model_config) -> None:
+    """Settings that cannot fit this model raise `ValueError` now, not at the first call."""
+    if model_config is None:
+        return
+    text = getattr(model_config, "text_config", None) or model_config
+    layers = getattr(text, "num_hidden_layers", None)
+    explicit = isinstance(config.drop_layers, tuple)
+    if explicit and isinstance(layers, int):
+        beyond = [i for i in config.drop_layers if i >= layers]
+        if beyond:
+            raise ValueError(f"drop_layers={list(config.drop_layers)} names layer(s) {beyond}, but the model has "
+                             f"{layers} decoder layers (0..{layers - 1})")
+    try:
+        from .models.layer_kinds import layer_kinds
+
+        kinds = layer_kinds(model_config)
+    except Exception:  # noqa: BLE001  (an unknown layer type: the graph's own classification decides)
+        return
+    full = [i for i, kind in enumerate(kinds) if kind == "full"]
+    if explicit:
+        other = [f"{i} ({kinds[i]})" for i in config.drop_layers if kinds[i] != "full"]
+        if other:
+            raise ValueError(f"drop_layers={list(config.drop_layers)}: layer(s) {', '.join(other)} are not "
+                             f"full-attention layers; this model's full-attention layers are {full}")
+    count = len(config.drop_layers) if explicit else (len(full) if config.drop_layers == "all" else None)
+    if config.keep_ratio is not None and len(config.keep_ratio) > 1 and count is not None \
+            and len(config.keep_ratio) != count:
+        raise ValueError(f"keep_ratio has {len(config.keep_ratio)} values for {count} drop points; "
+                         "give one value or one per drop point")
 
 
 def _backend_of(compiled) -> UniPrefillBackend:

@@ -77,6 +77,8 @@ class UniPrefillConfig:
     debug: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("p", "block_size", "last_q", "sink", "drop_layers", "keep_ratio", "min_tokens"):
+            object.__setattr__(self, name, _plain(getattr(self, name)))  # numpy / torch scalars and arrays
         _check_number("p", self.p, low=0.0, low_open=True, high=1.0)
         _check_int("block_size", self.block_size, low=1)
         _check_int("last_q", self.last_q, low=1)
@@ -147,6 +149,19 @@ class UniPrefillConfig:
 
 
 _ADDED_LATER = {"window_positions": "original"}
+
+
+def _plain(value):
+    """numpy or torch scalars and arrays as Python numbers and tuples (`np.int64(16)` is 16)."""
+    if type(value).__module__ in ("numpy", "torch") and hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, list):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        return value.item()
+    return value
 
 
 def _check_number(name, value, *, low, high, low_open=False) -> None:

@@ -185,8 +185,11 @@ class TokenDropPass:
         full = [i for i, info in self.layers.items() if info.kind == "full"]
         if not full:
             kinds = "; ".join(f"{i}: {info.kind} ({info.detail})" for i, info in list(self.layers.items())[:4])
-            raise RewriteSkipped("no full-attention layer (SDPA with a causal mask) in this graph; "
-                                 f"load the model with attn_implementation='sdpa' (layers: {kinds})")
+            if any(info.sdpa for info in self.layers.values()):
+                raise RewriteSkipped(f"no full-attention layer in this graph: its attention layers are sliding-window "
+                                     f"or use masks the rewrite does not model (layers: {kinds})")
+            raise RewriteSkipped("no full-attention layer (no scaled_dot_product_attention call) in this graph; "
+                                 f"if the model has attention, load it with attn_implementation='sdpa' (layers: {kinds})")
         self.drop_layers = resolve_drop_layers(self.config.drop_layers, self.layers)
         if not self.drop_layers:
             raise RewriteSkipped(f"drop_layers={self.config.drop_layers!r} selects no layer of this model")

@@ -21,6 +21,7 @@ garbage.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import math
@@ -34,6 +35,9 @@ from .batched import Row, RowCaches, left_pad_counts, stack_rows
 from .history import DropHistory
 
 ATTENTION_NAME = "uniprefill_decode"
+# The drop history of the decode step running in this context: models whose attention does not
+# forward extra keyword arguments to the attention function (StableLM) still reach it.
+_DECODE_STATE: contextvars.ContextVar = contextvars.ContextVar("uniprefill_decode_state", default=None)
 HISTORY_ATTRIBUTE = "uniprefill_drop_history"  # set on a cache filled by a dropped prefill
 # Every compiled model adds entries to dynamo's cache of the SAME code objects (transformers'
 # forward and its decorators), so the ninth model compiled in one process would pass dynamo's
@@ -45,7 +49,7 @@ ACCUMULATED_RECOMPILE_LIMIT = 1024
 
 def _decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface function for decode steps after a dropped prefill."""
-    state = kwargs.get("uniprefill_decode")
+    state = kwargs.get("uniprefill_decode") or _DECODE_STATE.get()
     if state is None:
         raise RuntimeError("the uniprefill_decode attention needs the drop history (call through UniPrefillModel)")
     history, windows, compacted = state
@@ -308,8 +312,15 @@ class UniPrefillModel(torch.nn.Module):
         history.decoded += 1
         windows = self.backend.layer_windows()
         compacted = self.backend.config.window_positions == "compacted"
-        with _attention_implementation(self.model, ATTENTION_NAME), decode_kernels():
-            return type(self.model).forward(self.model, uniprefill_decode=(history, windows, compacted), **kwargs)
+        # the attention implementation is switched on the model's config for the step: one step
+        # at a time, so another thread's step never sees it switched back halfway
+        state = (history, windows, compacted)
+        with self._lock, _attention_implementation(self.model, ATTENTION_NAME), decode_kernels():
+            token = _DECODE_STATE.set(state)
+            try:
+                return type(self.model).forward(self.model, uniprefill_decode=state, **kwargs)
+            finally:
+                _DECODE_STATE.reset(token)
 
     def generate(self, *args, **kwargs):
         """`transformers` generation with prefill through the backend and decode on the compacted caches."""
@@ -372,6 +383,23 @@ def _cache_keyword_for(model, kwargs: dict) -> dict:
     kwargs = dict(kwargs)
     kwargs["past_key_values"] = kwargs.pop("cache")
     return kwargs
+
+
+def attention_interface_missing(model) -> str:
+    """Why decode steps after a drop cannot run on this model ("" when they can): they replace the
+    attention through transformers' attention interface, which some attention classes bypass."""
+    classes = {type(m) for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__}
+    for cls in classes:
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        if "ALL_ATTENTION_FUNCTIONS" not in source and "attention_interface" not in source \
+                and "AttentionInterface" not in source:
+            return (f"{cls.__name__} computes attention itself, not through transformers' attention interface, so "
+                    "decode steps cannot attend over compacted caches: a call that fills a cache runs unaccelerated "
+                    "(use_cache=False prefills are accelerated)")
+    return ""
 
 
 def _compacted(cache) -> bool:
