@@ -196,3 +196,25 @@ def test_module_entry_point():
     out = subprocess.run([sys.executable, "-m", "uniprefill", "--help"], capture_output=True,
                          text=True, cwd=Path(__file__).parent, timeout=120)
     assert out.returncode == 0 and "demo" in out.stdout and "eval" in out.stdout
+
+
+@pytest.mark.parametrize("command, default", [("bench", "4k,8k,16k,32k"), ("eval", "results.jsonl"),
+                                              ("demo", "0.95"), ("fuzz", "200")])
+def test_help_shows_every_default(command, default, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert f"(default: {default})" in " ".join(capsys.readouterr().out.split())  # help text wraps
+
+
+def test_bench_warmup_0_warns_that_compile_time_enters_ttft(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--warmup", "0", "--model", "/no/such/model"])
+    assert "includes its compile time" in capsys.readouterr().err
+
+
+def test_fuzz_command_runs_a_case_and_writes_its_summary(tmp_path, capsys):
+    out = tmp_path / "fuzz.json"
+    assert main(["fuzz", "--cases", "2", "--seed", "5", "--archs", "tiny-llama", "--quiet", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["cases"] == 2 and summary["failures"] == []
+    assert "2 cases" in capsys.readouterr().out

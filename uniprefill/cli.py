@@ -184,6 +184,11 @@ def cmd_bench(args, checks) -> int:
         if args.measured_ideal and (set(batch_sizes) != {1} or any(c.policy != "cumulative" for c in configs)):
             raise UsageError("--measured-ideal models batch 1 under the cumulative policy: "
                              "use --batch-sizes 1 --policy cumulative")
+        if args.warmup < 0 or args.repeats < 1:
+            raise UsageError("--warmup must be >= 0 and --repeats >= 1")
+        if args.warmup == 0:
+            print("warning: --warmup 0: the first timed prefill of every system includes its compile time "
+                  "(torch.compile, Triton), so TTFT and speedups are not steady-state", file=sys.stderr)
         haystack, _ = _haystack(args)
         _check_model(args.model, lengths)
         device, dtype = _device_and_dtype(args)
@@ -313,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="uniprefill", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="one needle-in-a-haystack prompt: baseline vs uniprefill")
+    demo = sub.add_parser("demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="one needle-in-a-haystack prompt: baseline vs uniprefill")
     _common(demo, model_default="gemma-3-270m")
     _method(demo, p_default="0.95", many=False)
     demo.add_argument("--length", default="3000", help="prompt length in tokens")
@@ -322,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", help="write the results as JSON to this file")
     demo.set_defaults(handler=cmd_demo)
 
-    bench = sub.add_parser("bench", help="TTFT sweep over lengths, batch sizes, p and policy")
+    bench = sub.add_parser("bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="TTFT sweep over lengths, batch sizes, p and policy")
     _common(bench, model_default="gemma-3-270m")
     _method(bench, p_default="0.95", many=True)
     bench.add_argument("--lengths", default="4k,8k,16k,32k")
@@ -347,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(handler=cmd_bench)
 
-    ev = sub.add_parser("eval", help="RULER-style accuracy: tasks x lengths x systems")
+    ev = sub.add_parser("eval", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="RULER-style accuracy: tasks x lengths x systems")
     _common(ev, model_default="gemma-3-270m")
     _method(ev, p_default="0.95", many=True)
     ev.add_argument("--tasks", default="all", help="comma-separated task names, or all")
@@ -393,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--out", help="write the summary and every failing case as JSON to this file")
     fz.add_argument("--quiet", action="store_true", help="no progress line")
     fz.set_defaults(handler=cmd_fuzz)
+    for command in sub.choices.values():  # --help shows every default, also of arguments without a help text
+        for action in command._actions:  # noqa: SLF001
+            if action.help is None and action.default not in (None, argparse.SUPPRESS) and action.option_strings:
+                action.help = action.dest.replace("_", " ")
     return parser
 
 
