@@ -218,3 +218,13 @@ def test_fuzz_command_runs_a_case_and_writes_its_summary(tmp_path, capsys):
     summary = json.loads(out.read_text())
     assert summary["cases"] == 2 and summary["failures"] == []
     assert "2 cases" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["demo", "--length", "40k"], ["bench", "--model", "tiny-llama", "--lengths", "900k"]])
+def test_length_above_the_context_fails_before_any_model_is_loaded(argv, capsys, monkeypatch):
+    import uniprefill.bench.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "above the model's max_position_embeddings" in capsys.readouterr().err

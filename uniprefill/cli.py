@@ -118,6 +118,7 @@ def _load(args, lengths: list[int], device, dtype, need_tokenizer: bool):
     from uniprefill.bench.models import check_lengths, load_model
 
     start = time.perf_counter()
+    print(f"loading {args.model} on {device} (the default model is converted once, on first use) ...", file=sys.stderr)
     loaded = load_model(args.model, dtype=dtype, device=device, tokenizer=args.tokenizer,
                         num_layers=getattr(args, "num_layers", None))
     check_lengths(loaded.model.config, lengths)

@@ -38,7 +38,8 @@ def run_demo(model, tokenizer, config: UniPrefillConfig, sample: Sample,
     device = next(model.parameters()).device
     records = {}
     for spec in (baseline_spec(), uniprefill_spec(config)):
-        log(f"running {spec.label} ...")
+        log(f"running {spec.label}: {settings.warmup} warm-up prefill(s) (the first one compiles), "
+            f"{settings.repeats} timed, then the answer ...")
         system = System(spec, model)
         records[spec.name if spec.is_baseline else "uniprefill"] = run_one(
             system, sample, tokenizer, device, warmup=settings.warmup, repeats=settings.repeats)

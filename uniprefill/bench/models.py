@@ -40,13 +40,25 @@ def model_source(spec: str) -> str:
     return "preset"
 
 
-def local_config(spec: str):
-    """The config of a local model folder, read without loading weights; else None."""
-    if model_source(spec) != "path":
-        return None
-    from transformers import AutoConfig
+# The default model's context (Gemma-3-270M: 32K), known without converting or loading it.
+_DEFAULT_MAX_POSITIONS = 32768
 
-    return AutoConfig.from_pretrained(spec)
+
+def local_config(spec: str):
+    """The model's config without loading weights: a local folder's, a preset's, or (for the
+    default model) one that holds only its context length; None when unknown."""
+    source = model_source(spec)
+    if source == "path":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(spec)
+    if source == "default":
+        from types import SimpleNamespace
+
+        return SimpleNamespace(max_position_embeddings=_DEFAULT_MAX_POSITIONS)
+    from uniprefill.models.presets import PRESETS, preset_config
+
+    return preset_config(spec) if spec in PRESETS else None
 
 
 def max_positions(config) -> int | None:
