@@ -228,3 +228,23 @@ def test_length_above_the_context_fails_before_any_model_is_loaded(argv, capsys,
     with pytest.raises(SystemExit):
         main(argv)
     assert "above the model's max_position_embeddings" in capsys.readouterr().err
+
+
+def test_eval_without_arguments_runs_the_tasks_that_need_no_essays(capsys, monkeypatch):
+    import uniprefill.bench.models as models
+    from uniprefill.eval.tasks import TASK_NAMES, needs_essay
+
+    monkeypatch.delenv("UNIPREFILL_HAYSTACK", raising=False)
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(models, "load_model", stop)
+    with pytest.raises(Loaded):  # every check passed and it went on to load the model
+        main(["eval"])
+    err = capsys.readouterr().err
+    free = [t for t in TASK_NAMES if not needs_essay(t)]
+    assert free and f"tasks: {', '.join(free)}" in err and "--haystack" in err

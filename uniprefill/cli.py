@@ -242,7 +242,14 @@ def cmd_eval(args, checks) -> int:
                 raise UsageError(f"--summary-only: results file {args.out!r} does not exist")
     else:
         with checks():
-            tasks = list(TASK_NAMES) if args.tasks == "all" else _split(args.tasks)
+            if args.tasks == "default":  # every task if an essay haystack is at hand, else those that need none
+                tasks = list(TASK_NAMES) if _haystack(args)[0] else [t for t in TASK_NAMES if not needs_essay(t)]
+                if len(tasks) < len(TASK_NAMES):
+                    print(f"tasks: {', '.join(tasks)} (the essay tasks need an essay haystack: a JSON or text file "
+                          "of essays, e.g. RULER's Paul Graham essays, passed with --haystack PATH or "
+                          "UNIPREFILL_HAYSTACK)", file=sys.stderr)
+            else:
+                tasks = list(TASK_NAMES) if args.tasks == "all" else _split(args.tasks)
             for task in tasks:
                 check_task(task)
             lengths = [parse_length(x) for x in _split(args.lengths)]
@@ -356,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="RULER-style accuracy: tasks x lengths x systems")
     _common(ev, model_default="gemma-3-270m")
     _method(ev, p_default="0.95", many=True)
-    ev.add_argument("--tasks", default="all", help="comma-separated task names, or all")
+    ev.add_argument("--tasks", default="default", help="comma-separated task names, all, or default (all "
+                    "when an essay haystack is given, else the tasks that need none)")
     ev.add_argument("--lengths", default="4k")
     ev.add_argument("--samples", type=int, default=20, help="samples per task and length")
     ev.add_argument("--max-new-tokens", type=int, help="answer budget (default: per task)")
