@@ -407,11 +407,52 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--out", help="write the summary and every failing case as JSON to this file")
     fz.add_argument("--quiet", action="store_true", help="no progress line")
     fz.set_defaults(handler=cmd_fuzz)
+    cs = sub.add_parser("census", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                        help="every causal-LM type of the installed transformers: accelerated, refused with a "
+                             "reason, or a finding")
+    cs.add_argument("--types", default="all", help="comma-separated model types, or all")
+    cs.add_argument("--out", default="census.jsonl", help="one JSON line per model type, appended and resumed")
+    cs.add_argument("--table", help="write the Markdown table of every line of --out to this file")
+    cs.set_defaults(handler=cmd_census)
     for command in sub.choices.values():  # --help shows every default, also of arguments without a help text
         for action in command._actions:  # noqa: SLF001
             if action.help is None and action.default not in (None, argparse.SUPPRESS) and action.option_strings:
                 action.help = action.dest.replace("_", " ")
     return parser
+
+
+def cmd_census(args, checks) -> int:
+    import transformers
+    import torch
+
+    from .testing.census import as_dict, causal_lm_types, census_one, table, CensusRow
+
+    with checks():
+        known = causal_lm_types()
+        types = known if args.types == "all" else _split(args.types)
+        unknown = sorted(set(types) - set(known))
+        if unknown:
+            raise UsageError(f"model types {unknown} have no causal-LM class in transformers {transformers.__version__}")
+    done = {}
+    if os.path.exists(args.out):
+        with open(args.out, encoding="utf-8") as fh:
+            done = {r["model_type"]: r for r in map(json.loads, fh) if r.get("model_type")}
+    todo = [t for t in types if t not in done]
+    for i, model_type in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] {model_type} ...", file=sys.stderr, flush=True)
+        row = census_one(model_type)
+        print(f"    {row.status} {row.reason[:150]} ({row.seconds} s)", file=sys.stderr, flush=True)
+        done[model_type] = as_dict(row)
+        with open(args.out, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(as_dict(row)) + "\n")
+    rows = [CensusRow(**{k: v for k, v in done[t].items()}) for t in sorted(done)]
+    versions = f"transformers {transformers.__version__}, torch {torch.__version__}"
+    text = table(rows, versions)
+    if args.table:
+        with open(args.table, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    print(text.split("\n")[4])
+    return 1 if any(r.status in ("mismatch", "error") for r in rows if r.model_type in types) else 0
 
 
 def cmd_fuzz(args, checks) -> int:

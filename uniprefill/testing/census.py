@@ -1,0 +1,200 @@
+"""Architecture census: every causal LM type of the installed transformers, tiny and random.
+
+For each model type that maps to a causal-LM class and is a decoder-only text model, a tiny
+random config is built by a generic shrinker (common size fields set small, `layer_types`
+cut to the new depth; no per-model code in the pass), and then:
+
+(a) p = 1 prefill equals the plain model, one row and a left-padded batch of two;
+(b) p = 1 greedy generation equals the plain model's;
+(c) forced retention (`keep_ratio=0.5` at every full-attention layer) drops tokens (the drop
+    report says so) and gives finite logits;
+(e) the prompt (300 tokens) is longer than the chunk of every PyTorch fallback we know (64).
+
+Each type ends as `accelerated`, `unaccelerated` (with the backend's reason), `mismatch`,
+`error` or `skipped` (not a decoder-only text model, or no tiny config could be built, with
+the reason). `uniprefill census` runs it and writes the table (`docs/architectures.md`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+SETTINGS = dict(sink=16, last_q=16, block_size=16)
+_SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, moe_intermediate_size=32,
+              shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
+              num_experts_per_tok=2, n_shared_experts=1, sliding_window=24, kv_lora_rank=16, q_lora_rank=16,
+              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+              mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16, mamba_headdim=16, mamba_n_groups=1, mamba_expand=2,
+              ssm_state_size=8, state_size=8, n_groups=1, conv_kernel=4, time_step_rank=8, expand=2,
+              attention_chunk_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+              use_cache=True)
+_LENGTH = 300
+
+
+@dataclass
+class CensusRow:
+    model_type: str
+    status: str  # accelerated, unaccelerated, mismatch, error, skipped
+    reason: str = ""
+    layer_kinds: str = ""
+    generation: str = ""
+    dropped: str = ""
+    seconds: float = 0.0
+    checks: dict = field(default_factory=dict)
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _not_decoder_only(model_type: str, config) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder model"
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return "an encoder (masked LM) that can also be run as a decoder"
+    for key in ("vision_config", "audio_config", "speech_config", "depth_decoder_config"):
+        if getattr(config, key, None) is not None:
+            return f"multimodal ({key}); its text model is censused under its own type where it has one"
+    return ""
+
+
+def tiny_config(model_type: str):
+    """A tiny random config of `model_type` (generic shrinking of the common fields)."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    params = set(inspect.signature(type(default).__init__).parameters)
+    keys = set(vars(default)) | params
+    overrides = {k: v for k, v in _SMALL.items() if k in keys}
+    layers = overrides.get("num_hidden_layers", 4)
+    types = getattr(default, "layer_types", None)
+    settable = not isinstance(getattr(type(default), "layer_types", None), property)
+    if settable and isinstance(types, (list, tuple)) and types:
+        cut = list(types)[:layers]
+        full = [t for t in types if "full" in str(t) or t == "attention"]
+        if full and not any(t in full for t in cut):
+            cut[-1] = full[0]
+        overrides["layer_types"] = cut
+    overrides = {k: v for k, v in overrides.items() if not isinstance(getattr(type(default), k, None), property)}
+    try:
+        return type(default)(**overrides)
+    except Exception:  # noqa: BLE001  (a field this config derives or validates otherwise: the core sizes only)
+        core = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "pad_token_id")
+        return type(default)(**{k: v for k, v in overrides.items() if k in core})
+
+
+def _build(model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    why = _not_decoder_only(model_type, config)
+    if why:
+        return None, why
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    except ValueError as exc:  # no SDPA path in transformers for this model: its default attention
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))  # a fresh config: the failed call set sdpa
+    return model.eval(), ""
+
+
+def census_one(model_type: str) -> CensusRow:
+    import uniprefill
+    from uniprefill import UniPrefillConfig
+
+    start = time.perf_counter()
+    row = CensusRow(model_type, "error")
+    try:
+        model, why = _build(model_type)
+    except Exception as exc:  # noqa: BLE001
+        row.status, row.reason = "skipped", f"no tiny config: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return row
+    if model is None:
+        row.status, row.reason = "skipped", why
+        return row
+    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else 128
+    ids = torch.randint(3, min(vocab, 128), (2, _LENGTH), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers="all", **SETTINGS))
+            one = exact(input_ids=ids[:1], use_cache=False).logits[:, -1]
+            ref_one = model(input_ids=ids[:1], use_cache=False).logits[:, -1]
+            reports = uniprefill.graph_reports(exact)
+            report = next((r for r in reports if r.rewritten), reports[-1] if reports else None)
+            if report is not None:
+                row.layer_kinds = " ".join(sorted({f"{r.kind}" for r in report.layers}))
+            history = uniprefill.last_drop_report(exact)
+            row.checks["prefill_batch1"] = _close(one, ref_one)
+            two = exact(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -1]
+            ref_two = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, -1]
+            row.checks["prefill_padded_batch"] = _close(two, ref_two)
+            gen = exact.generate(input_ids=ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
+            ref_gen = model.generate(input_ids=ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
+            row.generation = "equal" if torch.equal(gen, ref_gen) else "DIFFERS"
+            accelerated = history is not None and bool(history.points)
+            if not accelerated:
+                row.status = "unaccelerated"
+                row.reason = exact.backend.last_unaccelerated or (report.reason if report else "no graph")
+            else:
+                torch._dynamo.reset()
+                fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers="all", **SETTINGS))
+                out = fast(input_ids=ids[:1], use_cache=False).logits[:, -1]
+                dropped = uniprefill.last_drop_report(fast)
+                row.dropped = f"{dropped.overall_retention:.2f}" if dropped is not None and dropped.points else "none"
+                row.checks["forced_drop_finite"] = bool(torch.isfinite(out).all())
+                row.status = "accelerated"
+                if row.dropped == "none":
+                    row.reason = fast.backend.last_unaccelerated or "p < 1 dropped nothing"
+            if not all(v is True for v in row.checks.values()) or row.generation != "equal":
+                row.status = "mismatch"
+    except Exception as exc:  # noqa: BLE001
+        row.status = "error"
+        row.reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}" if str(exc) else type(exc).__name__
+        row.checks["traceback"] = traceback.format_exc(limit=3)[-600:]
+    finally:
+        torch._dynamo.reset()
+        row.seconds = round(time.perf_counter() - start, 1)
+    return row
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool((a.float() - b.float()).abs().max() <= 1e-4 * max(1.0, float(b.float().abs().max())))
+
+
+def table(rows: list[CensusRow], versions: str) -> str:
+    counts = {}
+    for r in rows:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    lines = [f"# Architecture census ({versions})", "",
+             "Every causal-LM model type of the installed transformers, tiny random weights, 300-token prompts "
+             "(`uniprefill census`; what each check means: `uniprefill/testing/census.py`).", "",
+             "Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f" (of {len(rows)})", "",
+             "| model type | result | layer kinds | generation (p = 1) | retention at keep 0.5 | reason | s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        reason = r.reason.replace("|", "/").replace("\n", " ")[:220]
+        lines.append(f"| {r.model_type} | {r.status} | {r.layer_kinds} | {r.generation} | {r.dropped} | {reason} | {r.seconds} |")
+    return "\n".join(lines) + "\n"
+
+
+def as_dict(row: CensusRow) -> dict:
+    return asdict(row)
