@@ -25,10 +25,6 @@ def is_sdpa(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in SDPA_TARGETS
 
 
-def find_op_nodes(graph: fx.Graph, targets) -> list[fx.Node]:
-    return [n for n in graph.nodes if n.op == "call_function" and n.target in targets]
-
-
 def module_paths(node: fx.Node) -> list[tuple[str, type]]:
     """(path, class) of the modules `node` was traced in, outermost first."""
     stack = node.meta.get("nn_module_stack") or {}
@@ -79,10 +75,6 @@ def ancestors(node: fx.Node, stop=lambda n: False) -> set[fx.Node]:
                 seen.add(inp)
                 todo.append(inp)
     return seen
-
-
-def depends_on(node: fx.Node, target: fx.Node) -> bool:
-    return target in ancestors(node)
 
 
 def target_name(node: fx.Node) -> str:

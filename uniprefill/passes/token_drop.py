@@ -614,7 +614,7 @@ class TokenDropPass:
         ratio = cfg.keep_ratio_at(drop_index, len(self.drop_layers))
         sel = new.call_function(U.score_select.default, (
             q, k, parent.src_flat, parent.counts, scale, cfg.block_size, float(cfg.p),
-            -1.0 if ratio is None else float(ratio), cfg.sink, cfg.last_q, cfg.effective_min_tokens, _impl(cfg.impl)))
+            -1.0 if ratio is None else float(ratio), cfg.sink, cfg.last_q, cfg.effective_min_tokens, cfg.impl))
         rel = new.call_function(operator.getitem, (sel, 0))
         counts = new.call_function(operator.getitem, (sel, 1))
         lay = _Layout(len(self.layouts), i)
@@ -654,14 +654,15 @@ class TokenDropPass:
         if key not in self.memo:
             j = self.layout_of[node]
             val = example_value(node)
-            canvas_val = example_value(self._canvas_source(j))
+            canvas_val = example_value(self._canvas_source())
             if [_expr(d) for d in val.shape] != [_expr(d) for d in canvas_val.shape]:
                 raise RewriteSkipped(f"{consumer.name} outside the decoder layers reads {node.name} "
                                      f"{list(val.shape)}, which is not the residual stream {list(canvas_val.shape)}")
             self.memo[key] = self._scatter_node(node, j)
         return self.memo[key]
 
-    def _canvas_source(self, j: int) -> fx.Node:
+    def _canvas_source(self) -> fx.Node:
+        """The residual stream at the first drop point: the dense canvas has its shape."""
         return self.residual_adds[self.drop_layers[0]]
 
     def _scatter_node(self, node: fx.Node, j: int) -> fx.Node:
@@ -725,6 +726,3 @@ def _shape(value):
 def _expr(size):
     return size.node.expr if isinstance(size, torch.SymInt) else int(size)
 
-
-def _impl(impl: str) -> str:
-    return impl

@@ -1,0 +1,24 @@
+"""The architecture census over a bounded set of model types (the full census: `uniprefill census`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from uniprefill.testing.census import census_one, table
+
+
+@pytest.mark.parametrize("model_type, status", [
+    ("llama", "accelerated"),
+    ("qwen3_5_text", "accelerated"),  # gated delta-net / full hybrid, 300 tokens > its 64-token chunk
+    ("gpt2", "unaccelerated"),
+    ("bert", "skipped"),
+])
+def test_census_rows(model_type, status):
+    row = census_one(model_type)
+    assert row.status == status, row
+    if status in ("unaccelerated", "skipped"):
+        assert row.reason, "a type that is not accelerated says why"
+    if status == "accelerated":
+        assert row.generation == "equal" and row.dropped not in ("", "none"), row
+        assert all(v is True for v in row.checks.values()), row.checks
+    assert f"| {model_type} | {status} |" in table([row], "test")
