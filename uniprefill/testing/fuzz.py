@@ -6,7 +6,9 @@ hybrids included), a call sequence and the arguments of each call (batch 1-3, pa
 none / left / holes / an all-pad row, mask bool / int / float passed by keyword, position or
 not at all, position ids none / offset / strided / packed documents, `input_ids` or
 `inputs_embeds`, `use_cache`, `logits_to_keep`, dtype), or a generation mode (greedy,
-seeded sampling, beam search, `num_return_sequences`, an explicit cache object), and checks:
+seeded sampling, beam search, `num_return_sequences`, an explicit cache object), or a
+prefill into a cache object passed in followed by one-token steps through the same forward,
+and checks:
 
 * at p = 1 the compiled model equals the plain model: logits at every real token within the
   dtype's tolerance, generated tokens exactly;
@@ -300,6 +302,42 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
     return result
 
 
+def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
+    """A prefill into a cache object passed in, then one-token steps through the same forward."""
+    from transformers import DynamicCache
+
+    model, fast = pool.get(arch, dtype, p=1.0)
+    length = rng.randint(MIN_TOKENS, 200)
+    ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(case))
+    mask = torch.ones_like(ids)
+    if rng.random() < 0.4:
+        mask[:, : rng.randint(1, length // 3)] = 0
+    result = CaseResult(case, arch, "forward + decode steps", "equal", detail=f"length {length}, pads {int((mask == 0).sum())}")
+    with torch.no_grad():
+        mine, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        out = fast(input_ids=ids, attention_mask=mask, past_key_values=mine, use_cache=True).logits
+        ref = model(input_ids=ids, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
+        bad = _compare_logits(out, ref, mask, None, dtype)
+        accelerated = _accelerated(fast)
+        for step in range(rng.randint(1, 3)):
+            if bad:
+                break
+            token = ref[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            out = fast(input_ids=token, attention_mask=mask, past_key_values=mine, use_cache=True).logits
+            ref = model(input_ids=token, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
+            bad = _compare_logits(out, ref, torch.ones_like(token), None, dtype)
+            if bad:
+                bad = f"decode step {step + 1}: {bad}"
+    if bad:
+        result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
+    elif accelerated:
+        result.accelerated = 1
+    elif fast.backend.last_unaccelerated:
+        result.reasons.append(fast.backend.last_unaccelerated)
+    return result
+
+
 def _reference_case(rng, pool, case, arch, dtype) -> CaseResult:
     from .eager_reference import reference_last_logits
 
@@ -330,8 +368,10 @@ def run_case(rng: random.Random, pool: _Pool, case: int, archs=ARCHS) -> CaseRes
     try:
         if roll < 0.1 and arch in REFERENCE_ARCHS:
             return _reference_case(rng, pool, case, arch, dtype)
-        if roll < 0.3:
+        if roll < 0.25:
             return _generate_case(rng, pool, case, arch, dtype)
+        if roll < 0.35:
+            return _decode_case(rng, pool, case, arch, dtype)
         return _forward_case(rng, pool, case, arch, dtype)
     except Exception as exc:  # noqa: BLE001  (an exception of the compiled path is a finding)
         return CaseResult(case, arch, "?", "error", f"{type(exc).__name__}: {exc}"[:500])
