@@ -272,3 +272,22 @@ def test_falcon_attention_outside_the_interface_generates_unaccelerated_with_the
     assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=5, do_sample=False))
     fast(input_ids=ids, use_cache=False)
     assert uniprefill.last_drop_report(fast) is not None, "prefill-only calls still drop"
+
+
+@torch.no_grad()
+def test_a_model_dynamo_cannot_trace_runs_eagerly_and_says_why():
+    model = _llama()
+    fast = uniprefill.compile(model, P1)
+
+    def untraceable(**kwargs):
+        raise torch._dynamo.exc.TorchRuntimeError("RuntimeError when making fake tensor call")
+
+    object.__setattr__(fast, "_compiled_forward", untraceable)
+    ids = _ids(1, 300)
+    with pytest.warns(UserWarning, match="torch.compile cannot compile this model"):
+        out = fast(input_ids=ids, use_cache=False)
+    torch.testing.assert_close(_last(out), _last(model(input_ids=ids, use_cache=False)), atol=0, rtol=0)
+    strict = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1, 2), strict=True, **SMALL))
+    object.__setattr__(strict, "_compiled_forward", untraceable)
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError):
+        strict(input_ids=ids, use_cache=False)

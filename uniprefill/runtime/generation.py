@@ -233,7 +233,10 @@ class UniPrefillModel(torch.nn.Module):
         with limits.patch(recompile_limit=max(limits.recompile_limit, RECOMPILE_LIMIT),
                           accumulated_recompile_limit=max(limits.accumulated_recompile_limit,
                                                           ACCUMULATED_RECOMPILE_LIMIT)):
-            out = self._compiled_forward(**kwargs)
+            try:
+                out = self._compiled_forward(**kwargs)
+            except torch._dynamo.exc.TorchDynamoException as exc:
+                return self._untraceable(exc, kwargs)
         if self.backend.graph_calls == calls and ids is not None \
                 and ids.shape[1] >= self.backend.config.effective_min_tokens:
             self.backend._warn("uniprefill: a prefill ran outside the compiled graph (torch.compile fell back "
@@ -253,6 +256,18 @@ class UniPrefillModel(torch.nn.Module):
             # it read it, whatever prefill the model ran since
             setattr(cache_out, HISTORY_ATTRIBUTE, history)
         return out
+
+    def _untraceable(self, exc: Exception, kwargs):
+        """torch.compile failed on this call. A bad setting (a ValueError of ours, wrapped by dynamo)
+        is raised as itself; a model dynamo cannot trace runs eagerly, unaccelerated, saying why."""
+        inner = exc.__cause__ or getattr(exc, "inner_exception", None)
+        if isinstance(inner, ValueError):
+            raise inner
+        if self.backend.config.strict:
+            raise exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        self._unaccelerated(f"torch.compile cannot compile this model ({type(exc).__name__}: {first[:200]})")
+        return self._eager(kwargs)
 
     def _row_kwargs(self, kwargs) -> tuple[str, dict]:
         cache_key = "cache" if "cache" in kwargs else "past_key_values"
