@@ -291,11 +291,13 @@ def test_short_inputs_run_unchanged():
 
 
 def test_drop_layer_that_is_not_full_attention_raises():
+    """At compile time now, from the model's config; the graph's own check stays behind it."""
     model = _gemma3()
-    compiled = uniprefill.compile(model, UniPrefillConfig(drop_layers=(2,), **SMALL))
-    with pytest.raises(Exception, match="not full-attention"):
-        with torch.no_grad():
-            compiled(input_ids=_ids(1, 300), use_cache=False)
+    with pytest.raises(ValueError, match="not full-attention"):
+        uniprefill.compile(model, UniPrefillConfig(drop_layers=(2,), **SMALL))
+    compiled = torch.compile(model, backend="uniprefill", options={"drop_layers": (2,), **SMALL})
+    with pytest.raises(Exception, match="not full-attention"), torch.no_grad():
+        compiled(input_ids=_ids(1, 300), use_cache=False)
 
 
 def test_eager_attention_is_left_unchanged_with_a_reason():
