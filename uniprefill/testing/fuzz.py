@@ -295,6 +295,8 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
     if not torch.equal(out, ref):
         result.status = "mismatch"
         result.detail = f"tokens {out[:, length:].tolist()} vs {ref[:, length:].tolist()}; {result.detail}"
+    elif (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
+        result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
     elif _accelerated(fast):
         result.accelerated += 1
     elif fast.backend.last_unaccelerated:
@@ -331,6 +333,8 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
                 bad = f"decode step {step + 1}: {bad}"
     if bad:
         result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
+    elif (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
+        result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
     elif accelerated:
         result.accelerated = 1
     elif fast.backend.last_unaccelerated:
