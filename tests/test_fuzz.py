@@ -46,6 +46,9 @@ class _SinglePool:
 
 
 @pytest.mark.parametrize("arch", fuzz.ARCHS)
-def test_every_fuzz_architecture_builds(arch):
+def test_every_fuzz_architecture_builds_and_runs(arch):
     model = fuzz.build_model(arch, torch.float32)
     assert not model.training
+    with torch.no_grad():
+        logits = model(input_ids=torch.randint(3, 100, (1, 20)), use_cache=False).logits
+    assert logits.shape[:2] == (1, 20) and torch.isfinite(logits).all()
