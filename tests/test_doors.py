@@ -291,3 +291,68 @@ def test_a_model_dynamo_cannot_trace_runs_eagerly_and_says_why():
     object.__setattr__(strict, "_compiled_forward", untraceable)
     with pytest.raises(torch._dynamo.exc.TorchRuntimeError):
         strict(input_ids=ids, use_cache=False)
+
+
+class _HalvingScan(torch.nn.Module):
+    """A token mixer whose Python code recurses on the length (like Jamba's Mamba scan without
+    its kernels): dynamo bounds the traced length on both sides."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def scan(self, x):
+        n = x.shape[1]
+        if n <= 64:
+            return x.cumsum(1)
+        half = self.scan(x[:, : n // 2])
+        return torch.cat([half, self.scan(x[:, n // 2:]) + half[:, -1:]], dim=1)
+
+    def forward(self, x):
+        return self.mlp(x) + 0.01 * self.scan(x)
+
+
+@torch.no_grad()
+def test_a_program_traced_for_a_range_of_lengths_runs_uncompiled_and_says_why():
+    """Layers after a drop would run such a program on a kept count it was not traced for
+    (Jamba was off by a shape error); the model then runs uncompiled instead of retracing
+    every new length only to refuse it."""
+    model = _llama()
+    model.model.layers[2].mlp = _HalvingScan(model.model.layers[2].mlp)
+    fast = uniprefill.compile(model, P1)
+    for length in (300, 200, 260):
+        ids = _ids(1, length)
+        out = fast(input_ids=ids, use_cache=False)
+        torch.testing.assert_close(_last(out), _last(model(input_ids=ids, use_cache=False)), atol=ATOL, rtol=0)
+        assert "holds only for prompt lengths" in fast.backend.last_unaccelerated
+    assert len(fast.backend.graphs) == 1, "traced once, then run uncompiled"
+    assert fast.backend.stop_compiling
+
+
+class _WholeChunks(torch.nn.Module):
+    """A token mixer that assumes a whole number of 16-token chunks (a chunked scan without
+    padding, as GraniteMoeHybrid's traced at 64 tokens): dynamo guards `N % 16 == 0`."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        b, n, h = x.shape
+        chunks = x.reshape(b, n // 16, 16, h).cumsum(2).reshape(b, n, h)
+        return self.mlp(x) + 0.01 * chunks
+
+
+@torch.no_grad()
+def test_a_program_that_assumes_whole_chunks_runs_unaccelerated_and_says_why():
+    model = _llama()
+    model.model.layers[2].mlp = _WholeChunks(model.model.layers[2].mlp)
+    fast = uniprefill.compile(model, P1)
+    ids = _ids(1, 320)
+    mask = torch.ones_like(ids)
+    mask[:, :7] = 0  # 313 real tokens after the pads leave: not whole chunks (was: the rewritten graph failed)
+    out = fast(input_ids=ids, attention_mask=mask, use_cache=False)
+    torch.testing.assert_close(_last(out), _last(model(input_ids=ids, attention_mask=mask, use_cache=False)),
+                               atol=ATOL, rtol=0)
+    assert "holds only for some prompt lengths" in fast.backend.last_unaccelerated
+    assert not fast.backend.stop_compiling, "a guard of this length only: other lengths get their own trace"

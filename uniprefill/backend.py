@@ -81,9 +81,13 @@ class UniPrefillBackend:
         self.graph_calls = 0  # calls that reached a graph this backend compiled (rewritten or not)
         # why the latest call ran unaccelerated (None: it ran the rewritten graph, or nothing ran yet)
         self.last_unaccelerated: str | None = None
+        # set when a graph shows that no call of this model can be accelerated and every new
+        # prompt length would be traced again (passes.token_drop.LengthSpecialized): callers that
+        # own the model (UniPrefillModel) then run it eagerly instead of recompiling per length
+        self.stop_compiling: str | None = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
-        from .passes.token_drop import NothingToDrop, RewriteSkipped, TokenDropPass
+        from .passes.token_drop import LengthSpecialized, NothingToDrop, RewriteSkipped, TokenDropPass
 
         from .first_call import restart_with_dynamic_length
 
@@ -97,6 +101,8 @@ class UniPrefillBackend:
             self.graphs.append(GraphReport(False, reason))
             if isinstance(exc, NothingToDrop):
                 return self._counted(gm.forward, reason)
+            if isinstance(exc, LengthSpecialized):
+                self.stop_compiling = f"this model's traced program depends on the exact prompt length: {reason}"
             if self.config.strict:
                 raise RuntimeError(f"uniprefill cannot rewrite this graph: {reason}") from exc
             self._warn(f"uniprefill: running a graph unaccelerated: {reason}")

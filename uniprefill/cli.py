@@ -404,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--archs", default="all", help="comma-separated architectures, or all")
     fz.add_argument("--fresh-every", type=int, default=25,
                     help="empty the pool of compiled models (and reset dynamo) every this many cases")
-    fz.add_argument("--out", help="write the summary and every failing case as JSON to this file")
+    fz.add_argument("--seconds", type=float, help="stop starting new cases after this many seconds")
+    fz.add_argument("--out", help="write the summary and every failing case as JSON to this file (rewritten "
+                                  "after every case, so an interrupted run keeps what it ran)")
     fz.add_argument("--quiet", action="store_true", help="no progress line")
     fz.set_defaults(handler=cmd_fuzz)
     cs = sub.add_parser("census", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -457,6 +459,7 @@ def cmd_census(args, checks) -> int:
 
 def cmd_fuzz(args, checks) -> int:
     import json
+    import os
     import sys
 
     from .testing.fuzz import ARCHS, run_fuzz
@@ -466,24 +469,26 @@ def cmd_fuzz(args, checks) -> int:
         unknown = sorted(set(archs) - set(ARCHS))
         if unknown:
             raise ValueError(f"unknown architectures {unknown}; choose from {', '.join(ARCHS)}")
-        if args.cases < 1 or args.fresh_every < 1:
-            raise ValueError("--cases and --fresh-every must be positive")
+        if args.cases < 1 or args.fresh_every < 1 or (args.seconds is not None and args.seconds <= 0):
+            raise ValueError("--cases, --fresh-every and --seconds must be positive")
+
+    def write(summary):
+        if args.out:
+            with open(args.out + ".part", "w") as fh:
+                json.dump(summary.as_json(args.seed, archs), fh, indent=1)
+            os.replace(args.out + ".part", args.out)
 
     def progress(done, summary):
+        write(summary)
         if not args.quiet:
             print(f"\r{done}/{args.cases} cases, {summary.seconds:.0f} s: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(summary.by_status.items())), end="", file=sys.stderr)
 
-    summary = run_fuzz(args.cases, args.seed, archs, args.fresh_every, progress)
+    summary = run_fuzz(args.cases, args.seed, archs, args.fresh_every, progress, args.seconds)
     if not args.quiet:
         print(file=sys.stderr)
     print(summary)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"cases": summary.cases, "seed": args.seed, "archs": list(archs), "seconds": summary.seconds,
-                       "by_status": dict(summary.by_status), "by_kind": dict(summary.by_kind),
-                       "accelerated_calls": summary.accelerated_calls, "unaccelerated_reasons": dict(summary.reasons),
-                       "failures": [vars(f) for f in summary.failures]}, fh, indent=1)
+    write(summary)
     return 1 if summary.mismatches else 0
 
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The differential fuzzer (`uniprefill fuzz`) on many CPU cores: WORKERS processes, each running
-# batches of BATCH cases with its own seeds until SECONDS_BUDGET has passed, one JSON per batch,
-# then all of them in one tar.gz under OUT_DIR. CPU only (CUDA hidden): the fuzzer's models are
+# cases from its own seed (BASE_SEED + worker) until SECONDS_BUDGET has passed, one JSON per
+# worker, then all of them in one tar.gz under OUT_DIR (use a new BASE_SEED for every run). CPU only (CUDA hidden): the fuzzer's models are
 # tiny; a machine with many cores (the GPU box has 16) runs thousands of cases in minutes.
-#   WORKERS=15 BATCH=10 SECONDS_BUDGET=420 OUT_DIR=$OUT bash scripts/gpu/fuzz_parallel.sh
+#   WORKERS=16 SECONDS_BUDGET=420 BASE_SEED=5000 OUT_DIR=$OUT bash scripts/gpu/fuzz_parallel.sh
 # Architectures that do not build under the installed transformers are left out (listed).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-WORKERS=${WORKERS:-8} BATCH=${BATCH:-10} SECONDS_BUDGET=${SECONDS_BUDGET:-300} OUT_DIR=$(realpath -m "${OUT_DIR:-/tmp/fuzz-out}")
+WORKERS=${WORKERS:-8} FRESH_EVERY=${FRESH_EVERY:-25} SECONDS_BUDGET=${SECONDS_BUDGET:-300} OUT_DIR=$(realpath -m "${OUT_DIR:-/tmp/fuzz-out}")
 BASE_SEED=${BASE_SEED:-1000}
 PP=/tmp/pp-fuzz
 mkdir -p "$OUT_DIR/runs" "$PP" && rm -rf "$PP/uniprefill" && cp -r uniprefill "$PP/" && cp -r kernels "$PP/uniprefill/kernels"
@@ -25,19 +25,15 @@ print(",".join(ok))
 PY
 )
 echo "architectures: $ARCHS"
-end=$((SECONDS + SECONDS_BUDGET))
+# one long-lived process per worker (imports and compiled models are reused inside it); each
+# rewrites its JSON after every case, so a run cut short keeps what it ran
 for w in $(seq 0 $((WORKERS - 1))); do
-  (
-    batch=0
-    while [ $SECONDS -lt $end ]; do
-      seed=$((BASE_SEED + w * 1000 + batch))
-      # from /tmp: `python3 -m` puts the working directory first on sys.path, and the checkout's
-      # uniprefill/ lacks uniprefill/kernels (the installed layout lives in $PP)
-      (cd /tmp && timeout $((end - SECONDS + 60)) python3 -m uniprefill fuzz --cases "$BATCH" --seed "$seed" --archs "$ARCHS" \
-        --fresh-every "$BATCH" --quiet --out "$OUT_DIR/runs/fuzz-$seed.json" > "$OUT_DIR/runs/fuzz-$seed.log" 2>&1)
-      batch=$((batch + 1))
-    done
-  ) &
+  seed=$((BASE_SEED + w))
+  # from /tmp: `python3 -m` puts the working directory first on sys.path, and the checkout's
+  # uniprefill/ lacks uniprefill/kernels (the installed layout lives in $PP)
+  (cd /tmp && timeout $((SECONDS_BUDGET + 60)) python3 -m uniprefill fuzz --cases 100000 --seed "$seed" \
+     --archs "$ARCHS" --fresh-every "$FRESH_EVERY" --seconds "$SECONDS_BUDGET" --quiet \
+     --out "$OUT_DIR/runs/fuzz-$seed.json" > "$OUT_DIR/runs/fuzz-$seed.log" 2>&1) &
 done
 wait
 python3 - "$OUT_DIR/runs" <<'PY'

@@ -228,6 +228,11 @@ class UniPrefillModel(torch.nn.Module):
         # graph (dynamo falling back to eager) cannot leave a stale one behind
         self.backend.recorder.last = None
         object.__setattr__(self, "row_histories", None)
+        if self.backend.stop_compiling:
+            # an earlier graph showed this model's program depends on the exact length: each new
+            # length would be traced again only to be refused, so run the plain model
+            self._unaccelerated(self.backend.stop_compiling)
+            return self._eager(kwargs)
         calls = self.backend.graph_calls
         limits = torch._dynamo.config
         with limits.patch(recompile_limit=max(limits.recompile_limit, RECOMPILE_LIMIT),

@@ -90,6 +90,13 @@ class FuzzSummary:
         return "\n".join(lines)
 
 
+    def as_json(self, seed: int, archs) -> dict:
+        return {"cases": self.cases, "seed": seed, "archs": list(archs), "seconds": self.seconds,
+                "by_status": dict(self.by_status), "by_kind": dict(self.by_kind),
+                "accelerated_calls": self.accelerated_calls, "unaccelerated_reasons": dict(self.reasons),
+                "failures": [vars(f) for f in self.failures]}
+
+
 def _reason_class(reason: str) -> str:
     """The reason without its numbers (row indices, lengths), so that counts group."""
     import re
@@ -381,8 +388,10 @@ def run_case(rng: random.Random, pool: _Pool, case: int, archs=ARCHS) -> CaseRes
         return CaseResult(case, arch, "?", "error", f"{type(exc).__name__}: {exc}"[:500])
 
 
-def run_fuzz(cases: int, seed: int = 0, archs=ARCHS, fresh_every: int = 25, progress=None) -> FuzzSummary:
-    """Run `cases` random cases from `seed`; `progress(i, summary)` is called after each."""
+def run_fuzz(cases: int, seed: int = 0, archs=ARCHS, fresh_every: int = 25, progress=None,
+             seconds: float | None = None) -> FuzzSummary:
+    """Run `cases` random cases from `seed` (fewer if `seconds` pass first: the case running then
+    is finished); `progress(i, summary)` is called after each."""
     rng = random.Random(seed)
     pool = _Pool()
     summary = FuzzSummary()
@@ -390,6 +399,8 @@ def run_fuzz(cases: int, seed: int = 0, archs=ARCHS, fresh_every: int = 25, prog
     with warnings.catch_warnings(), contextlib.ExitStack():
         warnings.simplefilter("ignore")
         for i in range(cases):
+            if seconds is not None and time.perf_counter() - start > seconds:
+                break
             if i % fresh_every == 0:
                 pool.clear()
             summary.add(run_case(rng, pool, seed * 1_000_003 + i, archs))
