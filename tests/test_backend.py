@@ -406,3 +406,16 @@ def test_requests_that_need_every_position_run_unaccelerated_or_raise_under_stri
         strict = uniprefill.compile(model, UniPrefillConfig(p=0.5, drop_layers=(1,), strict=True, **SMALL))
         with pytest.raises(Exception, match=reason):
             strict(**kwargs)
+
+
+@torch.no_grad()
+def test_debug_dumps_the_graph_before_and_after_the_rewrite_to_the_logger(caplog):
+    import logging
+
+    model = _llama()
+    fast = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1, 2), debug=True, **SMALL))
+    with caplog.at_level(logging.INFO, logger="uniprefill.passes"):
+        fast(input_ids=_ids(1, 300), use_cache=False)
+    messages = [r.getMessage() for r in caplog.records if r.name == "uniprefill.passes"]
+    assert any("graph before rewrite" in m for m in messages)
+    assert any("graph after rewrite" in m and "score_select" in m for m in messages)

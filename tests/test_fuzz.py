@@ -52,3 +52,19 @@ def test_every_fuzz_architecture_builds_and_runs(arch):
     with torch.no_grad():
         logits = model(input_ids=torch.randint(3, 100, (1, 20)), use_cache=False).logits
     assert logits.shape[:2] == (1, 20) and torch.isfinite(logits).all()
+
+
+def test_a_greedy_divergence_counts_as_a_tie_only_where_the_plain_model_scores_both_tokens_alike():
+    model = fuzz.build_model("tiny-llama", torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[6] = model.lm_head.weight[5]  # tokens 5 and 6 always tie exactly
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0, -1]
+    ref = torch.cat([ids, torch.tensor([[5]])], dim=1)
+    tied = torch.cat([ids, torch.tensor([[6]])], dim=1)
+    assert "a tie" in fuzz._tie_at_divergence(model, tied, ref, mask, 40, torch.float32)
+    far = int((logits - logits[5]).abs().argmax())  # the token the plain model scores farthest from 5
+    wrong = torch.cat([ids, torch.tensor([[far]])], dim=1)
+    assert fuzz._tie_at_divergence(model, wrong, ref, mask, 40, torch.float32) is None

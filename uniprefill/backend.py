@@ -91,7 +91,8 @@ class UniPrefillBackend:
 
         from .first_call import restart_with_dynamic_length
 
-        if self.config.debug:
+        dump = self.config.debug and logger.isEnabledFor(logging.INFO)
+        if dump:
             logger.info("uniprefill: graph before rewrite\n%s", gm.print_readable(print_output=False))
         restart_with_dynamic_length(gm, example_inputs)  # a static first trace: retrace with a symbolic length
         try:
@@ -110,7 +111,7 @@ class UniPrefillBackend:
         report = GraphReport(True, "", result.layers, result.drop_layers, result.counts,
                              result.single_row_only, result.single_row_reason)
         self.graphs.append(report)
-        if self.config.debug:
+        if dump:
             logger.info("uniprefill: graph after rewrite\n%s", result.graph_module.print_readable(print_output=False))
         return self._guarded(gm, result)
 

@@ -59,8 +59,8 @@ class UniPrefillConfig:
             paper's released vLLM code computes and what a kernel with one uniform window
             over the packed tokens can express; an ablation, to measure what it costs.
         strict: raise instead of running a graph unaccelerated when it cannot be rewritten.
-        debug: dump the graph before and after the rewrite (to the logger
-            `uniprefill.passes`, at INFO, and to `debug_dir` if the environment names one).
+        debug: dump the graph before and after the rewrite to the logger `uniprefill.passes`
+            at INFO (formatted only when that logger shows INFO: `logging.basicConfig(level=logging.INFO)`).
     """
 
     p: float = 0.99

@@ -20,14 +20,15 @@ into a dense *canvas* in which every dropped token holds the state it had when d
 Under the "suspend" policy the residual stream entering each later drop layer is scattered
 back the same way, so dropped tokens re-enter and are scored again.
 
-What the pass cannot follow (an unknown op on packed values, a value with two token axes
-after a drop, a graph break inside the decoder stack, ...) raises `RewriteSkipped` with the
-reason; the backend then runs the graph unchanged (or raises under `strict`).
+What the rewrite applies is decided first, by `passes.plan.plan_rewrite` (token axes, input
+roles, layer kinds, drop points and their residual adds). What either cannot follow (a program
+traced for some lengths only, an unknown op on packed values, a value with two token axes after
+a drop, a graph break inside the decoder stack, ...) raises `RewriteSkipped` with the reason;
+the backend then runs the graph unchanged (or raises under `strict`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -39,31 +40,15 @@ from torch.fx.node import map_aggregate
 
 from .. import ops  # noqa: F401  (registers the custom ops)
 from ..config import UniPrefillConfig
-from .classify import LayerInfo, classify_layers, sdpa_mask_node
-from .drop_points import resolve_drop_layers
-from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name
-from .mask_inputs import InputCheck, InputRole, mask_input_roles, size_aliases
+from .classify import LayerInfo
+from .fx_utils import example_value, layer_index, target_name
+from .plan import LengthSpecialized, NothingToDrop, RewriteSkipped, _expr, plan_rewrite  # noqa: F401  (re-exported)
 
 U = torch.ops.uniprefill
-_ADDS = {operator.add, torch.add, operator.iadd}
 # Ops that mix information along the token axis in ways that are right for one row of
 # packed tokens but would leak across rows when several rows are packed together.
 _ROW_MIXERS = ("conv1d", "conv2d", "cumsum", "cumprod", "matmul", "bmm", "einsum", "baddbmm", "delta_rule", "scan")
 _SAFE_MODULES = ("torch", "operator", "builtins", "math", "_operator", "transformers")
-
-
-class RewriteSkipped(Exception):
-    """The graph cannot be rewritten safely; the message says why."""
-
-
-class NothingToDrop(RewriteSkipped):
-    """The graph is too short to drop from (a decode step): left unchanged without a warning."""
-
-
-class LengthSpecialized(RewriteSkipped):
-    """The traced program holds only for a range of prompt lengths (the model branches on the
-    length, e.g. a scan that recurses on it): no kept-token count can be run through it, and
-    every new length would be traced again, so the caller may stop compiling this model."""
 
 
 @dataclass
@@ -152,145 +137,9 @@ class TokenDropPass:
     _dense_masks: dict = field(default_factory=dict)
     _packed_masks: dict = field(default_factory=dict)
 
-    # ---------------------------------------------------------------- analysis
-    def analyse(self):
-        graph = self.gm.graph
-        self.tokens = self._find_tokens()
-        val = example_value(self.tokens)
-        static = not isinstance(val.shape[1], torch.SymInt)
-        self.axes = TokenAxes(_expr(val.shape[0]), _expr(val.shape[1]), static)
-        if static and int(val.shape[1]) < self.config.effective_min_tokens:
-            raise NothingToDrop(f"a graph traced for {int(val.shape[1])} token(s) (a decode step or a short "
-                                "prompt): nothing to drop")
-        if static:
-            raise RewriteSkipped(
-                "static-shape trace: the prompt length is baked into the graph; compile with "
-                "dynamic=True (uniprefill.compile does) or let dynamo recompile with dynamic shapes"
-            )
-        aliases, alias_checks = size_aliases(graph, self.axes.batch, self.axes.seq)
-        _check_length_guards(self.axes.seq)
-        self.axes = dataclasses.replace(self.axes, aliases=aliases)
-        # Roles of the inputs the attention masks read (padding, document positions, ...),
-        # found from the graph's structure; see passes/mask_inputs.py.
-        masks = [m for m in (sdpa_mask_node(n) for n in graph.nodes if is_sdpa(n)) if isinstance(m, fx.Node)]
-        self.input_roles, _ = mask_input_roles(graph, masks, self.axes)
-        self.padding = {n for n, role in self.input_roles.items() if role is InputRole.PADDING}
-        if len(self.padding) > 1:
-            raise RewriteSkipped(f"the masks read {len(self.padding)} padding-mask inputs; expected one")
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        self.input_checks = tuple(InputCheck(placeholders.index(n), role, n.name)
-                                  for n, role in self.input_roles.items()) + tuple(
-            InputCheck(placeholders.index(n), InputRole.SAME_LENGTH if which == "seq" else InputRole.SAME_ROWS, n.name, dim)
-            for n, dim, which in alias_checks)
-        self._check_requests()
-        self.container, self.layers = classify_layers(graph, self.input_roles)
-        if not self.layers:
-            raise RewriteSkipped("no decoder layers found (no module list of attention layers in the graph)")
-        present = sorted(self.layers)
-        if present != list(range(present[-1] + 1)):
-            raise RewriteSkipped(f"graph break inside the decoder stack: this graph holds layers {present}")
-        full = [i for i, info in self.layers.items() if info.kind == "full"]
-        if not full:
-            kinds = "; ".join(f"{i}: {info.kind} ({info.detail})" for i, info in list(self.layers.items())[:4])
-            if any(info.sdpa for info in self.layers.values()):
-                raise RewriteSkipped(f"no full-attention layer in this graph: its attention layers are sliding-window "
-                                     f"or use masks the rewrite does not model (layers: {kinds})")
-            raise RewriteSkipped("no full-attention layer (no scaled_dot_product_attention call) in this graph; "
-                                 f"if the model has attention, load it with attn_implementation='sdpa' (layers: {kinds})")
-        self.drop_layers = resolve_drop_layers(self.config.drop_layers, self.layers)
-        if not self.drop_layers:
-            raise RewriteSkipped(f"drop_layers={self.config.drop_layers!r} selects no layer of this model")
-        self.residual_adds = {layer: self._residual_add(layer) for layer in self.drop_layers}
-        self.reentry = {}
-        if self.config.policy == "suspend":
-            for layer in self.drop_layers[1:]:
-                self.reentry[self._layer_input(layer)] = layer
-        self.sym_nodes = {
-            example_value(n).node.expr: n for n in graph.nodes
-            if n.op == "placeholder" and isinstance(example_value(n), torch.SymInt)
-        }
-
-    def _find_tokens(self) -> fx.Node:
-        for node in self.gm.graph.nodes:
-            if node.op == "call_function" and target_name(node).endswith("embedding"):
-                src = node.args[0]
-                if isinstance(src, fx.Node) and src.op == "placeholder":
-                    return src
-        for node in self.gm.graph.nodes:
-            if node.op == "placeholder" and "inputs_embeds" in node.name:
-                return node
-        raise RewriteSkipped("no token-id or inputs_embeds input found (the graph does not start at the embedding)")
-
-    def _check_requests(self) -> None:
-        for node in self.gm.graph.nodes:
-            if node.op == "placeholder" and "labels" in node.name:
-                raise RewriteSkipped("labels were given: a loss needs every position")
-            # `labels=input_ids` (the usual idiom) reaches the graph as the token input itself:
-            # dynamo passes one tensor once, so look for the loss instead of its input
-            if node.op in ("call_function", "call_method") and any(
-                    loss in target_name(node) for loss in ("cross_entropy", "nll_loss")):
-                raise RewriteSkipped("labels were given (the graph computes a loss): a loss needs every position")
-            if _active_dropout(node):
-                raise RewriteSkipped("dropout is active (the model is in training mode): every token's output is "
-                                     "random; call model.eval() for inference")
-            val = example_value(node)
-            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.requires_grad and torch.is_grad_enabled():
-                raise RewriteSkipped("gradients are enabled: run inference under torch.no_grad()")
-        outputs = self.gm.graph.output_node().args[0]
-        flat = []
-        map_aggregate(outputs, lambda a: flat.append(a) if isinstance(a, fx.Node) else None)
-        hidden = [n for n in flat if isinstance(example_value(n), torch.Tensor) and example_value(n).dim() == 3
-                  and len(self.axes.token_dims(example_value(n))) == 1 and example_value(n).is_floating_point()
-                  and "logits" not in n.name]
-        if len(hidden) > 1:
-            raise RewriteSkipped("output_hidden_states was requested: every layer's hidden states need every position")
-        if any(len(self.axes.token_dims(example_value(n))) >= 2 for n in flat):
-            raise RewriteSkipped("output_attentions was requested: attention maps need every position")
-
-    def _residual_add(self, layer: int) -> fx.Node:
-        info = self.layers[layer]
-        if len(info.sdpa) != 1:
-            raise RewriteSkipped(f"layer {layer} has {len(info.sdpa)} attention calls; expected one")
-        sdpa = info.sdpa[0]
-        nodes = list(self.gm.graph.nodes)
-        after = False
-        downstream = {sdpa}
-        for node in nodes:
-            if node is sdpa:
-                after = True
-                continue
-            if not after:
-                continue
-            if any(a in downstream for a in node.all_input_nodes):
-                downstream.add(node)
-            else:
-                continue
-            if layer_index(node, self.container) != layer:
-                break
-            if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2:
-                a, b = node.args
-                if isinstance(a, fx.Node) and isinstance(b, fx.Node) and ((a in downstream) != (b in downstream)):
-                    shapes = [_shape(example_value(x)) for x in (node, a, b)]
-                    if shapes[0] is not None and shapes[0] == shapes[1] == shapes[2] and \
-                            self.axes.token_dims(example_value(node)) == [1]:
-                        return node
-        raise RewriteSkipped(f"no residual add found after the attention of layer {layer}")
-
-    def _layer_input(self, layer: int) -> fx.Node:
-        producers = set()
-        for node in self.gm.graph.nodes:
-            if layer_index(node, self.container) != layer:
-                continue
-            for inp in node.all_input_nodes:
-                if layer_index(inp, self.container) == layer - 1 and self.axes.token_dims(example_value(inp)):
-                    producers.add(inp)
-        if len(producers) != 1:
-            raise RewriteSkipped(f"suspend policy: cannot identify the residual stream entering layer {layer}")
-        return producers.pop()
-
     # ---------------------------------------------------------------- rewrite
     def run(self) -> RewriteResult:
-        self.analyse()
+        self.plan = plan_rewrite(self.gm, self.config)
         old = self.gm.graph
         new = fx.Graph()
         self.new = new
@@ -299,11 +148,11 @@ class TokenDropPass:
         self.layouts = [_Layout(0, None)]
         self.memo: dict[tuple[fx.Node, int], fx.Node] = {}
         self.single_row_reason = ""
-        drop_at = {node: layer for layer, node in self.residual_adds.items()}
-        sdpa_info = {n: (info, m) for info in self.layers.values() for n, m in zip(info.sdpa, info.masks)}
+        drop_at = {node: layer for layer, node in self.plan.residual_adds.items()}
+        sdpa_info = {n: (info, m) for info in self.plan.layers.values() for n, m in zip(info.sdpa, info.masks)}
         seen_first_drop = False
         self.stream_layout = 0
-        last_layer_pos = max(i for i, n in enumerate(old.nodes) if layer_index(n, self.container) is not None)
+        last_layer_pos = max(i for i, n in enumerate(old.nodes) if layer_index(n, self.plan.container) is not None)
         self.after_stack = {n for i, n in enumerate(old.nodes) if i > last_layer_pos}
         for node in old.nodes:
             if node.op == "output":
@@ -320,28 +169,28 @@ class TokenDropPass:
             if node in drop_at:
                 self._insert_drop(node, drop_at[node])
                 seen_first_drop = True
-            if node in self.reentry:
+            if node in self.plan.reentry:
                 self._reenter(node)
         new.eliminate_dead_code(is_impure_node=_keep_node)
         self.gm._uniprefill_recorder = self.recorder
         gm = fx.GraphModule(self.gm, new)
         gm.recompile()
         reports = [
-            LayerReport(i, info.kind, info.window, i in self.drop_layers,
-                        ("drop point; " if i in self.drop_layers else "") + info.detail)
-            for i, info in self.layers.items()
+            LayerReport(i, info.kind, info.window, i in self.plan.drop_layers,
+                        ("drop point; " if i in self.plan.drop_layers else "") + info.detail)
+            for i, info in self.plan.layers.items()
         ]
-        return RewriteResult(gm, reports, self.drop_layers, dict(self.counts),
+        return RewriteResult(gm, reports, self.plan.drop_layers, dict(self.counts),
                              bool(self.single_row_reason), self.single_row_reason, self._returns_cache(),
-                             self.input_checks,
-                             bool(self.single_row_reason) or any(i.kind == "linear" for i in self.layers.values()))
+                             self.plan.input_checks,
+                             bool(self.single_row_reason) or any(i.kind == "linear" for i in self.plan.layers.values()))
 
     def _returns_cache(self) -> bool:
         """Whether the graph hands key/value tensors out (a cache is being filled)."""
         flat = []
         map_aggregate(self.gm.graph.output_node().args[0], lambda a: flat.append(a) if isinstance(a, fx.Node) else None)
         return any(isinstance(example_value(n), torch.Tensor) and example_value(n).dim() == 4
-                   and self.axes.token_dims(example_value(n)) == [2] for n in flat)
+                   and self.plan.axes.token_dims(example_value(n)) == [2] for n in flat)
 
     def _node_layout(self, node: fx.Node) -> int:
         best = 0
@@ -355,15 +204,15 @@ class TokenDropPass:
         or, for ops with several outputs (topk, split), any of its outputs."""
         if isinstance(val, (tuple, list)):
             return any(self._follows_tokens(v) for v in val)
-        return bool(self.axes.token_dims(val) or self.axes.flat_dims(val) or self.axes.derived_dims(val))
+        return bool(self.plan.axes.token_dims(val) or self.plan.axes.flat_dims(val) or self.plan.axes.derived_dims(val))
 
     def _token_aligned(self, node: fx.Node) -> bool:
         val = example_value(node)
-        return bool(self.axes.token_dims(val) or self.axes.flat_dims(val))
+        return bool(self.plan.axes.token_dims(val) or self.plan.axes.flat_dims(val))
 
     def _copy_node(self, node: fx.Node, after_first_drop: bool) -> None:
         j = self._node_layout(node)
-        if j > 0 and layer_index(node, self.container) is None and node in self.after_stack:
+        if j > 0 and layer_index(node, self.plan.container) is None and node in self.after_stack:
             # Leaving the decoder stack: scatter packed values back into the dense canvas.
             def to_dense(a):
                 if isinstance(a, fx.Node) and self.layout_of.get(a, 0) > 0 and self._token_aligned(a):
@@ -372,7 +221,7 @@ class TokenDropPass:
             self.env[node] = self.new.node_copy(node, lambda a: to_dense(a))
             self.layout_of[node] = 0
             return
-        if j == 0 and self.stream_layout > 0 and layer_index(node, self.container) is not None and self._mentions_tokens(node):
+        if j == 0 and self.stream_layout > 0 and layer_index(node, self.plan.container) is not None and self._mentions_tokens(node):
             # A creation op inside a layer on kept tokens (e.g. MoE index arithmetic): its
             # sizes follow the residual stream.
             j = self.stream_layout
@@ -382,8 +231,8 @@ class TokenDropPass:
         self.layout_of[node] = j
 
     def _mentions_tokens(self, node: fx.Node) -> bool:
-        token_syms = {self.axes.seq} | ({self.axes.batch} if not isinstance(self.axes.batch, int) else set()) \
-            | {alias for alias, _ in self.axes.aliases}
+        token_syms = {self.plan.axes.seq} | ({self.plan.axes.batch} if not isinstance(self.plan.axes.batch, int) else set()) \
+            | {alias for alias, _ in self.plan.axes.aliases}
         found = []
 
         def visit(a):
@@ -423,7 +272,7 @@ class TokenDropPass:
     def _int_index_on_token_axis(self, source: fx.Node, index) -> int | None:
         """The token axis that `source[index]` indexes with a plain integer, if any."""
         val = example_value(source)
-        token_axes = set(self.axes.token_dims(val)) if isinstance(val, torch.Tensor) else set()
+        token_axes = set(self.plan.axes.token_dims(val)) if isinstance(val, torch.Tensor) else set()
         if not token_axes:
             return None
         items = index if isinstance(index, tuple) else (index,)
@@ -462,12 +311,12 @@ class TokenDropPass:
         if key in self.memo:
             return self.memo[key]
         val = example_value(node)
-        tds, fds = self.axes.token_dims(val), self.axes.flat_dims(val)
+        tds, fds = self.plan.axes.token_dims(val), self.plan.axes.flat_dims(val)
         if len(tds) > 1:
             raise RewriteSkipped(f"{node.name} has two token axes (an N x N mask) and is used after a drop point")
         if tds:
             td = tds[0]
-            bd = self.axes.batch_dim(val, td)
+            bd = self.plan.axes.batch_dim(val, td)
         else:
             td, bd = fds[0], -1
         idx = self._indices_from(i, j)
@@ -495,10 +344,10 @@ class TokenDropPass:
 
     def _emit_expr(self, expr, j: int):
         t_sym = sympy.Symbol("uniprefill_kept_tokens", integer=True, positive=True)
-        subs = {self.axes.seq: t_sym}
-        if not isinstance(self.axes.batch, int):
-            subs[self.axes.batch] = 1
-        new_expr = self.axes.unalias(sympy.sympify(expr)).subs(subs)
+        subs = {self.plan.axes.seq: t_sym}
+        if not isinstance(self.plan.axes.batch, int):
+            subs[self.plan.axes.batch] = 1
+        new_expr = self.plan.axes.unalias(sympy.sympify(expr)).subs(subs)
         if new_expr != expr:
             self.counts["shape_rewrites"] += 1
         return self._emit(new_expr, {t_sym: self.layouts[j].size})
@@ -509,8 +358,8 @@ class TokenDropPass:
         if expr.is_Symbol:
             if expr in extra:
                 return extra[expr]
-            if expr in self.sym_nodes:
-                return self.env[self.sym_nodes[expr]]
+            if expr in self.plan.sym_nodes:
+                return self.env[self.plan.sym_nodes[expr]]
             raise RewriteSkipped(f"shape symbol {expr} has no graph input")
         if isinstance(expr, sympy.Add):
             terms = [self._emit(a, extra) for a in expr.args]
@@ -582,7 +431,7 @@ class TokenDropPass:
 
     def _live_counts(self, padding: fx.Node | None) -> fx.Node | None:
         """Host per-row real-token counts, when they come from this mask's padding input."""
-        if padding is None or len(self.padding) != 1 or padding not in self.padding:
+        if padding is None or len(self.plan.padding) != 1 or padding not in self.plan.padding:
             return None
         self._ensure_layout0()
         return self.layouts[0].counts
@@ -593,12 +442,12 @@ class TokenDropPass:
         if lay.src_flat is not None:
             return
         new = self.new
-        tokens = self.env[self.tokens]
+        tokens = self.env[self.plan.tokens]
         rows = new.call_function(_size, (tokens, 0))
         seq = new.call_function(_size, (tokens, 1))
         self.recorder_node = new.get_attr("_uniprefill_recorder")
         new.call_function(_begin, (self.recorder_node, rows, seq))
-        padding = self.env[next(iter(self.padding))] if len(self.padding) == 1 else None
+        padding = self.env[next(iter(self.plan.padding))] if len(self.plan.padding) == 1 else None
         live = new.call_function(_live_tokens, (padding, rows, seq, tokens))
         lay.src_flat = new.call_function(operator.getitem, (live, 0))
         lay.counts = new.call_function(operator.getitem, (live, 1))
@@ -612,13 +461,13 @@ class TokenDropPass:
         new, cfg = self.new, self.config
         i = self.layout_of[residual]
         parent = self.layouts[i]
-        sdpa = self.layers[layer].sdpa[0]
+        sdpa = self.plan.layers[layer].sdpa[0]
         q = self.env[sdpa.args[0]] if self.layout_of.get(sdpa.args[0], 0) == i else self._value_at(sdpa.args[0], i)
         k = self.env[sdpa.args[1]] if self.layout_of.get(sdpa.args[1], 0) == i else self._value_at(sdpa.args[1], i)
         scale = sdpa.kwargs.get("scale")
         scale = self.env[scale] if isinstance(scale, fx.Node) else (scale or 1.0 / math.sqrt(example_value(sdpa.args[0]).shape[-1]))
-        drop_index = self.drop_layers.index(layer)
-        ratio = cfg.keep_ratio_at(drop_index, len(self.drop_layers))
+        drop_index = self.plan.drop_layers.index(layer)
+        ratio = cfg.keep_ratio_at(drop_index, len(self.plan.drop_layers))
         sel = new.call_function(U.score_select.default, (
             q, k, parent.src_flat, parent.counts, scale, cfg.block_size, float(cfg.p),
             -1.0 if ratio is None else float(ratio), cfg.sink, cfg.last_q, cfg.effective_min_tokens, cfg.impl))
@@ -670,79 +519,12 @@ class TokenDropPass:
 
     def _canvas_source(self) -> fx.Node:
         """The residual stream at the first drop point: the dense canvas has its shape."""
-        return self.residual_adds[self.drop_layers[0]]
+        return self.plan.residual_adds[self.plan.drop_layers[0]]
 
     def _scatter_node(self, node: fx.Node, j: int) -> fx.Node:
         lay = self.layouts[j]
         self.counts["scatters"] += 1
         return self.new.call_function(U.scatter_tokens.default, (lay.canvas, self.env[node], lay.orig_flat, 0, 1))
-
-
-def _check_length_guards(seq) -> None:
-    """Refuse a program that dynamo traced for some prompt lengths only.
-
-    Layers after a drop run the traced program on the kept-token count, which the trace never
-    saw. Two signs that the program does not hold for it, read from dynamo's shape guards:
-
-    * the length symbol is bounded on both sides: the model's Python code loops or recurses on
-      the length (Jamba's Mamba scan halves the sequence recursively; a trace at 100 tokens
-      holds for 96..127 only). Every new length is traced again: `LengthSpecialized`;
-    * an equality guard on the length fails for a smaller count (GraniteMoeHybrid's chunked
-      scan traced at 64 tokens assumes a whole number of 64-token chunks). Checked on a sample
-      of counts below the prompt length (near it, small ones, and chunk multiples +-1).
-
-    A lower bound alone comes from mask-building branches (Gemma-3's `length > sliding_window`)
-    that the rewrite replaces, and inequality guards from branches that are harmless at the
-    boundary (padding by zero): both are left alone.
-    """
-    context = torch._guards.TracingContext.try_get()
-    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
-    if shape_env is None or not isinstance(seq, sympy.Symbol):
-        return
-    bounds = shape_env.var_to_range.get(seq)
-    if bounds is not None and bounds.lower.is_Integer and bounds.upper.is_Integer and int(bounds.lower) > 2:
-        raise LengthSpecialized(
-            f"the traced program holds only for prompt lengths {int(bounds.lower)}..{int(bounds.upper)} (the model's "
-            "code loops or recurses on the length, e.g. a scan): layers after a drop could not run on fewer kept tokens")
-    length = shape_env.var_to_val.get(seq)
-    if length is None:
-        return
-    # symbols of the same value stand for the same length (the size of another input that follows
-    # the tokens: a mask or position ids, recompiled with a symbol of its own) and follow it
-    lengths = {seq} | {s for s, v in shape_env.var_to_val.items() if v == length}
-    others = {s: v for s, v in shape_env.var_to_val.items() if s not in lengths}
-    samples = _count_samples(int(length))
-    for guard in shape_env.guards:
-        expr = guard.expr
-        if not (expr.free_symbols & lengths) or not expr.atoms(sympy.Eq):
-            continue
-        expr = expr.xreplace(others)
-        for count in samples:
-            if expr.xreplace(dict.fromkeys(lengths, count)) is sympy.false:
-                raise RewriteSkipped(
-                    f"the traced program holds only for some prompt lengths (guard {guard.expr} fails for {count} "
-                    f"tokens, e.g. a chunked scan without padding): layers after a drop could not run on fewer "
-                    "kept tokens")
-
-
-def _count_samples(length: int) -> list[int]:
-    near = range(max(2, length - 8), length)
-    small = range(2, min(length, 18))
-    chunks = {m + d for c in (8, 16, 32, 64, 128, 256) for m in range(c, min(length, 8 * c + 1), c) for d in (-1, 0, 1)}
-    halves = {length // 2 - 1, length // 2, length // 2 + 1}
-    return sorted(t for t in {*near, *small, *chunks, *halves} if 2 <= t < length)
-
-
-def _active_dropout(node: fx.Node) -> bool:
-    """A dropout that is on: SDPA with `dropout_p` > 0, or a dropout call in training mode."""
-    if is_sdpa(node):
-        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-        return isinstance(p, fx.Node) or float(p) > 0.0
-    if node.op == "call_function" and "dropout" in target_name(node):
-        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
-        return bool(training) and (isinstance(p, fx.Node) or float(p) > 0.0)
-    return False
 
 
 def _nones_before(positions, pos: int) -> int:
@@ -777,14 +559,3 @@ def _writes_in_place(node: fx.Node) -> bool:
 
 _OPERATOR_IN_PLACE = frozenset({"iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul",
                                 "ior", "ipow", "irshift", "isub", "itruediv", "ixor", "setitem", "delitem"})
-
-
-def _shape(value):
-    if not isinstance(value, torch.Tensor):
-        return None
-    return [_expr(d) for d in value.shape]
-
-
-def _expr(size):
-    return size.node.expr if isinstance(size, torch.SymInt) else int(size)
-

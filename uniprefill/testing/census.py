@@ -85,21 +85,52 @@ def tiny_config(model_type: str):
     keys = set(vars(default)) | params
     overrides = {k: v for k, v in _SMALL.items() if k in keys}
     layers = overrides.get("num_hidden_layers", 4)
-    types = getattr(default, "layer_types", None)
-    settable = not isinstance(getattr(type(default), "layer_types", None), property)
-    if settable and isinstance(types, (list, tuple)) and types:
-        cut = list(types)[:layers]
-        full = [t for t in types if "full" in str(t) or t == "attention"]
-        if full and not any(t in full for t in cut):
-            cut[-1] = full[0]
-        overrides["layer_types"] = cut
+    if "kv_lora_rank" in keys:  # MLA: transformers' SDPA path expands no key/value groups there
+        overrides["num_key_value_heads"] = overrides.get("num_attention_heads", 4)
     overrides = {k: v for k, v in overrides.items() if not isinstance(getattr(type(default), k, None), property)}
-    try:
-        return type(default)(**overrides)
-    except Exception:  # noqa: BLE001  (a field this config derives or validates otherwise: the core sizes only)
-        core = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings", "pad_token_id")
-        return type(default)(**{k: v for k, v in overrides.items() if k in core})
+    pattern = _layer_pattern(default, layers)
+    # a field this config derives or validates otherwise: without the layer pattern, then the core sizes only
+    core = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "pad_token_id")
+    for attempt in ({**overrides, **pattern}, overrides, {k: v for k, v in overrides.items() if k in core}):
+        try:
+            return type(default)(**attempt)
+        except Exception:  # noqa: BLE001
+            last = attempt
+    return type(default)(**last)
+
+
+_FULL_MARKERS = ("full", "global")
+_FULL_NAMES = ("attention", "hybrid")  # Granite / Jamba "attention"; Zamba "hybrid" (Mamba + shared attention)
+
+
+def _is_full(kind) -> bool:
+    return any(m in str(kind) for m in _FULL_MARKERS) or str(kind) in _FULL_NAMES
+
+
+def _layer_pattern(default, layers: int) -> dict:
+    """Per-layer settings cut to `layers`, with a full-attention layer at index 1 (so layers run
+    after a drop) where the default pattern's first layers have none: every list of strings as long
+    as the default depth (`layer_types`, `layers_block_type`, `mlp_layer_types`), periodic patterns
+    (`attn_layer_period` / `attn_layer_offset`: Jamba, Zamba) and explicit indices
+    (`attn_layer_indices`: Bamba). A hybrid whose default is attention-free (GraniteMoeHybrid)
+    gets the first full-attention name its pattern uses, or "full_attention"."""
+    depth = getattr(default, "num_hidden_layers", None)
+    out = {}
+    for key, value in vars(default).items():
+        if isinstance(getattr(type(default), key, None), property):
+            continue
+        if isinstance(value, (list, tuple)) and value and len(value) == depth and all(isinstance(v, str) for v in value):
+            cut = list(value)[:layers]
+            if key in ("layer_types", "layers_block_type") and not any(_is_full(t) for t in cut):
+                full = next((t for t in value if _is_full(t)), "full_attention")
+                cut[min(1, layers - 1)] = full
+            out[key] = cut
+    if hasattr(default, "attn_layer_period"):
+        out.update(attn_layer_period=2, attn_layer_offset=1)
+    if hasattr(default, "attn_layer_indices"):
+        out["attn_layer_indices"] = [1]
+    return out
 
 
 def _build(model_type: str):
@@ -146,6 +177,7 @@ def census_one(model_type: str) -> CensusRow:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model(input_ids=ids[:1], use_cache=False)
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
     except Exception as exc:  # noqa: BLE001  (the shrinker's config, not the backend: the plain model fails)
         row.status = "skipped"
         row.reason = f"the tiny config does not run in the plain model: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"

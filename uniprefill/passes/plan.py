@@ -1,0 +1,298 @@
+"""Analysis: what the token-drop rewrite will do to one dynamo graph, decided before any node
+is copied (`plan_rewrite` returns a frozen `RewritePlan`, or raises `RewriteSkipped`).
+
+It finds the token input and its symbolic axes (`fx_utils.TokenAxes`), refuses graphs the
+rewrite must not touch (a static trace, a program traced for some lengths only, labels, dropout,
+gradients, hidden states or attention maps requested), reads the roles of the inputs the masks
+use (`mask_inputs`), classifies the layers (`classify`), resolves the drop layers
+(`drop_points`) and finds, for each, the residual add after its attention, where the drop goes.
+`token_drop.TokenDropPass` then applies the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+from ..config import UniPrefillConfig
+from .classify import classify_layers, sdpa_mask_node
+from .drop_points import resolve_drop_layers
+from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name
+from .mask_inputs import InputCheck, InputRole, mask_input_roles, size_aliases
+
+_ADDS = {operator.add, torch.add, operator.iadd}
+
+
+class RewriteSkipped(Exception):
+    """The graph cannot be rewritten safely; the message says why."""
+
+
+class NothingToDrop(RewriteSkipped):
+    """The graph is too short to drop from (a decode step): left unchanged without a warning."""
+
+
+class LengthSpecialized(RewriteSkipped):
+    """The traced program holds only for a range of prompt lengths (the model branches on the
+    length, e.g. a scan that recurses on it): no kept-token count can be run through it, and
+    every new length would be traced again, so the caller may stop compiling this model."""
+
+
+@dataclass(frozen=True)
+class RewritePlan:
+    tokens: fx.Node  # the token input (ids into the embedding, or inputs_embeds)
+    axes: TokenAxes
+    input_roles: dict  # placeholder -> mask_inputs.InputRole
+    padding: frozenset  # the padding-mask placeholder (at most one)
+    input_checks: tuple  # mask_inputs.InputCheck, run before the rewritten graph
+    container: str  # the module list that holds the decoder layers
+    layers: dict  # layer index -> classify.LayerInfo
+    drop_layers: tuple
+    residual_adds: dict  # drop layer -> the residual add after its attention
+    reentry: dict  # "suspend" policy: residual stream entering a later drop layer -> that layer
+    sym_nodes: dict  # size symbol -> the placeholder that carries it
+
+
+def plan_rewrite(gm: fx.GraphModule, config: UniPrefillConfig) -> RewritePlan:
+    """The plan for `gm` under `config`, or `RewriteSkipped` with the reason."""
+    return _Analysis(gm, config).plan()
+
+
+@dataclass
+class _Analysis:
+    """The steps of `plan_rewrite`; each later step reads what the earlier ones found."""
+
+    gm: fx.GraphModule
+    config: UniPrefillConfig
+
+    def plan(self) -> RewritePlan:
+        graph = self.gm.graph
+        self.tokens = self._find_tokens()
+        val = example_value(self.tokens)
+        static = not isinstance(val.shape[1], torch.SymInt)
+        self.axes = TokenAxes(_expr(val.shape[0]), _expr(val.shape[1]), static)
+        if static and int(val.shape[1]) < self.config.effective_min_tokens:
+            raise NothingToDrop(f"a graph traced for {int(val.shape[1])} token(s) (a decode step or a short "
+                                "prompt): nothing to drop")
+        if static:
+            raise RewriteSkipped(
+                "static-shape trace: the prompt length is baked into the graph; compile with "
+                "dynamic=True (uniprefill.compile does) or let dynamo recompile with dynamic shapes"
+            )
+        aliases, alias_checks = size_aliases(graph, self.axes.batch, self.axes.seq)
+        _check_length_guards(self.axes.seq)
+        self.axes = dataclasses.replace(self.axes, aliases=aliases)
+        # Roles of the inputs the attention masks read (padding, document positions, ...),
+        # found from the graph's structure; see passes/mask_inputs.py.
+        masks = [m for m in (sdpa_mask_node(n) for n in graph.nodes if is_sdpa(n)) if isinstance(m, fx.Node)]
+        self.input_roles, _ = mask_input_roles(graph, masks, self.axes)
+        self.padding = {n for n, role in self.input_roles.items() if role is InputRole.PADDING}
+        if len(self.padding) > 1:
+            raise RewriteSkipped(f"the masks read {len(self.padding)} padding-mask inputs; expected one")
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self.input_checks = tuple(InputCheck(placeholders.index(n), role, n.name)
+                                  for n, role in self.input_roles.items()) + tuple(
+            InputCheck(placeholders.index(n), InputRole.SAME_LENGTH if which == "seq" else InputRole.SAME_ROWS, n.name, dim)
+            for n, dim, which in alias_checks)
+        self._check_requests()
+        self.container, self.layers = classify_layers(graph, self.input_roles)
+        if not self.layers:
+            raise RewriteSkipped("no decoder layers found (no module list of attention layers in the graph)")
+        present = sorted(self.layers)
+        if present != list(range(present[-1] + 1)):
+            raise RewriteSkipped(f"graph break inside the decoder stack: this graph holds layers {present}")
+        full = [i for i, info in self.layers.items() if info.kind == "full"]
+        if not full:
+            kinds = "; ".join(f"{i}: {info.kind} ({info.detail})" for i, info in list(self.layers.items())[:4])
+            if any(info.sdpa for info in self.layers.values()):
+                raise RewriteSkipped(f"no full-attention layer in this graph: its attention layers are sliding-window "
+                                     f"or use masks the rewrite does not model (layers: {kinds})")
+            raise RewriteSkipped("no full-attention layer (no scaled_dot_product_attention call) in this graph; "
+                                 f"if the model has attention, load it with attn_implementation='sdpa' (layers: {kinds})")
+        self.drop_layers = resolve_drop_layers(self.config.drop_layers, self.layers)
+        if not self.drop_layers:
+            raise RewriteSkipped(f"drop_layers={self.config.drop_layers!r} selects no layer of this model")
+        self.residual_adds = {layer: self._residual_add(layer) for layer in self.drop_layers}
+        self.reentry = {}
+        if self.config.policy == "suspend":
+            for layer in self.drop_layers[1:]:
+                self.reentry[self._layer_input(layer)] = layer
+        sym_nodes = {
+            example_value(n).node.expr: n for n in graph.nodes
+            if n.op == "placeholder" and isinstance(example_value(n), torch.SymInt)
+        }
+        return RewritePlan(self.tokens, self.axes, self.input_roles, frozenset(self.padding), self.input_checks,
+                           self.container, self.layers, self.drop_layers, self.residual_adds, self.reentry, sym_nodes)
+
+    def _find_tokens(self) -> fx.Node:
+        for node in self.gm.graph.nodes:
+            if node.op == "call_function" and target_name(node).endswith("embedding"):
+                src = node.args[0]
+                if isinstance(src, fx.Node) and src.op == "placeholder":
+                    return src
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder" and "inputs_embeds" in node.name:
+                return node
+        raise RewriteSkipped("no token-id or inputs_embeds input found (the graph does not start at the embedding)")
+
+    def _check_requests(self) -> None:
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder" and "labels" in node.name:
+                raise RewriteSkipped("labels were given: a loss needs every position")
+            # `labels=input_ids` (the usual idiom) reaches the graph as the token input itself:
+            # dynamo passes one tensor once, so look for the loss instead of its input
+            if node.op in ("call_function", "call_method") and any(
+                    loss in target_name(node) for loss in ("cross_entropy", "nll_loss")):
+                raise RewriteSkipped("labels were given (the graph computes a loss): a loss needs every position")
+            if _active_dropout(node):
+                raise RewriteSkipped("dropout is active (the model is in training mode): every token's output is "
+                                     "random; call model.eval() for inference")
+            val = example_value(node)
+            if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.requires_grad and torch.is_grad_enabled():
+                raise RewriteSkipped("gradients are enabled: run inference under torch.no_grad()")
+        outputs = self.gm.graph.output_node().args[0]
+        flat = []
+        map_aggregate(outputs, lambda a: flat.append(a) if isinstance(a, fx.Node) else None)
+        hidden = [n for n in flat if isinstance(example_value(n), torch.Tensor) and example_value(n).dim() == 3
+                  and len(self.axes.token_dims(example_value(n))) == 1 and example_value(n).is_floating_point()
+                  and "logits" not in n.name]
+        if len(hidden) > 1:
+            raise RewriteSkipped("output_hidden_states was requested: every layer's hidden states need every position")
+        if any(len(self.axes.token_dims(example_value(n))) >= 2 for n in flat):
+            raise RewriteSkipped("output_attentions was requested: attention maps need every position")
+
+    def _residual_add(self, layer: int) -> fx.Node:
+        info = self.layers[layer]
+        if len(info.sdpa) != 1:
+            raise RewriteSkipped(f"layer {layer} has {len(info.sdpa)} attention calls; expected one")
+        sdpa = info.sdpa[0]
+        nodes = list(self.gm.graph.nodes)
+        after = False
+        downstream = {sdpa}
+        for node in nodes:
+            if node is sdpa:
+                after = True
+                continue
+            if not after:
+                continue
+            if any(a in downstream for a in node.all_input_nodes):
+                downstream.add(node)
+            else:
+                continue
+            if layer_index(node, self.container) != layer:
+                break
+            if node.op == "call_function" and node.target in _ADDS and len(node.args) == 2:
+                a, b = node.args
+                if isinstance(a, fx.Node) and isinstance(b, fx.Node) and ((a in downstream) != (b in downstream)):
+                    shapes = [_shape(example_value(x)) for x in (node, a, b)]
+                    if shapes[0] is not None and shapes[0] == shapes[1] == shapes[2] and \
+                            self.axes.token_dims(example_value(node)) == [1]:
+                        return node
+        raise RewriteSkipped(f"no residual add found after the attention of layer {layer}")
+
+    def _layer_input(self, layer: int) -> fx.Node:
+        producers = set()
+        for node in self.gm.graph.nodes:
+            if layer_index(node, self.container) != layer:
+                continue
+            for inp in node.all_input_nodes:
+                if layer_index(inp, self.container) == layer - 1 and self.axes.token_dims(example_value(inp)):
+                    producers.add(inp)
+        if len(producers) != 1:
+            raise RewriteSkipped(f"suspend policy: cannot identify the residual stream entering layer {layer}")
+        return producers.pop()
+
+
+def _check_length_guards(seq) -> None:
+    """Refuse a program that dynamo traced for some prompt lengths only.
+
+    Layers after a drop run the traced program on the kept-token count, which the trace never
+    saw. Two signs that the program does not hold for it, read from dynamo's shape guards:
+
+    * the length symbol is bounded on both sides: the model's Python code loops or recurses on
+      the length (Jamba's Mamba scan halves the sequence recursively; a trace at 100 tokens
+      holds for 96..127 only). Every new length is traced again: `LengthSpecialized`;
+    * an equality guard on the length fails for a smaller count (GraniteMoeHybrid's chunked
+      scan traced at 64 tokens assumes a whole number of 64-token chunks). Checked on a sample
+      of counts below the prompt length (near it, small ones, and chunk multiples +-1).
+
+    A lower bound alone comes from mask-building branches (Gemma-3's `length > sliding_window`)
+    that the rewrite replaces, and inequality guards from branches that are harmless at the
+    boundary (padding by zero): both are left alone.
+    """
+    context = torch._guards.TracingContext.try_get()
+    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
+    if shape_env is None or not isinstance(seq, sympy.Symbol):
+        return
+    bounds = shape_env.var_to_range.get(seq)
+    if bounds is not None and bounds.lower.is_Integer and bounds.upper.is_Integer and int(bounds.lower) > 2:
+        raise LengthSpecialized(
+            f"the traced program holds only for prompt lengths {int(bounds.lower)}..{int(bounds.upper)} (the model's "
+            "code loops or recurses on the length, e.g. a scan): layers after a drop could not run on fewer kept tokens")
+    length = shape_env.var_to_val.get(seq)
+    if length is None:
+        return
+    # symbols of the same value stand for the same length (the size of another input that follows
+    # the tokens: a mask or position ids, recompiled with a symbol of its own) and follow it
+    lengths = {seq} | {s for s, v in shape_env.var_to_val.items() if v == length}
+    others = {s: v for s, v in shape_env.var_to_val.items() if s not in lengths}
+    samples = _count_samples(int(length))
+    for guard in shape_env.guards:
+        expr = guard.expr
+        if not (expr.free_symbols & lengths) or not expr.atoms(sympy.Eq):
+            continue
+        expr = expr.xreplace(others)
+        for count in samples:
+            if expr.xreplace(dict.fromkeys(lengths, count)) is sympy.false:
+                raise RewriteSkipped(
+                    f"the traced program holds only for some prompt lengths (guard {guard.expr} fails for {count} "
+                    f"tokens, e.g. a chunked scan without padding): layers after a drop could not run on fewer "
+                    "kept tokens")
+
+
+def _count_samples(length: int) -> list[int]:
+    near = range(max(2, length - 8), length)
+    small = range(2, min(length, 18))
+    chunks = {m + d for c in (8, 16, 32, 64, 128, 256) for m in range(c, min(length, 8 * c + 1), c) for d in (-1, 0, 1)}
+    halves = {length // 2 - 1, length // 2, length // 2 + 1}
+    return sorted(t for t in {*near, *small, *chunks, *halves} if 2 <= t < length)
+
+
+def _active_dropout(node: fx.Node) -> bool:
+    """A dropout that is on: SDPA with `dropout_p` > 0, or a dropout call in training mode."""
+    if is_sdpa(node):
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return isinstance(p, fx.Node) or float(p) > 0.0
+    if node.op == "call_function" and "dropout" in target_name(node):
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+        return bool(training) and (isinstance(p, fx.Node) or float(p) > 0.0)
+    return False
+
+
+def _active_dropout(node: fx.Node) -> bool:
+    """A dropout that is on: SDPA with `dropout_p` > 0, or a dropout call in training mode."""
+    if is_sdpa(node):
+        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        return isinstance(p, fx.Node) or float(p) > 0.0
+    if node.op == "call_function" and "dropout" in target_name(node):
+        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
+        return bool(training) and (isinstance(p, fx.Node) or float(p) > 0.0)
+    return False
+
+
+def _shape(value):
+    if not isinstance(value, torch.Tensor):
+        return None
+    return [_expr(d) for d in value.shape]
+
+
+def _expr(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else int(size)
+
