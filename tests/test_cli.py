@@ -216,8 +216,17 @@ def test_fuzz_command_runs_a_case_and_writes_its_summary(tmp_path, capsys):
     out = tmp_path / "fuzz.json"
     assert main(["fuzz", "--cases", "2", "--seed", "5", "--archs", "tiny-llama", "--quiet", "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
-    assert summary["cases"] == 2 and summary["failures"] == []
+    assert summary["cases"] == 2 and summary["failures"] == [] and summary["ties"] == []
     assert "2 cases" in capsys.readouterr().out
+
+
+def test_fuzz_stops_starting_cases_after_its_time_budget(tmp_path, capsys):
+    out = tmp_path / "fuzz.json"
+    assert main(["fuzz", "--cases", "50", "--seconds", "0.001", "--archs", "tiny-llama", "--quiet",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["cases"] == 1, "the case running when the budget passed is finished"
+    with pytest.raises(SystemExit):
+        main(["fuzz", "--seconds", "0"])
 
 
 @pytest.mark.parametrize("argv", [["demo", "--length", "40k"], ["bench", "--model", "tiny-llama", "--lengths", "900k"]])

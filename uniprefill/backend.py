@@ -82,7 +82,7 @@ class UniPrefillBackend:
         # why the latest call ran unaccelerated (None: it ran the rewritten graph, or nothing ran yet)
         self.last_unaccelerated: str | None = None
         # set when a graph shows that no call of this model can be accelerated and every new
-        # prompt length would be traced again (passes.token_drop.LengthSpecialized): callers that
+        # prompt length would be traced again (passes.plan.LengthSpecialized): callers that
         # own the model (UniPrefillModel) then run it eagerly instead of recompiling per length
         self.stop_compiling: str | None = None
 

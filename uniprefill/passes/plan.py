@@ -275,18 +275,6 @@ def _active_dropout(node: fx.Node) -> bool:
     return False
 
 
-def _active_dropout(node: fx.Node) -> bool:
-    """A dropout that is on: SDPA with `dropout_p` > 0, or a dropout call in training mode."""
-    if is_sdpa(node):
-        p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-        return isinstance(p, fx.Node) or float(p) > 0.0
-    if node.op == "call_function" and "dropout" in target_name(node):
-        p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-        training = node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True)
-        return bool(training) and (isinstance(p, fx.Node) or float(p) > 0.0)
-    return False
-
-
 def _shape(value):
     if not isinstance(value, torch.Tensor):
         return None

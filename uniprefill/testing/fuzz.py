@@ -314,6 +314,7 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
         result.detail = f"tokens {out[:, length:].tolist()} vs {ref[:, length:].tolist()}; {result.detail}"
     elif tie is not None:
         result.status, result.detail = "tie", f"{tie}; {result.detail}"
+        result.accelerated = int(_accelerated(fast))
     elif (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
         result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
     elif _accelerated(fast):
@@ -424,8 +425,8 @@ def run_case(rng: random.Random, pool: _Pool, case: int, archs=ARCHS) -> CaseRes
 
 def run_fuzz(cases: int, seed: int = 0, archs=ARCHS, fresh_every: int = 25, progress=None,
              seconds: float | None = None) -> FuzzSummary:
-    """Run `cases` random cases from `seed` (fewer if `seconds` pass first: the case running then
-    is finished); `progress(i, summary)` is called after each."""
+    """Run `cases` random cases from `seed` (fewer if `seconds` pass first: at least one, and the
+    case running then is finished); `progress(i, summary)` is called after each."""
     rng = random.Random(seed)
     pool = _Pool()
     summary = FuzzSummary()
@@ -433,7 +434,7 @@ def run_fuzz(cases: int, seed: int = 0, archs=ARCHS, fresh_every: int = 25, prog
     with warnings.catch_warnings(), contextlib.ExitStack():
         warnings.simplefilter("ignore")
         for i in range(cases):
-            if seconds is not None and time.perf_counter() - start > seconds:
+            if seconds is not None and i > 0 and time.perf_counter() - start > seconds:
                 break
             if i % fresh_every == 0:
                 pool.clear()
