@@ -92,12 +92,12 @@ def tiny_config(model_type: str):
     # a field this config derives or validates otherwise: without the layer pattern, then the core sizes only
     core = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "max_position_embeddings", "pad_token_id")
-    for attempt in ({**overrides, **pattern}, overrides, {k: v for k, v in overrides.items() if k in core}):
+    for attempt in ({**overrides, **pattern}, overrides):
         try:
             return type(default)(**attempt)
         except Exception:  # noqa: BLE001
-            last = attempt
-    return type(default)(**last)
+            pass
+    return type(default)(**{k: v for k, v in overrides.items() if k in core})
 
 
 _FULL_MARKERS = ("full", "global")
