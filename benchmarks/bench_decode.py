@@ -33,9 +33,9 @@ import torch
 
 import uniprefill
 from uniprefill import UniPrefillConfig
-from uniprefill.bench.environment import environment_info
+from uniprefill.measure.environment import environment_info
 from uniprefill.bench.models import DTYPES, check_lengths, load_model
-from uniprefill.bench.timing import synchronize, timed_call
+from uniprefill.measure.timing import synchronize, timed_call
 
 
 def cache_bytes(cache) -> int:
@@ -79,7 +79,7 @@ class Decoder:
         self.tokens, self.steps = [int(self.token)], []
 
     def step(self) -> None:
-        from uniprefill.bench.sdpa import decode_sdpa as sdpa_choice
+        from uniprefill.measure.sdpa import decode_sdpa as sdpa_choice
 
         with torch.no_grad(), sdpa_choice(self.decode_sdpa):
             out, seconds = timed_call(lambda: self.fn(input_ids=self.token, past_key_values=self.cache,
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
                              "'default,no-cudnn' (each a full side-by-side run)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    from uniprefill.bench.sdpa import check_choice
+    from uniprefill.measure.sdpa import check_choice
 
     try:
         choices = [check_choice(c) for c in args.decode_sdpa.split(",")]

@@ -101,6 +101,7 @@ def select_blocks(
     min_tokens: int,
     impl: str = "auto",
     max_seqlen_k: int | None = None,
+    selection: str = "paper",
 ) -> torch.Tensor:
     """Which blocks to keep: bool [total_blocks].
 
@@ -114,6 +115,10 @@ def select_blocks(
       while the sum before it is below the target. p >= 1 keeps every block. `p` is one
       number, or a host float32 tensor [B] with each sequence's own p (checked on the host,
       copied to the device without a sync; a serving engine's per-request p).
+      `selection="content"` changes whose score p is a share of: the free (not forced)
+      blocks, taken in the same order after the forced blocks, must sum to
+      >= p * (the sum of the free blocks' scores); the forced blocks' scores count for
+      nothing. ("paper", the default, is the rule above.)
     - Keep ratio r: keep the forced blocks, then the highest-scoring blocks (same order)
       until the kept TOKEN count is >= ceil(r * len_i).
 
@@ -125,11 +130,11 @@ def select_blocks(
     """
     check_select_inputs(
         block_scores, cu_blocks, cu_seqlens_k, p=p, keep_ratio=keep_ratio, block_size=block_size,
-        sink=sink, last_q=last_q, min_tokens=min_tokens,
+        sink=sink, last_q=last_q, min_tokens=min_tokens, selection=selection,
     )
     impl = resolve_impl(impl, block_scores.device)
     settings = dict(p=p, keep_ratio=keep_ratio, block_size=block_size, sink=sink, last_q=last_q,
-                    min_tokens=min_tokens)
+                    min_tokens=min_tokens, selection=selection)
     if impl == "torch":
         return reference.select_blocks_reference(block_scores, cu_blocks, cu_seqlens_k, **settings)
     from .select_blocks import select_blocks_fwd
@@ -202,6 +207,7 @@ def score_and_select(
     impl: str = "auto",
     host_cu_seqlens: HostCuSeqlens | None = None,
     group=None,
+    selection: str = "paper",
 ) -> Selection:
     """`score_blocks`, then `select_blocks`, then `compact_tokens` (see each).
 
@@ -219,6 +225,7 @@ def score_and_select(
     block_keep = select_blocks(
         block_scores, cu_blocks, cu_seqlens_k, p=p, keep_ratio=keep_ratio, block_size=block_size,
         sink=sink, last_q=last_q, min_tokens=min_tokens, impl=impl, max_seqlen_k=max_seqlen_k,
+        selection=selection,
     )
     kept_idx, cu_seqlens_kept, kept_counts = compact_tokens(
         block_keep, cu_blocks, cu_seqlens_k, block_size, impl=impl

@@ -95,8 +95,9 @@ def select_blocks_reference(
     sink: int,
     last_q: int,
     min_tokens: int,
+    selection: str = "paper",
 ) -> torch.Tensor:
-    """Block keep flags, bool [total_blocks]; see `api.select_blocks` for the rule (p: one
+    """Block keep flags, bool [total_blocks]; see `api.select_blocks` for the rules (p: one
     number, or a host tensor with one per sequence)."""
     keep = torch.zeros_like(block_scores, dtype=torch.bool)
     blocks, tokens = cu_blocks.tolist(), cu_seqlens_k.tolist()
@@ -108,21 +109,28 @@ def select_blocks_reference(
         if n_tokens < min_len or (keep_ratio is None and ps[b] >= 1.0):
             keep[blocks[b] : blocks[b + 1]] = True
             continue
-        keep[blocks[b] : blocks[b + 1]] = _select_one(
-            scores, n_tokens, p=ps[b], keep_ratio=keep_ratio, block_size=block_size, sink=sink, last_q=last_q
+        keep[blocks[b] : blocks[b + 1]] = select_one(
+            scores, n_tokens, p=ps[b], keep_ratio=keep_ratio, block_size=block_size, sink=sink,
+            last_q=last_q, selection=selection,
         )
     return keep
 
 
-def _select_one(scores, n_tokens, *, p, keep_ratio, block_size, sink, last_q) -> torch.Tensor:
+def select_one(scores, n_tokens, *, p, keep_ratio, block_size, sink, last_q, selection="paper") -> torch.Tensor:
+    """One sequence's keep flags from its block scores (`api.select_blocks` defines the rules).
+
+    selection "paper": the forced blocks' scores count toward p * (all blocks' score);
+    "content": p * (the free blocks' score) must be reached by free blocks alone.
+    """
     forced = forced_blocks(n_tokens, block_size, sink, last_q, scores.device)
     # Forced blocks first, then by descending score, ties to the lower block index: two
     # stable sorts, the secondary key first.
     order = torch.sort(scores, descending=True, stable=True).indices
     order = order[torch.sort(forced[order].to(torch.int8), descending=True, stable=True).indices]
     if keep_ratio is None:
-        prefix = torch.cumsum(scores[order], dim=0)  # float32
-        target = scores.sum() * p
+        counted = scores if selection == "paper" else scores.masked_fill(forced, 0.0)
+        prefix = torch.cumsum(counted[order], dim=0)  # float32
+        target = counted.sum() * p
     else:
         prefix = torch.cumsum(block_token_counts(n_tokens, block_size, scores.device)[order], dim=0)
         target = math.ceil(keep_ratio * n_tokens)

@@ -9,7 +9,8 @@ int64 keys that carry everything the order needs:
 bits of negatives, the sign bit of the rest), so one descending sort puts forced blocks
 (sink and window) first, then the others by descending score, ties to the lower block
 index. The block index is decoded from the low bits; the score is gathered again by
-index, so nothing is rounded. The prefix sums are float32 `tl.cumsum`; a sorted position is
+index, so nothing is rounded (with selection "content" the forced blocks' scores are read
+as 0, in the sum and in the target). The prefix sums are float32 `tl.cumsum`; a sorted position is
 kept while the sum BEFORE it is short of the target, i.e. the shortest prefix that reaches
 it. Keys are unique, so "kept" is "key >= the key at the last kept position", which gives
 the flags back in block order without a scatter.
@@ -34,7 +35,7 @@ _KEEP_EVERYTHING = 2**31 - 1  # as min_len: every sequence is shorter, so all is
 def _select_blocks_kernel(
     scores_ptr, cu_blocks_ptr, cu_k_ptr, target_tokens_ptr, keep_ptr, p_ptr,
     p, block_size, sink, last_q, min_len,
-    TOP_P: tl.constexpr, PER_SEQUENCE_P: tl.constexpr, BLOCK: tl.constexpr,
+    TOP_P: tl.constexpr, PER_SEQUENCE_P: tl.constexpr, CONTENT: tl.constexpr, BLOCK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     if PER_SEQUENCE_P:
@@ -58,7 +59,11 @@ def _select_blocks_kernel(
     block = 0xFFFF - (key_sorted & 0xFFFF)
 
     if TOP_P:
-        sorted_score = tl.load(scores_ptr + first + block, mask=sorted_ok, other=0.0)
+        counted = sorted_ok
+        if CONTENT:  # only the free blocks' scores count (forced keys sort first, bit 48 set)
+            counted = counted & ((key_sorted >> 48) == 0)
+            score = tl.where(forced, 0.0, score)
+        sorted_score = tl.load(scores_ptr + first + block, mask=counted, other=0.0)
         prefix = tl.cumsum(sorted_score, 0)
         target = tl.sum(score, 0) * p
     else:
@@ -86,6 +91,7 @@ def select_blocks_fwd(
     sink: int,
     last_q: int,
     min_tokens: int,
+    selection: str = "paper",
 ) -> torch.Tensor:
     """Host wrapper: one program per sequence; returns block_keep bool [total_blocks]."""
     if max_blocks_per_sequence > MAX_BLOCKS_PER_SEQUENCE:
@@ -115,7 +121,8 @@ def select_blocks_fwd(
     _select_blocks_kernel[(batch,)](
         block_scores, cu_blocks, cu_seqlens_k, target_tokens, keep, p_values,
         1.0 if per_sequence else float(p), block_size, sink, last_q, min(min_len, _KEEP_EVERYTHING),
-        TOP_P=keep_ratio is None, PER_SEQUENCE_P=per_sequence and keep_ratio is None, BLOCK=block,
+        TOP_P=keep_ratio is None, PER_SEQUENCE_P=per_sequence and keep_ratio is None,
+        CONTENT=selection == "content", BLOCK=block,
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )
     return keep.view(torch.bool)

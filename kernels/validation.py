@@ -19,7 +19,7 @@ from ._common import cdiv, interpret_enabled
 
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-IMPLS = ("auto", "triton", "torch")
+from .names import IMPLS, SELECTIONS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def read_layout(
 
 
 def check_select_inputs(block_scores, cu_blocks, cu_seqlens_k, *, p, keep_ratio, block_size,
-                        sink, last_q, min_tokens) -> None:
+                        sink, last_q, min_tokens, selection="paper") -> None:
     if not isinstance(block_scores, torch.Tensor) or block_scores.dim() != 1:
         raise ValueError(f"block_scores must be a 1-D tensor [total_blocks], got {_shape(block_scores)}")
     if block_scores.dtype != torch.float32:
@@ -152,6 +152,8 @@ def check_select_inputs(block_scores, cu_blocks, cu_seqlens_k, *, p, keep_ratio,
     check_int("sink", sink, low=0)
     check_int("last_q", last_q, low=1)
     check_int("min_tokens", min_tokens, low=0)
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection={selection!r} is not one of {SELECTIONS}")
 
 
 def check_compact_inputs(block_keep, cu_blocks, cu_seqlens_k, block_size) -> None:

@@ -65,7 +65,7 @@ def _p_arg(kind: str, p: float, batch: int) -> float | torch.Tensor:
 def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                              device: torch.device | str, block_size: int, sink: int, last_q: int,
                              min_tokens: int, max_seqlen: int, p: float = 0.95, keep_ratio: float | None = None,
-                             per_sequence_p: bool = True, impl: str = "auto") -> WarmUp:
+                             per_sequence_p: bool = True, impl: str = "auto", selection: str = "paper") -> WarmUp:
     """Run the kernel variants a server will meet (module docstring); returns what ran."""
     start = time.perf_counter()
     modes = selection_modes(p, keep_ratio, per_sequence_p)
@@ -86,7 +86,8 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
             for kind, ratio in modes:
                 score_and_select(q, k, cu_q, cu_k, length, scale=head_dim ** -0.5, block_size=block_size,
                                  p=_p_arg(kind, p, batch), keep_ratio=ratio, sink=sink, last_q=last_q,
-                                 min_tokens=min_tokens, impl=impl, host_cu_seqlens=(host_q, host_k))
+                                 min_tokens=min_tokens, impl=impl, host_cu_seqlens=(host_q, host_k),
+                                 selection=selection)
                 scored += 1
     selected = 0
     from .select_blocks import MAX_BLOCKS_PER_SEQUENCE  # imports Triton: only where its kernels run
@@ -102,7 +103,7 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
             for kind, ratio in modes:
                 keep = select_blocks(scores, cu_blocks, cu_k, p=_p_arg(kind, p, batch), keep_ratio=ratio,
                                      block_size=block_size, sink=sink, last_q=last_q, min_tokens=min_tokens,
-                                     impl=impl, max_seqlen_k=lengths[0])
+                                     impl=impl, max_seqlen_k=lengths[0], selection=selection)
                 compact_tokens(keep, cu_blocks, cu_k, block_size, impl=impl)
                 selected += 1
             blocks *= 2

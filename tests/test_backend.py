@@ -83,6 +83,23 @@ def test_dropping_matches_eager_reference(arch):
     assert (out - full).abs().max() > 10 * ATOL, "dropping must change the answer of a random model"
 
 
+def test_content_selection_keeps_a_superset_and_matches_the_reference():
+    """selection="content": at one drop point it needs p of the free blocks' score from free
+    blocks alone, so it keeps every block the paper's rule keeps, and more wherever the sink
+    and window hold any score; the rewritten model equals the eager reference on its kept set."""
+    model = _llama()
+    ids = _ids(1, 333)
+    kept = {}
+    with torch.no_grad():
+        for rule in ("paper", "content"):
+            compiled = uniprefill.compile(model, UniPrefillConfig(p=0.5, drop_layers=(1,), selection=rule, **SMALL))
+            out = compiled(input_ids=ids, use_cache=False).logits[:, -1]
+            kept[rule] = uniprefill.last_drop_report(compiled).points[0].kept_positions(0, 333)
+            torch.testing.assert_close(out, reference_last_logits(model, ids, {1: kept[rule]}), atol=ATOL, rtol=0)
+    assert set(kept["paper"].tolist()) < set(kept["content"].tolist())
+    assert kept["content"].numel() < 333, "content at p = 0.5 still drops"
+
+
 def test_sliding_window_is_over_original_positions():
     model = _gemma3()
     ids = _ids(1, 320)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import Gemma3TextConfig, LlamaConfig, Qwen3NextConfig
 
-from uniprefill.bench.flops import flop_ratio, prefill_flops
-from uniprefill.bench.timing import TimingStats, measure
+from uniprefill.measure.flops import flop_ratio, prefill_flops
+from uniprefill.measure.timing import TimingStats, measure
 from uniprefill.bench.ttft import (
     SweepPlan,
     analytic_speedup,
@@ -167,7 +167,7 @@ def test_git_commit_falls_back_to_the_environment(monkeypatch, tmp_path):
     """A copy without .git (the GPU box) names its commit through UNIPREFILL_GIT_COMMIT."""
     import subprocess
 
-    from uniprefill.bench import environment
+    from uniprefill.measure import environment
 
     def no_repo(*args, **kwargs):
         return subprocess.CompletedProcess(args, 128, "", "not a git repository")

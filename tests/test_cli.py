@@ -47,6 +47,7 @@ def _fails(argv, capsys, message):
     (["eval", "--tasks", "niah_single_1", "--p", "0"], "p=0.0 is outside"),
     (["eval", "--tasks", "niah_single_1", "--policy", "lazy"], "policy='lazy'"),
     (["eval", "--tasks", "niah_single_1", "--window-positions", "kept"], "window_positions='kept'"),
+    (["eval", "--tasks", "niah_single_1", "--selection", "top"], "selection='top'"),
     (["eval", "--tasks", "niah_single_1", "--shard", "2/2"], "shard '2/2'"),
     (["eval", "--tasks", "niah_single_1", "--lengths", "4q"], "length '4q'"),
     (["eval", "--tasks", "niah_single_1", "--model", "./no/such/model"], "does not exist"),
@@ -144,6 +145,23 @@ def test_window_positions_multiply_the_systems():
     configs = _configs(args)
     assert sorted((c.p, c.window_positions) for c in configs) == [
         (0.8, "compacted"), (0.8, "original"), (0.9, "compacted"), (0.9, "original")]
+
+
+def test_selection_rules_multiply_the_systems_with_their_own_labels():
+    """`--selection paper,content --p ...`: one run sweeps both rules (issue: compare them in one
+    eval); each system's label names a non-default rule."""
+    from uniprefill.cli import _configs, build_parser
+    from uniprefill.eval.systems import uniprefill_spec
+
+    args = build_parser().parse_args(["eval", "--tasks", "niah_single_1", "--p", "0.9,0.99",
+                                      "--selection", "paper,content"])
+    configs = _configs(args)
+    assert sorted((c.selection, c.p) for c in configs) == [
+        ("content", 0.9), ("content", 0.99), ("paper", 0.9), ("paper", 0.99)]
+    labels = {(c.selection, c.p): uniprefill_spec(c).label for c in configs}
+    assert labels[("content", 0.9)].endswith("selection=content")
+    assert "selection" not in labels[("paper", 0.9)]
+    assert len({uniprefill_spec(c).name for c in configs}) == 4
 
 
 def test_bench_end_to_end(model_dir, tmp_path, capsys):

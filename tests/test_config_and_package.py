@@ -20,6 +20,10 @@ def test_defaults_and_stable_hash():
     assert cfg.stable_hash() == UniPrefillConfig().stable_hash()
     assert cfg.stable_hash() != UniPrefillConfig(p=0.9).stable_hash()
     assert UniPrefillConfig(min_tokens=10).effective_min_tokens == 256
+    # fields added later enter the digest only when set: eval records keyed by it stay valid
+    assert cfg.stable_hash() == "8e637cb7ee37b128"
+    assert UniPrefillConfig(p=0.9, drop_layers=(5, 11)).stable_hash() == "2c5a428df294363f"
+    assert UniPrefillConfig(selection="content").stable_hash() != cfg.stable_hash()
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -30,6 +34,7 @@ def test_defaults_and_stable_hash():
     ({"last_q": 2.5}, "must be an integer"),
     ({"sink": -1}, ">= 0"),
     ({"policy": "keep"}, "policy='keep'"),
+    ({"selection": "topk"}, "selection='topk' is not one of"),
     ({"impl": "cuda"}, "impl='cuda'"),
     ({"drop_layers": "some"}, "drop_layers"),
     ({"drop_layers": [3, 3]}, "repeats"),
@@ -72,6 +77,19 @@ def test_import_is_lean():
     )
     result = _python(code, ROOT)
     assert result.returncode == 0 and "lean" in result.stdout, result.stderr
+
+
+def test_eval_does_not_import_bench(tmp_path):
+    """The measurement helpers sit below both packages: eval never imports bench (no cycle)."""
+    code = (
+        "import sys, uniprefill.eval.runner, uniprefill.eval.systems, uniprefill.eval.ideal, uniprefill.eval.summary\n"
+        "import uniprefill.eval.tasks, uniprefill.measure.flops, uniprefill.measure.sdpa\n"
+        "bench = sorted(m for m in sys.modules if m.startswith('uniprefill.bench'))\n"
+        "assert not bench, bench\n"
+        "print('no cycle')"
+    )
+    result = _python(code, tmp_path)
+    assert result.returncode == 0 and "no cycle" in result.stdout, result.stderr[-2000:]
 
 
 def test_kernels_folder_does_not_trip_transformers_probe():

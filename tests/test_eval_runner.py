@@ -240,7 +240,7 @@ def test_timed_subset_and_parts(model, tokenizer, tmp_path):
 
 
 def test_ideal_speedup_is_the_flop_ratio_of_the_report(model):
-    from uniprefill.bench.flops import flop_ratio
+    from uniprefill.measure.flops import flop_ratio
 
     spec = uniprefill_spec(UniPrefillConfig(p=0.9, drop_layers=(1,), block_size=16, last_q=32))
     system = systems_mod.System(spec, model)
@@ -253,7 +253,7 @@ def test_ideal_speedup_is_the_flop_ratio_of_the_report(model):
 
 
 def test_decode_sdpa_applies_to_one_token_calls_only():
-    from uniprefill.bench.sdpa import for_decode_steps
+    from uniprefill.measure.sdpa import for_decode_steps
 
     seen = []
 

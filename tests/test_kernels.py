@@ -223,15 +223,17 @@ SELECT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("selection", ["paper", "content"])
 @pytest.mark.parametrize("keep_ratio", [None, 0.3], ids=lambda r: f"ratio={r}")
 @pytest.mark.parametrize("p", [0.3, 0.95, 1.0], ids=lambda p: f"p={p}")
 @pytest.mark.parametrize("case", SELECT_CASES, ids=[c[0] for c in SELECT_CASES])
-def test_triton_selection_matches_reference(case, p, keep_ratio):
+def test_triton_selection_matches_reference(case, p, keep_ratio, selection):
     _, lens, block, sink, last_q, min_tokens = case
     cu_k = cumsum0(lens)
     cu_blocks = cumsum0([math.ceil(n / block) for n in lens])
     scores = integer_scores(cu_blocks.tolist(), seed=len(lens) + block)
-    settings = dict(p=p, keep_ratio=keep_ratio, block_size=block, sink=sink, last_q=last_q, min_tokens=min_tokens)
+    settings = dict(p=p, keep_ratio=keep_ratio, block_size=block, sink=sink, last_q=last_q, min_tokens=min_tokens,
+                    selection=selection)
     ref = api.select_blocks(scores, cu_blocks, cu_k, impl="torch", **settings)
     out = api.select_blocks(scores, cu_blocks, cu_k, impl="triton", max_seqlen_k=max(lens), **settings)
     assert out.dtype == torch.bool and torch.equal(out, ref)
@@ -269,7 +271,8 @@ def test_per_sequence_p_is_checked():
             api.select_blocks(scores, cu_blocks, cu_k, p=bad, **settings)
 
 
-def check_selection(scores, keep, cu_blocks, lens, *, p, keep_ratio, block_size, sink, last_q, min_tokens):
+def check_selection(scores, keep, cu_blocks, lens, *, p, keep_ratio, block_size, sink, last_q, min_tokens,
+                    selection="paper"):
     """The properties of a selection, sequence by sequence."""
     bounds = cu_blocks.tolist()
     for b, n in enumerate(lens):
@@ -281,6 +284,8 @@ def check_selection(scores, keep, cu_blocks, lens, *, p, keep_ratio, block_size,
         assert kept[forced].all(), "sink and window blocks are always kept"
         optional = kept & ~forced
         if keep_ratio is None:
+            if selection == "content":  # p of the free blocks' score, from free blocks alone
+                s = s.masked_fill(forced, 0.0)
             assert s[kept].sum() >= p * s.sum() * (1 - 1e-6)
             if optional.any():  # minimal: without its weakest optional block it falls short
                 assert s[kept].sum() - s[optional].min() < p * s.sum()
@@ -304,6 +309,24 @@ def test_selection_of_real_scores_has_its_properties(impl):
         check_selection(scores, keep, cu_blocks, lens, **settings)
         if p == 1.0:
             assert keep.all()
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_content_selection_counts_only_the_free_blocks(impl):
+    """Sink and window hold 95% of the score: the paper's rule at p = 0.9 keeps them alone;
+    "content" keeps the free blocks holding 90% of the other 5%."""
+    n, block = 16 * 10, 16  # blocks 0 (sink) and 9 (window) are forced
+    free = [8.0, 1.0, 4.0, 2.0, 16.0, 1.0, 0.5, 0.5]  # sums to 33
+    scores = torch.tensor([313.5] + free + [313.5], device=DEVICE)  # forced: 627 of 660 (95%)
+    cu_k, cu_blocks = cumsum0([n]), cumsum0([10])
+    settings = dict(p=0.9, keep_ratio=None, block_size=block, sink=1, last_q=1, min_tokens=0)
+    paper = api.select_blocks(scores, cu_blocks, cu_k, impl=impl, **settings)
+    assert paper.tolist() == [True] + [False] * 8 + [True]
+    content = api.select_blocks(scores, cu_blocks, cu_k, impl=impl, selection="content", **settings)
+    # 16 + 8 + 4 = 28 < 29.7 = 0.9 * 33; + 2 = 30 reaches it
+    assert content.tolist() == [True, True, False, True, True, True, False, False, False, True]
+    with pytest.raises(ValueError, match="selection='cheap' is not one of"):
+        api.select_blocks(scores, cu_blocks, cu_k, impl=impl, selection="cheap", **settings)
 
 
 def test_selection_ties_go_to_the_lower_block():

@@ -70,7 +70,7 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def _configs(args) -> list:
-    """One UniPrefillConfig per (drop set, policy, p); its ValueError names a bad value.
+    """One UniPrefillConfig per (selection rule, drop set, policy, p); its ValueError names a bad value.
 
     `--drop-layers` holds one drop set or several separated by ";" (e.g. "all;auto;11,17").
     """
@@ -79,9 +79,9 @@ def _configs(args) -> list:
     drops = [parse_drop_layers(d.strip()) for d in args.drop_layers.split(";") if d.strip()]
     if not drops:
         raise UsageError(f"--drop-layers {args.drop_layers!r} names no drop set")
-    return [UniPrefillConfig(p=p, policy=policy, drop_layers=drop, window_positions=window)
-            for window in _split(args.window_positions) for drop in drops for policy in _split(args.policy)
-            for p in _floats(args.p, "--p")]
+    return [UniPrefillConfig(p=p, policy=policy, drop_layers=drop, window_positions=window, selection=rule)
+            for rule in _split(args.selection) for window in _split(args.window_positions) for drop in drops
+            for policy in _split(args.policy) for p in _floats(args.p, "--p")]
 
 
 def _haystack(args) -> tuple[str | None, str]:
@@ -145,12 +145,12 @@ def _write_json(path: str, payload: dict[str, Any]) -> None:
 
 def cmd_demo(args, checks) -> int:
     from uniprefill.bench.demo import DemoSettings, demo_sample, format_demo, run_demo
-    from uniprefill.bench.environment import environment_info
+    from uniprefill.measure.environment import environment_info
 
     with checks():
         configs = _configs(args)
         if len(configs) != 1:
-            raise UsageError("demo takes one --p and one --policy")
+            raise UsageError("demo takes one --p, --policy, --selection and --window-positions")
         config = configs[0]
         settings = DemoSettings(length=parse_length(args.length), seed=args.seed,
                                 warmup=args.warmup, repeats=args.repeats)
@@ -171,7 +171,7 @@ def cmd_demo(args, checks) -> int:
 
 
 def cmd_bench(args, checks) -> int:
-    from uniprefill.bench.environment import environment_info
+    from uniprefill.measure.environment import environment_info
     from uniprefill.bench.ttft import SweepPlan, format_results, plot_sweep, sweep
 
     with checks():
@@ -317,6 +317,8 @@ def _method(p: argparse.ArgumentParser, *, p_default: str, many: bool) -> None:
     s = "(comma-separated list)" if many else ""
     p.add_argument("--p", default=p_default, help=f"kept attention share in (0, 1] {s}")
     p.add_argument("--policy", default="cumulative", help=f"cumulative or suspend {s}")
+    p.add_argument("--selection", default="paper",
+                   help=f"whose score p is a share of: paper (all blocks) or content (blocks outside the sink and window) {s}")
     p.add_argument("--drop-layers", default="auto", help="auto, all or indices like 7,11,15; several sets separated by ';'")
     p.add_argument("--window-positions", default="original",
                    help=f"sliding windows after a drop over original positions or compacted indices {s}")

@@ -16,11 +16,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Union
 
+from .kernels.names import IMPLS, SELECTIONS
+
 DropLayers = Union[Literal["auto", "all"], tuple[int, ...]]
 KeepRatio = Union[None, float, tuple[float, ...]]
 
 POLICIES = ("cumulative", "suspend")
-IMPLS = ("auto", "triton", "torch")
 WINDOW_POSITIONS = ("original", "compacted")
 
 
@@ -30,8 +31,13 @@ class UniPrefillConfig:
 
     Attributes:
         p: share of the (block-averaged, head-summed) attention score that the kept blocks
-            must hold, in (0, 1]. Sink and window blocks count toward it. At p = 1 the
-            rewrite stays in place, still scores, and keeps every token.
+            must hold, in (0, 1]; `selection` says of which score. At p = 1 the rewrite stays
+            in place, still scores, and keeps every token.
+        selection: "paper" (the paper's rule: the sink and window blocks, always kept, count
+            toward p of all the score) or "content" (the other blocks must hold p of the
+            score that falls outside the sink and window blocks; the forced blocks are kept
+            on top). Where the sink and window hold most of the score, as in the deep layers of
+            small models, "paper" keeps little beyond them at any p < 1 (docs/selection.md).
         block_size: G, the number of consecutive tokens scored and kept or dropped
             together. >= 1.
         last_q: n, the number of final queries whose attention scores the keys. These
@@ -68,6 +74,7 @@ class UniPrefillConfig:
     last_q: int = 128
     sink: int = 128
     drop_layers: DropLayers = "auto"
+    selection: Literal["paper", "content"] = "paper"
     policy: Literal["cumulative", "suspend"] = "cumulative"
     keep_ratio: KeepRatio = None
     min_tokens: int = 0
@@ -88,6 +95,8 @@ class UniPrefillConfig:
         object.__setattr__(self, "keep_ratio", _normalise_keep_ratio(self.keep_ratio))
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection={self.selection!r} is not one of {SELECTIONS}")
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
         if self.window_positions not in WINDOW_POSITIONS:
@@ -148,7 +157,7 @@ class UniPrefillConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-_ADDED_LATER = {"window_positions": "original"}
+_ADDED_LATER = {"window_positions": "original", "selection": "paper"}
 
 
 def _plain(value):

@@ -42,13 +42,14 @@ def score_select(
     last_q: int,
     min_tokens: int,
     impl: str,
+    selection: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the tokens to keep at one drop point.
 
     q, k: the attention inputs of the drop layer, `[Bq, H, L, d]` (SDPA layout).
     src_flat: int64 `[T_in]`, the flat `b * L + t` index of every live token of the
         current layout, rows back to back (`counts_in` host int64 `[R]` tokens per row).
-    keep_ratio < 0 means top-p with `p`.
+    keep_ratio < 0 means top-p with `p` under the rule `selection` ("paper" or "content").
     Returns (rel_kept int64 `[T_out]` indices into `src_flat`, counts_out host int64 `[R]`).
     One device-to-host copy: the kept counts.
     """
@@ -76,12 +77,13 @@ def score_select(
         min_tokens=min_tokens,
         impl=impl,
         host_cu_seqlens=(_host_cumsum(q_counts), _host_cumsum(counts)),
+        selection=selection,
     )
     return selection.kept_idx, torch.tensor(selection.kept_counts, dtype=torch.int64)
 
 
 @score_select.register_fake
-def _(q, k, src_flat, counts_in, scale, block_size, p, keep_ratio, sink, last_q, min_tokens, impl):
+def _(q, k, src_flat, counts_in, scale, block_size, p, keep_ratio, sink, last_q, min_tokens, impl, selection):
     kept = torch.library.get_ctx().new_dynamic_size()
     return src_flat.new_empty(kept), counts_in.new_empty(counts_in.shape)
 

@@ -5,12 +5,16 @@
 # tiny; a machine with many cores (the GPU box has 16) runs thousands of cases in minutes.
 #   WORKERS=16 SECONDS_BUDGET=420 BASE_SEED=5000 OUT_DIR=$OUT bash scripts/gpu/fuzz_parallel.sh
 # Architectures that do not build under the installed transformers are left out (listed).
+# The per-worker files live in /tmp and only one tar.gz lands in OUT_DIR, refreshed every 30 s: a
+# device call cut at its time limit still returns what ran (a device call returns a bounded
+# number of files, so 32 loose files would not all come back).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 WORKERS=${WORKERS:-8} FRESH_EVERY=${FRESH_EVERY:-25} SECONDS_BUDGET=${SECONDS_BUDGET:-300} OUT_DIR=$(realpath -m "${OUT_DIR:-/tmp/fuzz-out}")
 BASE_SEED=${BASE_SEED:-1000}
 PP=/tmp/pp-fuzz
-mkdir -p "$OUT_DIR/runs" "$PP" && rm -rf "$PP/uniprefill" && cp -r uniprefill "$PP/" && cp -r kernels "$PP/uniprefill/kernels"
+RUNS=/tmp/fuzz-runs-$BASE_SEED
+rm -rf "$RUNS" && mkdir -p "$RUNS/runs" "$OUT_DIR" "$PP" && rm -rf "$PP/uniprefill" && cp -r uniprefill "$PP/" && cp -r kernels "$PP/uniprefill/kernels"
 export PYTHONPATH=$PP PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 ARCHS=$(python3 - <<'PY'
 import torch
@@ -33,10 +37,13 @@ for w in $(seq 0 $((WORKERS - 1))); do
   # uniprefill/ lacks uniprefill/kernels (the installed layout lives in $PP)
   (cd /tmp && timeout $((SECONDS_BUDGET + 60)) python3 -m uniprefill fuzz --cases 100000 --seed "$seed" \
      --archs "$ARCHS" --fresh-every "$FRESH_EVERY" --seconds "$SECONDS_BUDGET" --quiet \
-     --out "$OUT_DIR/runs/fuzz-$seed.json" > "$OUT_DIR/runs/fuzz-$seed.log" 2>&1) &
+     --out "$RUNS/runs/fuzz-$seed.json" > "$RUNS/runs/fuzz-$seed.log" 2>&1) &
 done
-wait
-python3 - "$OUT_DIR/runs" <<'PY'
+(while sleep 30; do tar czf "$OUT_DIR/.fuzz-runs.tmp" -C "$RUNS" runs && mv "$OUT_DIR/.fuzz-runs.tmp" "$OUT_DIR/fuzz-runs.tar.gz"; done) &
+TARRER=$!
+wait $(jobs -p | grep -v "^$TARRER$")
+kill $TARRER 2>/dev/null
+python3 - "$RUNS/runs" <<'PY'
 import collections, glob, json, sys
 total = collections.Counter(); reasons = collections.Counter(); failures = []; cases = acc = 0
 for path in sorted(glob.glob(sys.argv[1] + "/fuzz-*.json")):
@@ -46,4 +53,4 @@ print(f"{cases} cases: {dict(total)}; calls that ran the rewritten graph: {acc}"
 for reason, n in reasons.most_common(): print(f"  {n:5d}  {reason}")
 for f in failures[:30]: print("FAILED", json.dumps(f)[:600])
 PY
-tar czf "$OUT_DIR/fuzz-runs.tar.gz" -C "$OUT_DIR" runs && rm -rf "$OUT_DIR/runs"
+tar czf "$OUT_DIR/fuzz-runs.tar.gz" -C "$RUNS" runs && rm -f "$OUT_DIR/.fuzz-runs.tmp"

@@ -2,9 +2,10 @@
 
 Modules (import them explicitly; this package imports nothing):
     ttft: `sweep` over lengths, batch sizes and configs; `plot_sweep`; `analytic_speedup`.
-    flops: `prefill_flops`, `flop_ratio` (the ideal speedup from retention per drop point).
-    timing: `measure` (warm-up, repeats, device sync, CUDA events, peak memory).
     models: `load_model` from the default model, a preset name or a local folder.
-    environment: versions, device, git commit and date recorded with every result.
     demo: the `uniprefill demo` run.
+
+Timing, environment records, the FLOP model and the decode SDPA choice live in
+`uniprefill.measure`, which this package and `uniprefill.eval` both import (eval never imports
+bench; bench imports eval's tasks, systems and runner).
 """

@@ -22,8 +22,8 @@ import torch
 from uniprefill.config import UniPrefillConfig
 from uniprefill.eval.systems import System, baseline_spec, drop_points, uniprefill_spec
 
-from .flops import prefill_flops
-from .timing import measure
+from uniprefill.measure.flops import prefill_flops
+from uniprefill.measure.timing import measure
 
 BASELINES = ("eager", "compiled", "both")
 IdealFn = Callable[[Any, torch.Tensor, torch.Tensor, dict | None], float]

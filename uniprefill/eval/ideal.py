@@ -10,7 +10,7 @@ the layers that run on that many tokens,
 
 where drop point i sits after layer l_i's attention (its MLP already runs on the K_i kept
 tokens, hence the halves), and t(n) is the plain model's prefill of the prompt's last n
-tokens. Unlike the FLOP-model ideal (`uniprefill.bench.flops`), it pays what the plain model
+tokens. Unlike the FLOP-model ideal (`uniprefill.measure.flops`), it pays what the plain model
 pays at each size, launch overheads included, so it is the fair bar where a small model is
 host-bound after a drop. It weights layers by count, so it is an estimate where layers differ
 in cost (Gemma-3's full-attention layers cost more than its sliding ones at long N).
@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from uniprefill.bench.timing import measure
+from uniprefill.measure.timing import measure
 
 
 def layer_segments(num_layers: int, points: list[tuple[int, int]], seq_len: int) -> list[tuple[int, float]]:

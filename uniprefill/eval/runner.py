@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from uniprefill.bench.environment import environment_info
-from uniprefill.bench.timing import measure
+from uniprefill.measure.environment import environment_info
+from uniprefill.measure.timing import measure
 
 from .haystack import load_essay_haystack
 from .scoring import clean_prediction, score
@@ -186,7 +186,7 @@ def run_eval(
         timed_samples: time only samples with index < this (None: all of them).
         part: "all", "timed" or "untimed": which of those prompts to run now.
         stop_when_answered: end a generation once every reference is in the answer.
-        decode_sdpa: SDPA kernels of decode steps (`uniprefill.bench.sdpa`).
+        decode_sdpa: SDPA kernels of decode steps (`uniprefill.measure.sdpa`).
         done_elsewhere: other results files whose records count as done (e.g. an earlier
             session's merged results, while this run appends to a fresh file).
         measured_ideal: also measure each timed method prompt's ideal, the plain model timed

@@ -60,6 +60,8 @@ def uniprefill_spec(config: UniPrefillConfig) -> SystemSpec:
         label = f"uniprefill p={config.p:g} {config.policy} drop={drop}"
     else:  # forced retention: p plays no part
         label = f"uniprefill keep={','.join(f'{r:g}' for r in config.keep_ratio)} {config.policy} drop={drop}"
+    if config.selection != "paper":
+        label += f" selection={config.selection}"
     if config.window_positions != "original":
         label += f" window={config.window_positions}"
     return SystemSpec(f"uniprefill-{config.stable_hash()}", label, config, True)
@@ -117,7 +119,7 @@ class System:
     def ideal_speedup(self, report: dict[str, Any] | None, seq_len: int) -> float | None:
         """FLOP-model ideal prefill speedup at the retentions of `report` (None: baseline).
 
-        `uniprefill.bench.flops.flop_ratio` with the kept share of every drop point: what
+        `uniprefill.measure.flops.flop_ratio` with the kept share of every drop point: what
         dropping would save if scoring, selection and gathers were free.
         """
         if self.spec.config is None:
@@ -125,7 +127,7 @@ class System:
         points = drop_points(report)
         if not points:
             return 1.0
-        from uniprefill.bench.flops import flop_ratio
+        from uniprefill.measure.flops import flop_ratio
 
         return flop_ratio(self.model.config, seq_len, [float(p["retention"]) for p in points],
                           [int(p["layer"]) for p in points], policy=self.spec.config.policy,
@@ -149,12 +151,12 @@ class System:
                  decode_sdpa: str = "default") -> torch.Tensor:
         """Greedy continuation ids, [batch, new tokens].
 
-        `decode_sdpa`: SDPA kernels of the decode steps (`uniprefill.bench.sdpa`); the
+        `decode_sdpa`: SDPA kernels of the decode steps (`uniprefill.measure.sdpa`); the
         prefill inside generation keeps the default kernels.
         """
         from transformers import GenerationConfig
 
-        from uniprefill.bench.sdpa import for_decode_steps
+        from uniprefill.measure.sdpa import for_decode_steps
 
         target = self.model if self.spec.config is None else self.fn
         config = GenerationConfig(

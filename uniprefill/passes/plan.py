@@ -234,13 +234,15 @@ def _check_length_guards(seq) -> None:
         raise LengthSpecialized(
             f"the traced program holds only for prompt lengths {int(bounds.lower)}..{int(bounds.upper)} (the model's "
             "code loops or recurses on the length, e.g. a scan): layers after a drop could not run on fewer kept tokens")
-    length = shape_env.var_to_val.get(seq)
+    # the hint of every backed symbol (torch 2.13 renamed var_to_val, deprecating the old name)
+    hints = shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val
+    length = hints.get(seq)
     if length is None:
         return
     # symbols of the same value stand for the same length (the size of another input that follows
     # the tokens: a mask or position ids, recompiled with a symbol of its own) and follow it
-    lengths = {seq} | {s for s, v in shape_env.var_to_val.items() if v == length}
-    others = {s: v for s, v in shape_env.var_to_val.items() if s not in lengths}
+    lengths = {seq} | {s for s, v in hints.items() if v == length}
+    others = {s: v for s, v in hints.items() if s not in lengths}
     samples = _count_samples(int(length))
     for guard in shape_env.guards:
         expr = guard.expr

@@ -470,7 +470,8 @@ class TokenDropPass:
         ratio = cfg.keep_ratio_at(drop_index, len(self.plan.drop_layers))
         sel = new.call_function(U.score_select.default, (
             q, k, parent.src_flat, parent.counts, scale, cfg.block_size, float(cfg.p),
-            -1.0 if ratio is None else float(ratio), cfg.sink, cfg.last_q, cfg.effective_min_tokens, cfg.impl))
+            -1.0 if ratio is None else float(ratio), cfg.sink, cfg.last_q, cfg.effective_min_tokens, cfg.impl,
+            cfg.selection))
         rel = new.call_function(operator.getitem, (sel, 0))
         counts = new.call_function(operator.getitem, (sel, 1))
         lay = _Layout(len(self.layouts), i)

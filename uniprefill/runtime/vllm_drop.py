@@ -353,7 +353,8 @@ class VllmDropRuntime:
         ran = warm_up_fn(num_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2], dtype=q.dtype,
                          device=q.device, block_size=cfg.block_size, sink=cfg.sink, last_q=cfg.last_q,
                          min_tokens=cfg.effective_min_tokens, max_seqlen=self.warm_up_max_seqlen, p=cfg.p,
-                         keep_ratio=cfg.keep_ratio_at(drop_index, len(self.drop_layers)), impl=cfg.impl)
+                         keep_ratio=cfg.keep_ratio_at(drop_index, len(self.drop_layers)), impl=cfg.impl,
+                         selection=cfg.selection)
         self.totals.kernel_warm_ups += 1
         logger.info("uniprefill: compiled the score-and-select kernels before serving (prompts up to %d tokens): "
                     "%s", self.warm_up_max_seqlen, ran)
@@ -498,7 +499,7 @@ class VllmDropRuntime:
             scale=q.shape[-1] ** -0.5, block_size=cfg.block_size,
             p=cfg.p if keep_ratio is not None else self._p_of(chosen), keep_ratio=keep_ratio,
             sink=cfg.sink, last_q=cfg.last_q, min_tokens=cfg.effective_min_tokens, impl=cfg.impl,
-            host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()), group=self.group,
+            host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()), group=self.group, selection=cfg.selection,
         )
         counts = qlen.clone()
         counts[chosen] = torch.tensor(selection.kept_counts, dtype=counts.dtype)
