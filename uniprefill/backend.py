@@ -126,7 +126,7 @@ class UniPrefillBackend:
     def _guarded(self, original: fx.GraphModule, result):
         """Run the rewrite, except for inputs it must not see (short prompts, several rows it can't pack,
         masks or positions the rewrite does not model: `passes.mask_inputs`)."""
-        tokens_pos = _tokens_position(result.graph_module)
+        tokens_pos = result.tokens_index
         min_tokens = self.config.effective_min_tokens
         rewritten = result.graph_module
 
@@ -188,19 +188,6 @@ class UniPrefillBackend:
         """Sliding window of every layer of the latest rewritten graph (0: unbounded)."""
         prefill = next((g for g in reversed(self.graphs) if g.rewritten and g.layers), None)
         return {r.layer: r.window for r in prefill.layers} if prefill else {}
-
-
-def _tokens_position(gm: fx.GraphModule) -> int:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "embedding" in str(node.target):
-            src = node.args[0]
-            if src in placeholders:
-                return placeholders.index(src)
-    for i, node in enumerate(placeholders):
-        if "inputs_embeds" in node.name:
-            return i
-    raise RuntimeError("rewritten graph has no token input")
 
 
 # The backends that the string entry point made, by the model's input-embedding weight (held

@@ -77,6 +77,7 @@ class RewriteResult:
     # a convolution or scan sees every position, pads included: dropping pads from the middle
     # of a row (holes) changes its neighbourhoods, so such graphs accept left padding only
     left_padding_only: bool = False
+    tokens_index: int = 0  # the token input's position among the graph's inputs
 
 
 @dataclass
@@ -183,7 +184,8 @@ class TokenDropPass:
         return RewriteResult(gm, reports, self.plan.drop_layers, dict(self.counts),
                              bool(self.single_row_reason), self.single_row_reason, self._returns_cache(),
                              self.plan.input_checks,
-                             bool(self.single_row_reason) or any(i.kind == "linear" for i in self.plan.layers.values()))
+                             bool(self.single_row_reason) or any(i.kind == "linear" for i in self.plan.layers.values()),
+                             [n for n in self.gm.graph.nodes if n.op == "placeholder"].index(self.plan.tokens))
 
     def _returns_cache(self) -> bool:
         """Whether the graph hands key/value tensors out (a cache is being filled)."""

@@ -270,8 +270,7 @@ class UniPrefillModel(torch.nn.Module):
             raise inner
         if self.backend.config.strict:
             raise exc
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        self._unaccelerated(f"torch.compile cannot compile this model ({type(exc).__name__}: {first[:200]})")
+        self._unaccelerated(f"torch.compile cannot compile this model ({_what_failed(exc)})")
         return self._eager(kwargs)
 
     def _row_kwargs(self, kwargs) -> tuple[str, dict]:
@@ -447,3 +446,11 @@ def _cache_length(cache) -> int:
         return int(cache.get_seq_length())
     except Exception:  # noqa: BLE001  (caches without the method count as empty)
         return 0
+
+
+def _what_failed(exc: Exception) -> str:
+    """"Type: message" of the error that made torch.compile fail: dynamo's wrapper says only
+    "backend=... raised:" on its first line, so name the exception it wraps."""
+    inner = exc.__cause__ or getattr(exc, "inner_exception", None) or exc
+    lines = [line for line in str(inner).strip().splitlines() if line.strip()]
+    return f"{type(inner).__name__}: {lines[0][:200]}" if lines else type(inner).__name__

@@ -188,6 +188,7 @@ def census_one(model_type: str) -> CensusRow:
             warnings.simplefilter("ignore")
             exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers="all", **SETTINGS))
             one = exact(input_ids=ids[:1], use_cache=False).logits[:, -1]
+            why_first = exact.backend.last_unaccelerated  # later calls (generate) set their own
             ref_one = model(input_ids=ids[:1], use_cache=False).logits[:, -1]
             reports = uniprefill.graph_reports(exact)
             report = next((r for r in reports if r.rewritten), reports[-1] if reports else None)
@@ -208,7 +209,8 @@ def census_one(model_type: str) -> CensusRow:
             accelerated = history is not None and bool(history.points)
             if not accelerated:
                 row.status = "unaccelerated"
-                row.reason = exact.backend.last_unaccelerated or (report.reason if report else "no graph")
+                row.reason = (why_first or exact.backend.last_unaccelerated or (report.reason if report else "")
+                              or "the prefill dropped nothing and no reason was recorded")
             else:
                 torch._dynamo.reset()
                 fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers="all", **SETTINGS))
