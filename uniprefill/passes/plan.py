@@ -132,7 +132,7 @@ class _Analysis:
     def _find_tokens(self) -> fx.Node:
         for node in self.gm.graph.nodes:
             if node.op == "call_function" and target_name(node).endswith("embedding"):
-                src = _through_same_shape_views(node.args[0])
+                src = _through_same_shape_ops(node.args[0])
                 if isinstance(src, fx.Node) and src.op == "placeholder":
                     return src
         for node in self.gm.graph.nodes:
@@ -287,10 +287,15 @@ def _expr(size):
     return size.node.expr if isinstance(size, torch.SymInt) else int(size)
 
 
-def _through_same_shape_views(node):
-    """The tensor a chain of shape-preserving views reads (GPT-2 and OPT embed
-    `input_ids.view(-1, input_shape[-1])`, which is `input_ids` itself for [B, N] ids)."""
-    while (isinstance(node, fx.Node) and node.op == "call_method" and node.target in ("view", "reshape")
+# Not "to": Llama-4 embeds `input_ids.to(device)`, and following it accelerates its prefill
+# (equal at p = 1) while `generate` then fails the decode check on its chunked-attention cache.
+_SAME_SHAPE_METHODS = ("view", "reshape")
+
+
+def _through_same_shape_ops(node):
+    """The tensor a chain of shape-preserving views reads: GPT-2 and OPT embed
+    `input_ids.view(-1, input_shape[-1])`, which is `input_ids` itself for [B, N] ids."""
+    while (isinstance(node, fx.Node) and node.op == "call_method" and node.target in _SAME_SHAPE_METHODS
            and isinstance(node.args[0], fx.Node)):
         source = node.args[0]
         before, after = example_value(source), example_value(node)
