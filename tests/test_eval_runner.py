@@ -155,9 +155,9 @@ def test_uniprefill_system_on_the_tiny_model(model, tokenizer, tmp_path):
     assert any(r["system"] == spec.name and r["speedup"] is not None for r in rows)
 
 
-def _record(system, role, task, index, score, ttft, label=None, p=None):
+def _record(system, role, task, index, score, ttft, label=None, p=None, selection="paper"):
     spec = SystemSpec(system, label or system,
-                      UniPrefillConfig(p=p) if p is not None else None)
+                      UniPrefillConfig(p=p, selection=selection) if p is not None else None)
     return {
         "model": "m", "length": 4096, "task": task, "index": index, "seed": 0,
         "haystack": "noise", "system": system, "system_label": spec.label, "role": role,
@@ -188,6 +188,27 @@ def test_summary_pairs_prompts_and_uses_the_faster_baseline(tmp_path):
     assert "pending" in table and "+50.0" in table
     plot_pareto(rows, str(tmp_path / "pareto.png"))
     assert (tmp_path / "pareto.png").stat().st_size > 1000
+
+
+def test_summary_rows_name_the_selection_rule_one_pareto_curve_each(tmp_path, monkeypatch):
+    records = []
+    for i in range(10):
+        records.append(_record("baseline", "baseline", "vt", i, 1.0, 1.0))
+        for rule in ("paper", "content"):
+            for p in (0.9, 0.99):
+                records.append(_record(f"u-{rule}-{p}", "method", "vt", i, 1.0, 0.5, p=p, selection=rule))
+    rows = summarize(records, n_boot=100)
+    assert {(r["selection"], r["p"]) for r in rows if r["role"] == "method" and r["task"] == "vt"} == {
+        ("paper", 0.9), ("paper", 0.99), ("content", 0.9), ("content", 0.99)}
+    import matplotlib.axes
+
+    labels = []
+    real_plot = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **k: labels.append(k.get("label")) or real_plot(self, *a, **k))
+    plot_pareto(rows, str(tmp_path / "pareto.png"))
+    assert sorted(x for x in labels if x and x != "baseline") == ["content, cumulative, drop auto",
+                                                                    "paper, cumulative, drop auto"]
 
 
 def test_stop_when_answered_only_once_every_reference_is_there(tokenizer):

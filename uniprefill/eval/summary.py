@@ -83,6 +83,7 @@ def _row(model, length, task, name, recs, pairs, n_boot, seed, is_reference) -> 
         "label": first["system_label"], "role": first["role"],
         "p": config.get("p"), "policy": config.get("policy"),
         "drop_layers": _drop_label(config.get("drop_layers")),
+        "selection": config.get("selection", "paper") if config else None,  # records from before the field: paper
         "n": len(recs), "n_scored": len(scored),
         "score": 100 * statistics.fmean(scored) if scored else None,
         "generation_pending": sum(r["generation"] == "pending" for r in recs),
@@ -161,7 +162,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Accuracy vs TTFT speedup: one panel per length, one curve per (policy, drop set).
+    """Accuracy vs TTFT speedup: one panel per length, one curve per (selection rule, policy, drop set).
 
     Accuracy is the paired difference to the baseline (points, average over tasks) with its
     bootstrap 95% CI, so a curve whose prompts are a subset of the baseline's (a matrix still
@@ -187,17 +188,22 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
         full_n = max((r["n"] for r in at_length if r["role"] == "baseline"), default=0)
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.plot([1.0], [0.0], marker="s", color="black", linestyle="none", label="baseline")
-        curves = sorted({(r["policy"], r.get("drop_layers")) for r in at_length if r["policy"]}, key=str)
-        for policy, drop in curves:
+        def curve(r):
+            return r.get("selection") or "paper", r["policy"], r.get("drop_layers")
+
+        curves = sorted({curve(r) for r in at_length if r["policy"]}, key=str)
+        rules = {rule for rule, *_ in curves}
+        for rule, policy, drop in curves:
             points = sorted((r["speedup"], r["delta"], r["ci_low"], r["ci_high"], r["p"], r["n"]) for r in at_length
-                            if (r["policy"], r.get("drop_layers")) == (policy, drop)
+                            if curve(r) == (rule, policy, drop)
                             and r["delta"] is not None and r["speedup"] is not None)
             if not points:
                 continue
             ns = sorted({n for *_, n in points})
             partial = ns[0] < full_n
             n_text = f"n={ns[0]}" if len(ns) == 1 else f"n={ns[0]}-{ns[-1]}"
-            label = f"{policy}" + (f", drop {drop}" if drop else "") + (f" (partial, {n_text})" if partial else "")
+            label = (f"{rule}, " if len(rules) > 1 else "") + f"{policy}" + (f", drop {drop}" if drop else "") \
+                + (f" (partial, {n_text})" if partial else "")
             xs, ys = zip(*sorted([(1.0, 0.0)] + [(x, y) for x, y, *_ in points]))  # the baseline in x order
             line, = ax.plot(xs, ys, marker="o", linestyle="--" if partial else "-", label=label)
             ax.errorbar([x for x, *_ in points], [y for _, y, *_ in points],
