@@ -16,9 +16,9 @@ from transformers import Gemma3TextConfig, LlamaConfig
 from uniprefill.passes.vllm_graph import (
     analyze_vllm_graph,
     attach_example_inputs,
-    layer_kinds_from_hf_config,
     layer_name_of,
 )
+from uniprefill.models.layer_kinds import layer_kinds as layer_kinds_from_hf_config
 from uniprefill.vllm_plugin import VllmTokenDropBackend, config_from_compilation_config
 
 DUMP = Path(__file__).resolve().parent.parent / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
@@ -137,11 +137,14 @@ def test_layer_kinds_from_hf_configs():
     class Windowed:
         sliding_window = 4096
 
-    with pytest.raises(ValueError, match="which layers slide is unknown"):
-        layer_kinds_from_hf_config(Windowed(), 2)
+    # Mistral-style: one window and no layer types, so every layer slides (as transformers and
+    # vLLM run it); the same derivation as the Hugging Face backend's
+    assert layer_kinds_from_hf_config(Windowed(), 2) == ["sliding", "sliding"]
+    chunked = type("C", (), {"layer_types": ["chunked_attention", "full_attention"]})()
+    assert layer_kinds_from_hf_config(chunked, 2) == ["other", "full"]
     Windowed.use_sliding_window = False  # Qwen2-style: the window is switched off
     assert layer_kinds_from_hf_config(Windowed(), 2) == ["full", "full"]
-    with pytest.raises(ValueError, match="3 entries for 2 layers"):
+    with pytest.raises(ValueError, match="3 entries for 2 hidden layers"):
         layer_kinds_from_hf_config(type("C", (), {"layer_types": ["full_attention"] * 3})(), 2)
 
 

@@ -256,7 +256,9 @@ def check_against_model(config: UniPrefillConfig, model_config) -> None:
         from .models.layer_kinds import layer_kinds
 
         kinds = layer_kinds(model_config)
-    except Exception:  # noqa: BLE001  (an unknown layer type: the graph's own classification decides)
+    except Exception:  # noqa: BLE001  (a config this derivation cannot read: the graph's classification decides)
+        return
+    if "other" in kinds:  # a layer type the config does not explain (e.g. attention beside an SSM): the graph decides
         return
     full = [i for i, kind in enumerate(kinds) if kind == "full"]
     if explicit:

@@ -491,14 +491,14 @@ def _hf_text_config(vllm_config: Any) -> Any:
 
 def _layer_kinds(vllm_config: Any) -> list[str] | None:
     """Layer kinds from vLLM's model config (its Hugging Face text config), or None."""
-    from .passes.vllm_graph import layer_kinds_from_hf_config
+    from .models.layer_kinds import layer_kinds
 
     hf_config = _hf_text_config(vllm_config)
     layers = _get(hf_config, "num_hidden_layers")
     if hf_config is None or not isinstance(layers, int):
         return None
     try:
-        return layer_kinds_from_hf_config(hf_config, layers)
+        return layer_kinds(hf_config, layers)
     except ValueError as exc:
         logger.warning("uniprefill: layer kinds unknown: %s", exc)
         return None

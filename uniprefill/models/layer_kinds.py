@@ -1,4 +1,9 @@
-"""What each decoder layer of a model mixes tokens with: "full", "sliding" or "linear".
+"""What each decoder layer of a model mixes tokens with: "full", "sliding", "linear" or "other".
+
+The one derivation of layer kinds from a config, used by the Hugging Face backend (to check
+`drop_layers` before tracing), the presets and fuzzer, and the vLLM plugin (from vLLM's Hugging
+Face text config). The graph passes classify the layers they trace (`passes/classify.py`) with
+the same kind names; what they find is what the rewrite acts on.
 
 uniprefill drops tokens only at full-attention layers; the other kinds decide what a later
 layer must do with the kept tokens. The kind is read from the config alone, so it can be
@@ -14,7 +19,8 @@ known before a model is built:
   (Mistral-style `sliding_window`, honouring Qwen2-style `use_sliding_window`), else "full".
 
 Layer types this module does not know (chunked attention, parallel attention+SSM "hybrid"
-layers, ...) raise `ValueError` rather than being guessed.
+layers, ...) are "other": never a drop point, and never guessed to be one of the three.
+A `layer_types` list whose length differs from the layer count raises `ValueError`.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 
 __all__ = ["LAYER_KINDS", "layer_kinds"]
 
-LAYER_KINDS = ("full", "sliding", "linear")
+LAYER_KINDS = ("full", "sliding", "linear", "other")
 
 _KIND_OF_LAYER_TYPE = {
     "full_attention": "full",
@@ -40,10 +46,11 @@ def _text_config(config: Any) -> Any:
     return get() if callable(get) else config
 
 
-def layer_kinds(config: Any) -> list[str]:
-    """One of `LAYER_KINDS` per decoder layer of `config` (a transformers config)."""
+def layer_kinds(config: Any, num_layers: int | None = None) -> list[str]:
+    """One of `LAYER_KINDS` per decoder layer of `config` (a transformers config);
+    `num_layers` defaults to `config.num_hidden_layers`."""
     config = _text_config(config)
-    num_layers = config.num_hidden_layers
+    num_layers = config.num_hidden_layers if num_layers is None else num_layers
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
         sliding = getattr(config, "sliding_window", None) is not None and getattr(
@@ -55,10 +62,4 @@ def layer_kinds(config: Any) -> list[str]:
         raise ValueError(
             f"config.layer_types has {len(layer_types)} entries for {num_layers} hidden layers"
         )
-    unknown = sorted({t for t in layer_types if t not in _KIND_OF_LAYER_TYPE})
-    if unknown:
-        raise ValueError(
-            f"layer types {unknown} of {type(config).__name__} have no known kind; "
-            f"known: {sorted(_KIND_OF_LAYER_TYPE)}"
-        )
-    return [_KIND_OF_LAYER_TYPE[t] for t in layer_types]
+    return [_KIND_OF_LAYER_TYPE.get(t, "other") for t in layer_types]

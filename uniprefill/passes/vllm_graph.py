@@ -146,19 +146,3 @@ def analyze_vllm_graph(gm: fx.GraphModule) -> VllmGraphInfo:
     if len(set(layers)) != len(layers):
         raise ValueError(f"a layer index appears twice among the attention sites: {layers}")
     return VllmGraphInfo(tuple(sites), positions, gdn)
-
-
-def layer_kinds_from_hf_config(hf_config, num_layers: int) -> list[str]:
-    """"full" / "sliding" / "linear" per layer, from a Hugging Face text config's
-    `layer_types` (Gemma-3, Qwen3-Next, GPT-OSS, ...); all "full" without layer types or a
-    sliding window; ValueError when the config says there are sliding layers but not which."""
-    types = getattr(hf_config, "layer_types", None)
-    if types:
-        if len(types) != num_layers:
-            raise ValueError(f"layer_types has {len(types)} entries for {num_layers} layers")
-        kinds = {"full_attention": "full", "sliding_attention": "sliding", "linear_attention": "linear",
-                 "chunked_attention": "other"}
-        return [kinds.get(t, "other") for t in types]
-    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
-        raise ValueError("the config has a sliding_window but no layer_types: which layers slide is unknown")
-    return ["full"] * num_layers
