@@ -7,7 +7,9 @@
 # Architectures that do not build under the installed transformers are left out (listed).
 # The per-worker files live in /tmp and only one tar.gz lands in OUT_DIR, refreshed every 30 s: a
 # device call cut at its time limit still returns what ran (a device call returns a bounded
-# number of files, so 32 loose files would not all come back).
+# number of files, so 32 loose files would not all come back). Keep SECONDS_BUDGET at least 90 s
+# under the device call's time limit (imports, building the models and the last tar come on top;
+# with 470 s the whole call takes about 555 s).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 WORKERS=${WORKERS:-8} FRESH_EVERY=${FRESH_EVERY:-25} SECONDS_BUDGET=${SECONDS_BUDGET:-300} OUT_DIR=$(realpath -m "${OUT_DIR:-/tmp/fuzz-out}")
