@@ -62,8 +62,8 @@ class ScoreProbe:
 
         if kwargs.get("sliding_window") is None and query.shape[2] > 1:
             n = min(self.last_q, query.shape[2])
-            q = query[0, :, -n:].transpose(0, 1)  # [n, H, d]
-            k = key[0].transpose(0, 1)  # [N, Hk, d]
+            q = query[0, :, -n:].transpose(0, 1).float()  # [n, H, d], scored in float32 as the method does
+            k = key[0].transpose(0, 1).float()  # [N, Hk, d]
             scale = kwargs.get("scaling") or module.scaling
             self.scores[module.layer_idx] = _token_scores(q, k, q.shape[1] // k.shape[1], scale).cpu()
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -122,7 +122,7 @@ def select_blocks_fwd(
         block_scores, cu_blocks, cu_seqlens_k, target_tokens, keep, p_values,
         1.0 if per_sequence else float(p), block_size, sink, last_q, min(min_len, _KEEP_EVERYTHING),
         TOP_P=keep_ratio is None, PER_SEQUENCE_P=per_sequence and keep_ratio is None,
-        CONTENT=selection == "content", BLOCK=block,
+        CONTENT=selection == "content" and keep_ratio is None, BLOCK=block,
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )
     return keep.view(torch.bool)

@@ -35,6 +35,7 @@ def test_defaults_and_stable_hash():
     ({"sink": -1}, ">= 0"),
     ({"policy": "keep"}, "policy='keep'"),
     ({"selection": "topk"}, "selection='topk' is not one of"),
+    ({"selection": "content", "keep_ratio": 0.5}, "keep_ratio=.* replaces top-p"),
     ({"impl": "cuda"}, "impl='cuda'"),
     ({"drop_layers": "some"}, "drop_layers"),
     ({"drop_layers": [3, 3]}, "repeats"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 import uniprefill
 from uniprefill import UniPrefillConfig
@@ -159,6 +159,25 @@ def test_plain_torch_compile_drops_from_its_first_call_without_recompiling_per_l
         assert history is not None and history.seq_len == length, "dropped from the first call"
     reports = uniprefill.graph_reports(compiled)
     assert [r.rewritten for r in reports] == [True], "one dynamic graph for every length"
+
+
+@torch.no_grad()
+def test_plain_torch_compile_drops_from_the_first_call_of_a_model_that_embeds_a_view_of_its_ids():
+    """GPT-2 embeds `input_ids.view(-1, N)`: the first-call restart finds the token input all the same."""
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=1024)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": (1, 2), **SMALL})
+    for length in (300, 257):
+        ids = _ids(1, length)
+        out = compiled(input_ids=ids, use_cache=False)
+        torch.testing.assert_close(_last(out), _last(model(input_ids=ids, use_cache=False)), atol=ATOL, rtol=0)
+        history = uniprefill.last_drop_report(compiled)
+        assert history is not None and history.seq_len == length, "dropped from the first call"
+    assert [r.rewritten for r in uniprefill.graph_reports(compiled)] == [True]
 
 
 @torch.no_grad()

@@ -203,6 +203,23 @@ def test_hybrids_with_gated_deltanet_run_unaccelerated_with_the_reason():
     assert "6 linear-attention (Gated DeltaNet) ops" in report.reason and "not built yet" in report.reason
 
 
+def test_models_without_a_drop_point_or_with_other_scans_run_unaccelerated_with_the_reason():
+    """A Mistral-style config (one window, every layer sliding) leaves no drop point; Mamba or
+    short-convolution layers have no metadata rebuild in vLLM: both refused, named."""
+    import types
+
+    settings = config_from_compilation_config({"inductor_compile_config": {"uniprefill": {}}})
+    sliding = VllmTokenDropBackend(settings, layer_kinds=["sliding"] * 4, block_size=16)
+    info = types.SimpleNamespace(gdn_ops=0, layers=(0, 1, 2, 3), sites=())
+    report = types.SimpleNamespace(drop_layers=(), reason="")
+    assert sliding._rewrite(None, info, report) is None
+    assert "selects no layer" in report.reason and "'sliding'" in report.reason
+    mamba = VllmTokenDropBackend(settings, layer_kinds=["linear", "full"] * 2, block_size=16)
+    report = types.SimpleNamespace(drop_layers=(1,), reason="")
+    assert mamba._rewrite(None, types.SimpleNamespace(gdn_ops=0, layers=(1, 3), sites=()), report) is None
+    assert "recurrent or convolutional token mixers" in report.reason
+
+
 @torch.library.custom_op("uniprefill_test::unified_attention_with_output", mutates_args=("output",))
 def _attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
                   layer_name: str) -> None:

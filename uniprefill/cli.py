@@ -179,7 +179,7 @@ def cmd_bench(args, checks) -> int:
         configs = _configs(args)
         if args.keep_ratio:
             ratios = _floats(args.keep_ratio, "--keep-ratio")
-            configs = list({dataclasses.replace(c, p=1.0, keep_ratio=r): None
+            configs = list({dataclasses.replace(c, p=1.0, keep_ratio=r, selection="paper"): None
                             for c in configs for r in ratios})  # --p plays no part then
         batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
         if args.measured_ideal and (set(batch_sizes) != {1} or any(c.policy != "cumulative" for c in configs)):

@@ -74,7 +74,6 @@ class UniPrefillConfig:
     last_q: int = 128
     sink: int = 128
     drop_layers: DropLayers = "auto"
-    selection: Literal["paper", "content"] = "paper"
     policy: Literal["cumulative", "suspend"] = "cumulative"
     keep_ratio: KeepRatio = None
     min_tokens: int = 0
@@ -82,6 +81,7 @@ class UniPrefillConfig:
     window_positions: Literal["original", "compacted"] = "original"
     strict: bool = False
     debug: bool = False
+    selection: Literal["paper", "content"] = "paper"  # last: positional construction keeps its order
 
     def __post_init__(self) -> None:
         for name in ("p", "block_size", "last_q", "sink", "drop_layers", "keep_ratio", "min_tokens"):
@@ -97,6 +97,9 @@ class UniPrefillConfig:
             raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r} is not one of {SELECTIONS}")
+        if self.selection != "paper" and self.keep_ratio is not None:
+            raise ValueError(f"selection={self.selection!r} chooses a top-p rule, but keep_ratio={self.keep_ratio} "
+                             "replaces top-p; give one of them")
         if self.impl not in IMPLS:
             raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
         if self.window_positions not in WINDOW_POSITIONS:

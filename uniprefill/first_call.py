@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .passes.fx_utils import example_value, target_name
+from .passes.fx_utils import example_value, target_name, through_same_shape_views
 
 _PARAMETER_SOURCES = ("._modules", "._parameters", "._buffers", ".__dict__")
 
@@ -45,7 +45,7 @@ def token_length(gm: fx.GraphModule) -> tuple[fx.Node, int] | None:
     """The token input (ids into an embedding, or `inputs_embeds`) and its static length, if static."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and target_name(node).endswith("embedding"):
-            src = node.args[0]
+            src = through_same_shape_views(node.args[0])
             if isinstance(src, fx.Node) and src.op == "placeholder":
                 val = example_value(src)
                 if isinstance(val, torch.Tensor) and val.dim() >= 2 and not isinstance(val.shape[1], torch.SymInt):

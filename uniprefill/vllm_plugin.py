@@ -426,9 +426,17 @@ class VllmTokenDropBackend:
         from .passes.vllm_rewrite import copy_graph_module, rewrite_vllm_graph
         from .runtime.vllm_drop import VllmDropRuntime
 
+        if not report.drop_layers:
+            report.reason = (f"drop_layers={self.config.drop_layers!r} selects no layer: no full-attention layer "
+                             f"among the layer kinds {sorted(set(self.layer_kinds or []))}")
+            return None
         if info.gdn_ops:
             report.reason = (f"{info.gdn_ops} linear-attention (Gated DeltaNet) ops: their vLLM metadata for the kept "
                              "rows (FLA chunk indices, causal-conv1d pointers, state slots) is not built yet")
+            return None
+        if "linear" in (self.layer_kinds or []):
+            report.reason = ("recurrent or convolutional token mixers (Mamba, short convolutions): the vLLM rewrite "
+                             "does not rebuild their state metadata for the kept rows")
             return None
         if not self.block_size or info.layers != tuple(range(len(info.layers))):
             report.reason = "unknown KV block size, or attention layers that are not 0..L-1"

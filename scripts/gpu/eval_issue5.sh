@@ -7,7 +7,7 @@
 # p in {0.8, 0.9, 0.95, 0.99} x drop layers {"all", "auto"}, cumulative.
 #   Stage A (alone on the GPU): samples 0..TIMED-1 of every cell, TTFT timed (1 warm-up, 1 timed).
 #   Stage B (PROCS processes at once): the remaining samples, generated and scored, untimed.
-# Decode steps run without cuDNN's SDPA (see uniprefill/bench/sdpa.py); prefills use the default.
+# Decode steps run without cuDNN's SDPA (see uniprefill/measure/sdpa.py); prefills use the default.
 # Everything lands in /tmp/eval (kept between calls); each call ends by copying the result
 # files (gzip) and the summary to $OUT. Stops itself after BUDGET seconds.
 #

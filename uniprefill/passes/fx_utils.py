@@ -140,3 +140,21 @@ class TokenAxes:
             return -1
         first = self.size_expr(value.shape[0])
         return 0 if first in (self.batch, 1) else -1
+
+
+# Not "to": Llama-4 embeds `input_ids.to(device)`, and following it accelerates its prefill
+# (equal at p = 1) while `generate` then fails the decode check on its chunked-attention cache.
+_SAME_SHAPE_METHODS = ("view", "reshape")
+
+
+def through_same_shape_views(node):
+    """The tensor a chain of shape-preserving views reads: GPT-2 and OPT embed
+    `input_ids.view(-1, input_shape[-1])`, which is `input_ids` itself for [B, N] ids."""
+    while (isinstance(node, fx.Node) and node.op == "call_method" and node.target in _SAME_SHAPE_METHODS
+           and isinstance(node.args[0], fx.Node)):
+        source = node.args[0]
+        before, after = example_value(source), example_value(node)
+        if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)) or before.shape != after.shape:
+            break
+        node = source
+    return node

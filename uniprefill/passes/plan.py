@@ -23,7 +23,7 @@ from torch.fx.node import map_aggregate
 from ..config import UniPrefillConfig
 from .classify import classify_layers, sdpa_mask_node
 from .drop_points import resolve_drop_layers
-from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name
+from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name, through_same_shape_views
 from .mask_inputs import InputCheck, InputRole, mask_input_roles, size_aliases
 
 _ADDS = {operator.add, torch.add, operator.iadd}
@@ -132,7 +132,7 @@ class _Analysis:
     def _find_tokens(self) -> fx.Node:
         for node in self.gm.graph.nodes:
             if node.op == "call_function" and target_name(node).endswith("embedding"):
-                src = _through_same_shape_ops(node.args[0])
+                src = through_same_shape_views(node.args[0])
                 if isinstance(src, fx.Node) and src.op == "placeholder":
                     return src
         for node in self.gm.graph.nodes:
@@ -285,21 +285,3 @@ def _shape(value):
 
 def _expr(size):
     return size.node.expr if isinstance(size, torch.SymInt) else int(size)
-
-
-# Not "to": Llama-4 embeds `input_ids.to(device)`, and following it accelerates its prefill
-# (equal at p = 1) while `generate` then fails the decode check on its chunked-attention cache.
-_SAME_SHAPE_METHODS = ("view", "reshape")
-
-
-def _through_same_shape_ops(node):
-    """The tensor a chain of shape-preserving views reads: GPT-2 and OPT embed
-    `input_ids.view(-1, input_shape[-1])`, which is `input_ids` itself for [B, N] ids."""
-    while (isinstance(node, fx.Node) and node.op == "call_method" and node.target in _SAME_SHAPE_METHODS
-           and isinstance(node.args[0], fx.Node)):
-        source = node.args[0]
-        before, after = example_value(source), example_value(node)
-        if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)) or before.shape != after.shape:
-            break
-        node = source
-    return node
