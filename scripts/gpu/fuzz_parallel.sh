@@ -18,7 +18,9 @@ PP=/tmp/pp-fuzz
 RUNS=/tmp/fuzz-runs-$BASE_SEED
 rm -rf "$RUNS" && mkdir -p "$RUNS/runs" "$OUT_DIR" "$PP" && rm -rf "$PP/uniprefill" && cp -r uniprefill "$PP/" && cp -r kernels "$PP/uniprefill/kernels"
 export PYTHONPATH=$PP PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES= OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
-ARCHS=$(python3 - <<'PY'
+# from /tmp, as the workers below: `python3 -` puts the working directory first on sys.path, and
+# the checkout's uniprefill/ lacks uniprefill/kernels (a run from the repo root tested nothing)
+ARCHS=$(cd /tmp && python3 - <<'PY'
 import torch
 from uniprefill.testing.fuzz import ARCHS, build_model
 ok = []
@@ -31,6 +33,8 @@ print(",".join(ok))
 PY
 )
 echo "architectures: $ARCHS"
+[ -n "$ARCHS" ] || { echo "error: no architecture builds (see above); nothing to fuzz" >&2; exit 1; }
+python3 -c 'import sys, torch, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")'
 # one long-lived process per worker (imports and compiled models are reused inside it); each
 # rewrites its JSON after every case, so a run cut short keeps what it ran
 for w in $(seq 0 $((WORKERS - 1))); do
