@@ -181,7 +181,7 @@ def test_the_models_own_mask_building_is_dead_code_after_the_rewrite(monkeypatch
     underscore read as an in-place write, and two unused N x N masks were built per prefill)."""
     import operator
 
-    from uniprefill.passes import token_drop
+    from uniprefill.passes import graph_calls, token_drop
 
     graphs = []
     run = token_drop.TokenDropPass.run
@@ -193,9 +193,9 @@ def test_the_models_own_mask_building_is_dead_code_after_the_rewrite(monkeypatch
     (result,) = graphs
     targets = [n.target for n in result.graph_module.graph.nodes if n.op == "call_function"]
     assert operator.and_ not in targets and operator.le not in targets
-    assert not token_drop._writes_in_place(_call_node(operator.and_))
-    assert token_drop._writes_in_place(_call_node(operator.iand))
-    assert token_drop._writes_in_place(_call_node(operator.setitem))
+    assert not graph_calls.writes_in_place(_call_node(operator.and_))
+    assert graph_calls.writes_in_place(_call_node(operator.iand))
+    assert graph_calls.writes_in_place(_call_node(operator.setitem))
 
 
 def _call_node(target):

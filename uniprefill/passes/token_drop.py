@@ -40,44 +40,18 @@ from torch.fx.node import map_aggregate
 
 from .. import ops  # noqa: F401  (registers the custom ops)
 from ..config import UniPrefillConfig
-from .classify import LayerInfo
+from .attention_copy import AttentionCopy
 from .fx_utils import example_value, layer_index, target_name
+from .graph_calls import arange_like, begin_prefill, keep_node, live_tokens, record_drop, size_of
 from .plan import LengthSpecialized, NothingToDrop, RewriteSkipped, _expr, plan_rewrite  # noqa: F401  (re-exported)
+from .rewrite_result import LayerReport, RewriteResult
+from .shape_exprs import SymbolicShapes
 
 U = torch.ops.uniprefill
 # Ops that mix information along the token axis in ways that are right for one row of
 # packed tokens but would leak across rows when several rows are packed together.
 _ROW_MIXERS = ("conv1d", "conv2d", "cumsum", "cumprod", "matmul", "bmm", "einsum", "baddbmm", "delta_rule", "scan")
 _SAFE_MODULES = ("torch", "operator", "builtins", "math", "_operator", "transformers")
-
-
-@dataclass
-class LayerReport:
-    layer: int
-    kind: str
-    window: int
-    drop_point: bool
-    why: str
-
-    def __str__(self) -> str:
-        mark = "DROP" if self.drop_point else "    "
-        return f"layer {self.layer:3d}  {self.kind:8s} {mark}  {self.why}"
-
-
-@dataclass
-class RewriteResult:
-    graph_module: fx.GraphModule
-    layers: list[LayerReport]
-    drop_layers: tuple[int, ...]
-    counts: dict[str, int]
-    single_row_only: bool
-    single_row_reason: str = ""
-    returns_cache: bool = False
-    input_checks: tuple = ()  # mask_inputs.InputCheck: run before the rewritten graph
-    # a convolution or scan sees every position, pads included: dropping pads from the middle
-    # of a row (holes) changes its neighbourhoods, so such graphs accept left padding only
-    left_padding_only: bool = False
-    tokens_index: int = 0  # the token input's position among the graph's inputs
 
 
 @dataclass
@@ -94,37 +68,8 @@ class _Layout:
     canvas_old: fx.Node | None = None
 
 
-def _size(x: torch.Tensor, dim: int) -> int:
-    return x.shape[dim]
-
-
-def _live_tokens(padding, rows: int, seq: int, device_like: torch.Tensor):
-    """Flat indices and per-row counts of the real (non-pad) tokens of the dense grid."""
-    if padding is None:
-        flat = torch.arange(rows * seq, device=device_like.device)
-        return flat, torch.full((rows,), seq, dtype=torch.int64)
-    valid = padding.bool().reshape(-1)
-    counts = padding.bool().sum(1).cpu()  # one host copy
-    order = torch.argsort((~valid).to(torch.int8), stable=True)
-    return order[: int(counts.sum())], counts
-
-
-def _arange_like(size: int, ref: torch.Tensor) -> torch.Tensor:
-    return torch.arange(size, device=ref.device)
-
-
-def _record(recorder, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor, kept_flat: torch.Tensor) -> None:
-    if recorder is not None:
-        recorder.record(layer, counts_in, counts_out, kept_flat)
-
-
-def _begin(recorder, rows: int, seq: int) -> None:
-    if recorder is not None:
-        recorder.begin(rows, seq)
-
-
 @dataclass
-class TokenDropPass:
+class TokenDropPass(SymbolicShapes, AttentionCopy):
     """Rewrites one dynamo graph; `run()` returns a `RewriteResult` or raises `RewriteSkipped`."""
 
     gm: fx.GraphModule
@@ -172,7 +117,7 @@ class TokenDropPass:
                 seen_first_drop = True
             if node in self.plan.reentry:
                 self._reenter(node)
-        new.eliminate_dead_code(is_impure_node=_keep_node)
+        new.eliminate_dead_code(is_impure_node=keep_node)
         self.gm._uniprefill_recorder = self.recorder
         gm = fx.GraphModule(self.gm, new)
         gm.recompile()
@@ -344,100 +289,6 @@ class TokenDropPass:
             idx = self.new.call_function(torch.index_select, (idx, 0, rel))
         return idx
 
-    def _emit_expr(self, expr, j: int):
-        t_sym = sympy.Symbol("uniprefill_kept_tokens", integer=True, positive=True)
-        subs = {self.plan.axes.seq: t_sym}
-        if not isinstance(self.plan.axes.batch, int):
-            subs[self.plan.axes.batch] = 1
-        new_expr = self.plan.axes.unalias(sympy.sympify(expr)).subs(subs)
-        if new_expr != expr:
-            self.counts["shape_rewrites"] += 1
-        return self._emit(new_expr, {t_sym: self.layouts[j].size})
-
-    def _emit(self, expr, extra):
-        if expr.is_Integer:
-            return int(expr)
-        if expr.is_Symbol:
-            if expr in extra:
-                return extra[expr]
-            if expr in self.plan.sym_nodes:
-                return self.env[self.plan.sym_nodes[expr]]
-            raise RewriteSkipped(f"shape symbol {expr} has no graph input")
-        if isinstance(expr, sympy.Add):
-            terms = [self._emit(a, extra) for a in expr.args]
-            out = terms[0]
-            for t in terms[1:]:
-                out = self.new.call_function(operator.add, (out, t))
-            return out
-        if isinstance(expr, sympy.Mul):
-            terms = [self._emit(a, extra) for a in expr.args]
-            out = terms[0]
-            for t in terms[1:]:
-                out = self.new.call_function(operator.mul, (out, t))
-            return out
-        name = type(expr).__name__
-        if name in ("Mod", "PythonMod"):
-            a, b = (self._emit(x, extra) for x in expr.args)
-            return self.new.call_function(operator.mod, (a, b))
-        if name == "FloorDiv":
-            a, b = (self._emit(x, extra) for x in expr.args)
-            return self.new.call_function(operator.floordiv, (a, b))
-        raise RewriteSkipped(f"cannot rewrite the shape expression {expr}")
-
-    # ---------------------------------------------------------------- attention
-    def _copy_attention(self, node: fx.Node, info: LayerInfo, mask) -> None:
-        j = self._node_layout(node)
-        q, k, v = node.args[:3]
-        if not mask.recognized:
-            if j > 0:
-                raise RewriteSkipped(f"attention {node.name} after a drop point has a mask that is not understood: {mask.reason}")
-            self._copy_node(node, False)
-            return
-        scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
-        if scale is None:
-            scale = 1.0 / math.sqrt(example_value(q).shape[-1])
-        elif isinstance(scale, fx.Node):
-            scale = self.env[scale]
-        gqa = bool(node.kwargs.get("enable_gqa", False))
-        qn, kn, vn = (self._value_at(x, j) for x in (q, k, v))
-        if j == 0:
-            key_valid = self.env[mask.padding] if mask.padding is not None else None
-            shared = None
-            if key_valid is not None or mask.window > 0:
-                key = (mask.window, mask.padding)
-                if key not in self._dense_masks:
-                    self._dense_masks[key] = self.new.call_function(
-                        U.dense_mask.default, (qn, key_valid, mask.window, self._live_counts(mask.padding)))
-                    self.counts["dense_masks"] += 1
-                shared = self._dense_masks[key]
-            out = self.new.call_function(U.dense_attention.default,
-                                         (qn, kn, vn, key_valid, mask.window, scale, gqa, shared))
-            self.counts["dense_attention"] += 1
-        else:
-            lay = self.layouts[j]
-            shared = None
-            if mask.window > 0:
-                key = (j, mask.window)
-                if key not in self._packed_masks:
-                    self._packed_masks[key] = self.new.call_function(
-                        U.packed_masks.default,
-                        (qn, lay.positions, lay.counts, mask.window, self.config.window_positions == "compacted"))
-                    self.counts["packed_masks"] += 1
-                shared = self._packed_masks[key]
-            out = self.new.call_function(U.packed_attention.default,
-                                         (qn, kn, vn, lay.positions, lay.counts, mask.window, scale, gqa, shared))
-            self.counts["packed_attention"] += 1
-        out.meta = dict(node.meta)
-        self.env[node] = out
-        self.layout_of[node] = j
-
-    def _live_counts(self, padding: fx.Node | None) -> fx.Node | None:
-        """Host per-row real-token counts, when they come from this mask's padding input."""
-        if padding is None or len(self.plan.padding) != 1 or padding not in self.plan.padding:
-            return None
-        self._ensure_layout0()
-        return self.layouts[0].counts
-
     # ---------------------------------------------------------------- drop points
     def _ensure_layout0(self) -> None:
         lay = self.layouts[0]
@@ -445,12 +296,12 @@ class TokenDropPass:
             return
         new = self.new
         tokens = self.env[self.plan.tokens]
-        rows = new.call_function(_size, (tokens, 0))
-        seq = new.call_function(_size, (tokens, 1))
+        rows = new.call_function(size_of, (tokens, 0))
+        seq = new.call_function(size_of, (tokens, 1))
         self.recorder_node = new.get_attr("_uniprefill_recorder")
-        new.call_function(_begin, (self.recorder_node, rows, seq))
+        new.call_function(begin_prefill, (self.recorder_node, rows, seq))
         padding = self.env[next(iter(self.plan.padding))] if len(self.plan.padding) == 1 else None
-        live = new.call_function(_live_tokens, (padding, rows, seq, tokens))
+        live = new.call_function(live_tokens, (padding, rows, seq, tokens))
         lay.src_flat = new.call_function(operator.getitem, (live, 0))
         lay.counts = new.call_function(operator.getitem, (live, 1))
         lay.orig_flat = lay.src_flat
@@ -480,10 +331,10 @@ class TokenDropPass:
         lay.rel = rel
         lay.counts = counts
         lay.orig_flat = new.call_function(torch.index_select, (parent.orig_flat, 0, rel))
-        new.call_function(_record, (self.recorder_node, layer, parent.counts, counts, lay.orig_flat))
+        new.call_function(record_drop, (self.recorder_node, layer, parent.counts, counts, lay.orig_flat))
         lay.positions = new.call_function(operator.mod, (lay.orig_flat, self.seq_node))
-        lay.size = new.call_function(_size, (rel, 0))
-        lay.src_flat = new.call_function(_arange_like, (lay.size, rel))
+        lay.size = new.call_function(size_of, (rel, 0))
+        lay.src_flat = new.call_function(arange_like, (lay.size, rel))
         cur = self.env[residual]
         if i == 0:
             lay.canvas = cur
@@ -534,31 +385,3 @@ def _nones_before(positions, pos: int) -> int:
     return sum(1 for p, item in positions if p < pos and item is None)
 
 
-def _keep_node(node: fx.Node) -> bool:
-    """Nodes dead-code elimination must keep: our recorders, functorch's vmap-level bookkeeping,
-    and in-place writes (dynamo records `state.copy_(new)` of a cache's recurrent or conv state
-    as a `call_method` without users, which `Node.is_impure` does not count as impure)."""
-    if node.op == "call_function" and (node.target in (_begin, _record) or "nesting" in target_name(node)):
-        return True
-    if _writes_in_place(node):
-        return True
-    return node.is_impure()
-
-
-def _writes_in_place(node: fx.Node) -> bool:
-    if node.op == "call_method":
-        name = node.target
-    elif node.op == "call_function":
-        if node.target is operator.setitem:
-            return True
-        name = getattr(node.target, "__name__", "")
-        if getattr(node.target, "__module__", None) == "_operator":
-            # operator.and_ / or_ / not_ are pure; operator.iadd, iand, ... write in place
-            return name in _OPERATOR_IN_PLACE
-    else:
-        return False
-    return isinstance(name, str) and name.endswith("_") and not name.startswith("_")
-
-
-_OPERATOR_IN_PLACE = frozenset({"iadd", "iand", "iconcat", "ifloordiv", "ilshift", "imatmul", "imod", "imul",
-                                "ior", "ipow", "irshift", "isub", "itruediv", "ixor", "setitem", "delitem"})

@@ -1,0 +1,76 @@
+"""Attention nodes copied as `uniprefill::dense_attention` / `packed_attention`.
+
+Before the first drop point an attention node runs on the dense (B, N) grid; after it, on a
+packed layout. Either way the replacement rebuilds causal, sliding-window and padding masks
+from ORIGINAL positions (so a window after a drop is still a window over original positions),
+and one mask is built per (window, padding input) before the first drop and per (layout,
+window) after it. Mixed into `token_drop.TokenDropPass`, whose state it reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx as fx
+
+from .classify import LayerInfo
+from .fx_utils import example_value
+from .plan import RewriteSkipped
+
+U = torch.ops.uniprefill
+
+
+class AttentionCopy:
+    def _copy_attention(self, node: fx.Node, info: LayerInfo, mask) -> None:
+        j = self._node_layout(node)
+        q, k, v = node.args[:3]
+        if not mask.recognized:
+            if j > 0:
+                raise RewriteSkipped(f"attention {node.name} after a drop point has a mask that is not understood: {mask.reason}")
+            self._copy_node(node, False)
+            return
+        scale = node.kwargs.get("scale", node.args[6] if len(node.args) > 6 else None)
+        if scale is None:
+            scale = 1.0 / math.sqrt(example_value(q).shape[-1])
+        elif isinstance(scale, fx.Node):
+            scale = self.env[scale]
+        gqa = bool(node.kwargs.get("enable_gqa", False))
+        qn, kn, vn = (self._value_at(x, j) for x in (q, k, v))
+        if j == 0:
+            key_valid = self.env[mask.padding] if mask.padding is not None else None
+            shared = None
+            if key_valid is not None or mask.window > 0:
+                key = (mask.window, mask.padding)
+                if key not in self._dense_masks:
+                    self._dense_masks[key] = self.new.call_function(
+                        U.dense_mask.default, (qn, key_valid, mask.window, self._live_counts(mask.padding)))
+                    self.counts["dense_masks"] += 1
+                shared = self._dense_masks[key]
+            out = self.new.call_function(U.dense_attention.default,
+                                         (qn, kn, vn, key_valid, mask.window, scale, gqa, shared))
+            self.counts["dense_attention"] += 1
+        else:
+            lay = self.layouts[j]
+            shared = None
+            if mask.window > 0:
+                key = (j, mask.window)
+                if key not in self._packed_masks:
+                    self._packed_masks[key] = self.new.call_function(
+                        U.packed_masks.default,
+                        (qn, lay.positions, lay.counts, mask.window, self.config.window_positions == "compacted"))
+                    self.counts["packed_masks"] += 1
+                shared = self._packed_masks[key]
+            out = self.new.call_function(U.packed_attention.default,
+                                         (qn, kn, vn, lay.positions, lay.counts, mask.window, scale, gqa, shared))
+            self.counts["packed_attention"] += 1
+        out.meta = dict(node.meta)
+        self.env[node] = out
+        self.layout_of[node] = j
+
+    def _live_counts(self, padding: fx.Node | None) -> fx.Node | None:
+        """Host per-row real-token counts, when they come from this mask's padding input."""
+        if padding is None or len(self.plan.padding) != 1 or padding not in self.plan.padding:
+            return None
+        self._ensure_layout0()
+        return self.layouts[0].counts

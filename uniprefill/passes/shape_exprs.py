@@ -1,0 +1,58 @@
+"""Shape arguments of nodes on kept tokens, rewritten symbolically (N -> T, B -> 1).
+
+A node copied into a packed layout keeps its traced shape arguments as sympy expressions of
+the prompt-length symbol N (and the batch symbol B). `SymbolicShapes` substitutes the kept
+token count T of the layout for N, 1 for B, and emits the result as FX arithmetic on the
+graph's own size nodes. Mixed into `token_drop.TokenDropPass`, whose state (`plan`,
+`layouts`, `env`, `new`, `counts`) it reads.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import sympy
+
+from .plan import RewriteSkipped
+
+
+class SymbolicShapes:
+    def _emit_expr(self, expr, j: int):
+        t_sym = sympy.Symbol("uniprefill_kept_tokens", integer=True, positive=True)
+        subs = {self.plan.axes.seq: t_sym}
+        if not isinstance(self.plan.axes.batch, int):
+            subs[self.plan.axes.batch] = 1
+        new_expr = self.plan.axes.unalias(sympy.sympify(expr)).subs(subs)
+        if new_expr != expr:
+            self.counts["shape_rewrites"] += 1
+        return self._emit(new_expr, {t_sym: self.layouts[j].size})
+
+    def _emit(self, expr, extra):
+        if expr.is_Integer:
+            return int(expr)
+        if expr.is_Symbol:
+            if expr in extra:
+                return extra[expr]
+            if expr in self.plan.sym_nodes:
+                return self.env[self.plan.sym_nodes[expr]]
+            raise RewriteSkipped(f"shape symbol {expr} has no graph input")
+        if isinstance(expr, sympy.Add):
+            terms = [self._emit(a, extra) for a in expr.args]
+            out = terms[0]
+            for t in terms[1:]:
+                out = self.new.call_function(operator.add, (out, t))
+            return out
+        if isinstance(expr, sympy.Mul):
+            terms = [self._emit(a, extra) for a in expr.args]
+            out = terms[0]
+            for t in terms[1:]:
+                out = self.new.call_function(operator.mul, (out, t))
+            return out
+        name = type(expr).__name__
+        if name in ("Mod", "PythonMod"):
+            a, b = (self._emit(x, extra) for x in expr.args)
+            return self.new.call_function(operator.mod, (a, b))
+        if name == "FloorDiv":
+            a, b = (self._emit(x, extra) for x in expr.args)
+            return self.new.call_function(operator.floordiv, (a, b))
+        raise RewriteSkipped(f"cannot rewrite the shape expression {expr}")
