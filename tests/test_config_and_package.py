@@ -16,14 +16,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_defaults_and_stable_hash():
     cfg = UniPrefillConfig()
-    assert (cfg.p, cfg.block_size, cfg.last_q, cfg.sink, cfg.policy) == (0.99, 64, 128, 128, "cumulative")
+    assert (cfg.p, cfg.selection, cfg.drop_layers) == (0.95, "content", "auto")
+    assert (cfg.block_size, cfg.last_q, cfg.sink, cfg.policy) == (64, 128, 128, "cumulative")
     assert cfg.stable_hash() == UniPrefillConfig().stable_hash()
     assert cfg.stable_hash() != UniPrefillConfig(p=0.9).stable_hash()
     assert UniPrefillConfig(min_tokens=10).effective_min_tokens == 256
     # fields added later enter the digest only when set: eval records keyed by it stay valid
-    assert cfg.stable_hash() == "8e637cb7ee37b128"
-    assert UniPrefillConfig(p=0.9, drop_layers=(5, 11)).stable_hash() == "2c5a428df294363f"
-    assert UniPrefillConfig(selection="content").stable_hash() != cfg.stable_hash()
+    assert UniPrefillConfig(p=0.9, drop_layers=(5, 11), selection="paper").stable_hash() == "2c5a428df294363f"
+    assert UniPrefillConfig(selection="paper").stable_hash() != cfg.stable_hash()
+    # "auto" names a rule that changed (AUTO_RULE): its configs must not share a digest with the
+    # records of the old rule (the old defaults' digest was 8e637cb7ee37b128)
+    assert UniPrefillConfig(p=0.99, selection="paper").stable_hash() != "8e637cb7ee37b128"
+    # keep_ratio replaces top-p: an unset selection is then "paper", and the digest is as before
+    assert UniPrefillConfig(keep_ratio=0.5).selection == "paper"
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -211,6 +211,26 @@ def test_summary_rows_name_the_selection_rule_one_pareto_curve_each(tmp_path, mo
                                                                     "paper, cumulative, drop auto"]
 
 
+def test_an_untimed_run_is_plotted_against_one_over_retention(tmp_path, monkeypatch):
+    records = []
+    for i in range(10):
+        records.append(_record("baseline", "baseline", "vt", i, 1.0, None))
+        records.append(_record("u", "method", "vt", i, 1.0, None, p=0.9))  # retention 0.5
+    rows = summarize(records, n_boot=100)
+    assert all(r["speedup"] is None for r in rows if r["role"] == "method")
+    import matplotlib.axes
+
+    xs, xlabels = [], []
+    real_plot, real_xlabel = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.set_xlabel
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **k: xs.append((k.get("label"), list(a[0]))) or real_plot(self, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_xlabel",
+                        lambda self, text, *a, **k: xlabels.append(text) or real_xlabel(self, text, *a, **k))
+    plot_pareto(rows, str(tmp_path / "pareto.png"))
+    curve = [x for label, x in xs if label and label != "baseline"]
+    assert curve == [[1.0, 2.0]] and xlabels == ["1 / retention (untimed run: no TTFT)"]
+
+
 def test_stop_when_answered_only_once_every_reference_is_there(tokenizer):
     sample = make_sample("niah_single_1", tokenizer, 600, 0)
     prompt = tokenizer("Q:", return_tensors="pt")["input_ids"]

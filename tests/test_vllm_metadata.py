@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from uniprefill import vllm_plugin
+from uniprefill import UniPrefillConfig, vllm_plugin
 from uniprefill.runtime.vllm_metadata import (
     DropHistoryStore,
     DropRecord,
@@ -595,7 +595,7 @@ def fake_vllm_config(mode=2, backend=BACKEND_QUALNAME, settings=None, tp=1, pp=1
 
 def test_config_parsing_from_dict_and_object():
     assert config_from_compilation_config({"mode": 2}) is None
-    assert config_from_compilation_config({"inductor_compile_config": {"uniprefill": {}}}).p == 0.99
+    assert config_from_compilation_config({"inductor_compile_config": {"uniprefill": {}}}) == UniPrefillConfig()
     cfg = config_from_compilation_config({"inductor_compile_config": {"uniprefill": {"p": 0.9, "drop_layers": [11, 7]}}})
     assert (cfg.p, cfg.drop_layers) == (0.9, (7, 11))
     obj = fake_vllm_config(settings={"policy": "suspend"}).compilation_config

@@ -22,6 +22,10 @@ DropLayers = Union[Literal["auto", "all"], tuple[int, ...]]
 KeepRatio = Union[None, float, tuple[float, ...]]
 
 POLICIES = ("cumulative", "suspend")
+# The rule of drop_layers="auto" (`passes.drop_points.auto_drop_layers`): 1 started every model at
+# layer L // 4 - 1; 2 (from 2026-12-02) starts models whose every layer is full attention at
+# L // 2 - 1. Enters the stable hash of "auto" configs, so records keyed by it never mix rules.
+AUTO_RULE = 2
 WINDOW_POSITIONS = ("original", "compacted")
 
 
@@ -33,11 +37,15 @@ class UniPrefillConfig:
         p: share of the (block-averaged, head-summed) attention score that the kept blocks
             must hold, in (0, 1]; `selection` says of which score. At p = 1 the rewrite stays
             in place, still scores, and keeps every token.
-        selection: "paper" (the paper's rule: the sink and window blocks, always kept, count
-            toward p of all the score) or "content" (the other blocks must hold p of the
-            score that falls outside the sink and window blocks; the forced blocks are kept
-            on top). Where the sink and window hold most of the score, as in the deep layers of
-            small models, "paper" keeps little beyond them at any p < 1 (docs/selection.md).
+        selection: "content" (default: the blocks other than the sink and window must hold p
+            of the score that falls outside the sink and window blocks; the forced blocks are
+            kept on top) or "paper" (the paper's rule: the sink and window blocks, always
+            kept, count toward p of all the score). Where the sink and window hold most of the
+            score, as in the deep layers of small models, "paper" keeps little beyond them at
+            any p < 1 (docs/selection.md). The defaults (content, p = 0.95, drop_layers "auto")
+            were chosen from the H200 evals of docs/benchmarks.md ("Choosing the defaults");
+            the paper's defaults are `p=0.99, selection="paper"`. Left unset with `keep_ratio`
+            (which replaces top-p) it is "paper"; "content" with `keep_ratio` is refused.
         block_size: G, the number of consecutive tokens scored and kept or dropped
             together. >= 1.
         last_q: n, the number of final queries whose attention scores the keys. These
@@ -69,7 +77,7 @@ class UniPrefillConfig:
             at INFO (formatted only when that logger shows INFO: `logging.basicConfig(level=logging.INFO)`).
     """
 
-    p: float = 0.99
+    p: float = 0.95
     block_size: int = 64
     last_q: int = 128
     sink: int = 128
@@ -81,7 +89,10 @@ class UniPrefillConfig:
     window_positions: Literal["original", "compacted"] = "original"
     strict: bool = False
     debug: bool = False
-    selection: Literal["paper", "content"] = "paper"  # last: positional construction keeps its order
+    # last: positional construction keeps its order. None (unset) becomes "content", or "paper"
+    # with keep_ratio (which replaces top-p, so no rule applies; "paper" keeps the digest of such
+    # configs as it was before the field existed)
+    selection: Literal["paper", "content"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("p", "block_size", "last_q", "sink", "drop_layers", "keep_ratio", "min_tokens"):
@@ -95,6 +106,8 @@ class UniPrefillConfig:
         object.__setattr__(self, "keep_ratio", _normalise_keep_ratio(self.keep_ratio))
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
+        if self.selection is None:
+            object.__setattr__(self, "selection", "content" if self.keep_ratio is None else "paper")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection={self.selection!r} is not one of {SELECTIONS}")
         if self.selection != "paper" and self.keep_ratio is not None:
@@ -156,6 +169,8 @@ class UniPrefillConfig:
         for name, default in _ADDED_LATER.items():
             if data[name] == default:
                 del data[name]
+        if self.drop_layers == "auto" and AUTO_RULE != 1:
+            data["auto_rule"] = AUTO_RULE
         blob = json.dumps(data, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

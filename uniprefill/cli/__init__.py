@@ -32,8 +32,8 @@ def _method(p: argparse.ArgumentParser, *, p_default: str, many: bool) -> None:
     s = "(comma-separated list)" if many else ""
     p.add_argument("--p", default=p_default, help=f"kept attention share in (0, 1] {s}")
     p.add_argument("--policy", default="cumulative", help=f"cumulative or suspend {s}")
-    p.add_argument("--selection", default="paper",
-                   help=f"whose score p is a share of: paper (all blocks) or content (blocks outside the sink and window) {s}")
+    p.add_argument("--selection", default="content",
+                   help=f"whose score p is a share of: content (blocks outside the sink and window) or paper (all blocks) {s}")
     p.add_argument("--drop-layers", default="auto", help="auto, all or indices like 7,11,15; several sets separated by ';'")
     p.add_argument("--window-positions", default="original",
                    help=f"sliding windows after a drop over original positions or compacted indices {s}")

@@ -167,7 +167,9 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
     Accuracy is the paired difference to the baseline (points, average over tasks) with its
     bootstrap 95% CI, so a curve whose prompts are a subset of the baseline's (a matrix still
     being filled) is compared on its own prompts; such partial curves are dashed and say n.
-    The baseline sits at (1x, 0).
+    The baseline sits at (1x, 0). A length with no timed method row (an untimed run) is drawn
+    against 1 / retention instead (the share of token-layers the method skipped, as a factor),
+    and its panel says so.
     """
     import math
 
@@ -193,10 +195,17 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
 
         curves = sorted({curve(r) for r in at_length if r["policy"]}, key=str)
         rules = {rule for rule, *_ in curves}
+        untimed = not any(r["speedup"] is not None for r in at_length if r["policy"])
+
+        def x_of(r):
+            if not untimed:
+                return r["speedup"]
+            return 1.0 / r["retention"] if r.get("retention") else None
+
         for rule, policy, drop in curves:
-            points = sorted((r["speedup"], r["delta"], r["ci_low"], r["ci_high"], r["p"], r["n"]) for r in at_length
+            points = sorted((x_of(r), r["delta"], r["ci_low"], r["ci_high"], r["p"], r["n"]) for r in at_length
                             if curve(r) == (rule, policy, drop)
-                            and r["delta"] is not None and r["speedup"] is not None)
+                            and r["delta"] is not None and x_of(r) is not None)
             if not points:
                 continue
             ns = sorted({n for *_, n in points})
@@ -212,8 +221,8 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
             for x, y, _, _, p, _ in points:
                 ax.annotate(f"p={p:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
             plotted += 1
-        ax.set_title(f"{length} tokens" if length is not None else "no results")
-        ax.set_xlabel("TTFT speedup over baseline (x)")
+        ax.set_title((f"{length} tokens" if length is not None else "no results") + (" (untimed)" if untimed else ""))
+        ax.set_xlabel("1 / retention (untimed run: no TTFT)" if untimed else "TTFT speedup over baseline (x)")
         ax.set_ylabel("score - baseline (points, 95% CI)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -2,31 +2,41 @@
 
 `drop_layers="auto"` applies one rule computed from the layer kinds and the depth alone:
 
-* candidates are the full-attention layers with index in `[L // 4 - 1, L - 2]` (the first
-  quarter of the network builds the representations the scores rely on; dropping at the
-  last layer saves almost nothing);
+* candidates are the full-attention layers with index in `[start, L - 2]` (dropping at the
+  last layer saves almost nothing), where `start` depends on the kind of model:
+  - a model whose every layer is full attention (Llama, Qwen2, SmolLM2, ...): `L // 2 - 1`.
+    The early full-attention layers of such models do not single out the needle: on
+    SmolLM2-135M (30 layers) its mean rank among the blocks is that of a random block in
+    layers 0-13 (`docs/selection.md`), and drop points from there lose it. Measured on the
+    H200 (`docs/benchmarks.md`, "Choosing the defaults"): drops at 6, 10, 14, ... scored -6.4 points
+    at 4K, drops at 14, 18, 22, 26 (this rule) +0.8, at either selection rule;
+  - a hybrid (sliding-window or linear layers between the full ones: Gemma-3, Qwen3-Next,
+    GPT-OSS, ...): `L // 4 - 1`, the first quarter of the network building the
+    representations the scores rely on. Gemma-3-270M's first full layer (5 of 18) keeps its
+    accuracy and gives most of its speed-up.
 * walking up from the first candidate, a candidate is taken when it is at least
   `ceil(L / 8)` layers after the previous drop point.
 
-On Llama-3.1-8B (32 full layers) this gives 7, 11, 15, 19, 23, 27: the paper's release.
-On Gemma-3 (5 sliding : 1 full) it gives every full layer in that range except the last
-layer (Gemma-3-270M: 5, 11). Measured so far on CPU only, on small slices
-(`docs/benchmarks.md`, "Choosing drop_layers"): on SmolLM2-135M (30 full layers) at p = 0.99
-it keeps the needle where dropping from layer 0 loses it, and matches a later start in
-accuracy at lower retention; on Gemma-3-270M it did not differ from "all". The GPU eval of
-issue 5 has to confirm it at more lengths and samples.
+Llama-3.1-8B (32 full layers): 15, 19, 23, 27 (the paper's release drops from layer 7: pass
+`drop_layers=(7, 11, 15, 19, 23, 27)` for it). SmolLM2-135M: 14, 18, 22, 26. Gemma-3
+(5 sliding : 1 full): every full layer from `L // 4 - 1` except the last layer
+(Gemma-3-270M: 5, 11). `AUTO_RULE` numbers the rule; it enters the config's stable hash
+whenever `drop_layers="auto"`, so results and caches keyed by that hash never mix rules.
 """
 
 from __future__ import annotations
 
 import math
 
+from ..config import AUTO_RULE  # noqa: F401  (the rule's number, defined beside the hash it enters)
 from .classify import LayerInfo
 
 
 def auto_drop_layers(kinds: list[str]) -> tuple[int, ...]:
     num_layers = len(kinds)
-    low, high = max(num_layers // 4 - 1, 0), num_layers - 2
+    every_layer_full = bool(kinds) and all(kind == "full" for kind in kinds)
+    start = num_layers // 2 - 1 if every_layer_full else num_layers // 4 - 1
+    low, high = max(start, 0), num_layers - 2
     spacing = max(math.ceil(num_layers / 8), 1)
     chosen: list[int] = []
     for idx, kind in enumerate(kinds):
