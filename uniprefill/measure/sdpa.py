@@ -30,7 +30,7 @@ def decode_sdpa(choice: str) -> Iterator[None]:
     if check_choice(choice) == "default":
         yield
         return
-    from uniprefill.runtime.generation import decode_kernels
+    from uniprefill.runtime.decode_attention import decode_kernels
 
     with decode_kernels():  # the kernels uniprefill's own decode steps use
         yield

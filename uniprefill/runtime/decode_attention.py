@@ -1,0 +1,104 @@
+"""The attention of decode steps after a dropped prefill, registered with transformers.
+
+`_decode_attention` is the attention-interface function "uniprefill_decode": it attends over
+exactly the keys each layer cached, at their ORIGINAL positions (`DropHistory.key_positions`):
+full layers see every cached key, sliding layers the keys whose original position lies inside
+the window. `UniPrefillModel` (`runtime.generation`) switches a model to it for decode steps
+(`_attention_implementation`) and hands it the drop history through `_DECODE_STATE`.
+Registering into transformers' global `AttentionInterface` is the one global side effect; it is
+idempotent (`functools.cache`) and adds a name without replacing any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_NAME = "uniprefill_decode"
+# The drop history of the decode step running in this context: models whose attention does not
+# forward extra keyword arguments to the attention function (StableLM) still reach it.
+_DECODE_STATE: contextvars.ContextVar = contextvars.ContextVar("uniprefill_decode_state", default=None)
+
+
+def _decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface function for decode steps after a dropped prefill."""
+    state = kwargs.get("uniprefill_decode") or _DECODE_STATE.get()
+    if state is None:
+        raise RuntimeError("the uniprefill_decode attention needs the drop history (call through UniPrefillModel)")
+    history, windows, compacted = state
+    layer = module.layer_idx
+    cached = key.shape[-2]
+    expected = history.layer_positions(layer).numel() + history.decoded
+    window = windows.get(layer, 0)
+    if window == 0 and cached != expected:
+        raise RuntimeError(
+            f"layer {layer} holds {cached} cached keys but the last dropped prefill predicts {expected}: "
+            "this cache does not belong to that prefill")
+    scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    gqa = query.shape[1] != key.shape[1]
+    query_position = history.seq_len + history.decoded - 1
+    if window and compacted and cached > window:
+        # window_positions="compacted": the window counts cached (kept) tokens, i.e. the
+        # query sees the last `window` of them (a sliding cache holds no more than that; a
+        # full cache given to a sliding layer holds more)
+        key, value = key[..., cached - window:, :], value[..., cached - window:, :]
+    needs_positions = (window and not compacted) or history.pad_positions is not None
+    positions = history.key_positions(layer, key.shape[-2]) if needs_positions else None
+    if positions is not None and history.pad_positions is not None:
+        # padding tokens the cache holds (layers before the first drop): place them after the
+        # query, where the decode mask hides them
+        positions = torch.where(torch.isin(positions, history.pad_positions), query_position + 1, positions)
+    if positions is None or (history.pad_positions is None and (window == 0 or compacted
+                                                                 or query_position - int(positions[0]) < window)):
+        # every cached key is visible (one query at the newest position; a full layer, or a
+        # window that covers the oldest cached key): no mask, as the baseline's SDPA does
+        out = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=gqa)
+    else:
+        from ..ops import to_device
+
+        out = torch.ops.uniprefill.decode_attention(query, key, value, to_device(positions, key.device),
+                                                    query_position, 0 if compacted else window, scale, gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from .. import ops  # noqa: F401  (registers uniprefill::decode_attention)
+
+    AttentionInterface.register(ATTENTION_NAME, _decode_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def decode_kernels():
+    """SDPA kernels for decode steps: flash, memory-efficient or math, never cuDNN.
+
+    On the H200 (torch 2.11, cuDNN 9) SDPA picks cuDNN for a one-query step and cuDNN builds
+    an execution plan for every new key length, i.e. at every step: Gemma-3-270M after a
+    32K prefill decoded at 6.5-9.9 tokens/s with it and 37-39 without it (same cache, same
+    tokens; docs/results/decode-gemma-270m-32k-h200.json).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+@contextlib.contextmanager
+def _attention_implementation(model, name: str):
+    configs = [c for c in {id(model.config): model.config, **{id(getattr(model.config, k)): getattr(model.config, k)
+               for k in ("text_config",) if hasattr(model.config, k)}}.values()]
+    previous = [c._attn_implementation for c in configs]
+    try:
+        for c in configs:
+            c._attn_implementation = name
+        yield
+    finally:
+        for c, old in zip(configs, previous):
+            c._attn_implementation = old

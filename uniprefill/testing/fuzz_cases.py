@@ -1,0 +1,296 @@
+"""The case kinds of the differential fuzzer (`uniprefill.testing.fuzz`), and what they share.
+
+Each `_*_case(rng, pool, case, arch, dtype)` draws its calls from `rng`, runs them through a
+pooled compiled model and the plain model, and returns a `CaseResult`:
+
+* `_forward_case`: one or more forward calls (arguments by keyword or position, padding,
+  masks, position ids, caches, `logits_to_keep`, a second model alternating);
+* `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, several
+  sequences, an explicit cache); a first differing token that the plain model scores as a tie
+  counts as "tie" (`_tie_at_divergence`);
+* `_decode_case`: a prefill into a cache passed in, then one-token steps through forward;
+* `_reference_case`: forced retention against the eager reference (Llama, Gemma-3).
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from ..backend import REWRITE_FAILED
+
+SETTINGS = dict(sink=16, last_q=16, block_size=16)
+MIN_TOKENS = SETTINGS["sink"] + SETTINGS["last_q"]
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # times max(1, |reference|max)
+_EXTRA_ARCHS = {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
+ARCHS = ("tiny-llama", "tiny-gemma3", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-lfm2", "tiny-granitemoehybrid",
+         "tiny-jamba", "tiny-olmo3", *_EXTRA_ARCHS)
+REFERENCE_ARCHS = ("tiny-llama", "tiny-gemma3")
+
+
+@dataclass
+class CaseResult:
+    case: int
+    arch: str
+    kind: str
+    status: str  # "equal", "tie", "mismatch", "error", "unexplained", "invalid"
+    detail: str = ""
+    reasons: list[str] = field(default_factory=list)  # why calls ran unaccelerated
+    accelerated: int = 0  # calls that ran the rewritten graph
+
+
+def _random_inputs(rng: random.Random, model, dtype) -> dict:
+    vocab = model.config.vocab_size
+    rows = rng.choice([1, 1, 2, 3])
+    length = rng.choice([rng.randint(8, MIN_TOKENS - 1), rng.randint(MIN_TOKENS, 120), rng.randint(120, 260)])
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    ids = torch.randint(3, vocab, (rows, length), generator=gen)
+    spec = {"rows": rows, "length": length}
+    spec["padding"] = padding = rng.choice(["none", "none", "left", "holes"] + (["all-pad row"] if rows > 1 else []))
+    mask = torch.ones(rows, length, dtype=torch.int64)
+    if padding == "left":
+        for r in range(rows):
+            mask[r, : rng.randint(0, length // 2)] = 0
+    elif padding == "holes":
+        r = rng.randrange(rows)
+        a = rng.randint(0, length - 2)
+        mask[r, a: rng.randint(a + 1, length - 1)] = 0
+    elif padding == "all-pad row":
+        mask[rng.randrange(rows)] = 0
+    form = rng.choice(["int", "bool", "float", "absent"] if padding == "none" else ["int", "bool", "float"])
+    spec["mask"] = form
+    kwargs = {"input_ids": ids}
+    if form != "absent":
+        kwargs["attention_mask"] = {"int": mask, "bool": mask.bool(), "float": mask.to(dtype)}[form]
+    spec["positions"] = positions = rng.choice(["none", "none", "offset", "strided", "packed"])
+    if positions != "none":
+        base = torch.arange(length)
+        if positions == "offset":
+            pos = base + rng.randint(1, 50)
+        elif positions == "strided":
+            pos = base * 2
+        else:
+            cut = rng.randint(1, length - 1)
+            pos = torch.cat([torch.arange(cut), torch.arange(length - cut)])
+        kwargs["position_ids"] = pos[None].expand(rows, -1) if rng.random() < 0.5 else pos[None]
+    if rng.random() < 0.1:
+        kwargs["inputs_embeds"] = model.get_input_embeddings()(kwargs.pop("input_ids")).detach()
+        spec["embeds"] = True
+    use_cache = rng.choice([None, True, False])
+    if use_cache is not None:
+        kwargs["use_cache"] = use_cache
+    keep = rng.choice([None, None, 0, 1])
+    if keep is not None:
+        kwargs["logits_to_keep"] = keep
+    spec["positional"] = rng.random() < 0.3
+    return {"kwargs": kwargs, "spec": spec, "mask": mask}
+
+
+def _call(target, model, kwargs: dict, positional: bool):
+    if positional and "input_ids" in kwargs:
+        names = list(inspect.signature(type(model).forward).parameters)[1:4]
+        args, rest = [], dict(kwargs)
+        for name in names:
+            if name not in rest:
+                break
+            args.append(rest.pop(name))
+        return target(*args, **rest)
+    return target(**kwargs)
+
+
+def _compare_logits(out, ref, mask: torch.Tensor, keep, dtype) -> str | None:
+    if out.shape != ref.shape:
+        return f"logits shape {tuple(out.shape)} vs {tuple(ref.shape)}"
+    real = mask.bool()
+    if out.shape[1] != real.shape[1]:
+        real = real[:, -out.shape[1]:]
+    tol = TOLERANCE[dtype] * max(1.0, float(ref.float().abs().max()))
+    diff = (out.float() - ref.float()).abs().amax(-1)  # [rows, positions]
+    worst = float(diff[real].max()) if real.any() else 0.0
+    if worst > tol:
+        return f"logits differ by {worst:.3g} at real tokens (tolerance {tol:.3g})"
+    return None
+
+
+def _accelerated(fast) -> bool:
+    history = fast.history
+    rows = fast.row_histories
+    return bool((history is not None and history.points) or (rows and any(h is not None and h.points for h in rows)))
+
+
+def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
+    result = CaseResult(case, arch, "forward", "equal")
+    archs = [arch] + ([rng.choice(ARCHS)] if rng.random() < 0.2 else [])
+    for step in range(rng.randint(1, 3)):
+        model, fast = pool.get(archs[step % len(archs)], dtype, p=1.0)
+        call = _random_inputs(rng, model, dtype)
+        kwargs, spec = call["kwargs"], call["spec"]
+        result.detail = f"call {step + 1} on {archs[step % len(archs)]}: {spec}"
+        with torch.no_grad():
+            try:
+                ref = _call(model, model, kwargs, spec["positional"]).logits
+            except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
+                result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
+                return result
+            fast.backend.last_unaccelerated = None
+            out = _call(fast, model, kwargs, spec["positional"]).logits
+        bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype)
+        if bad:
+            result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
+            return result
+        if (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
+            result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
+            return result
+        if _accelerated(fast):
+            result.accelerated += 1
+        elif fast.backend.last_unaccelerated:
+            result.reasons.append(fast.backend.last_unaccelerated)
+        elif spec["length"] >= MIN_TOKENS:
+            result.status = "unexplained"
+            result.detail = f"ran unaccelerated without a reason; {result.detail}"
+            return result
+        else:
+            result.reasons.append("shorter than min_tokens")
+    return result
+
+
+def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
+    from transformers import DynamicCache
+
+    model, fast = pool.get(arch, dtype, p=1.0)
+    mode = rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache"])
+    rows = rng.choice([1, 2])
+    length = rng.randint(MIN_TOKENS, 160)
+    ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(case))
+    mask = torch.ones_like(ids)
+    padding = rng.choice(["none", "left"] + (["holes"] if rows == 1 else []))
+    if padding == "left":
+        for r in range(rows):
+            mask[r, : rng.randint(0, length // 3)] = 0
+    elif padding == "holes":
+        mask[0, 5: rng.randint(6, length // 2)] = 0
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=rng.randint(2, 5), pad_token_id=0)
+    if mode == "sample":
+        kwargs.update(do_sample=True, top_k=0, top_p=1.0)
+    elif mode == "beam":
+        kwargs.update(num_beams=rng.choice([2, 3]), do_sample=False)
+    elif mode == "return_sequences":
+        kwargs.update(do_sample=True, num_return_sequences=2, top_k=0)
+    else:
+        kwargs.update(do_sample=False)
+    result = CaseResult(case, arch, f"generate {mode}", "equal",
+                        detail=f"rows {rows}, length {length}, padding {padding}, {mode}")
+    seed = rng.randrange(1 << 30)
+    with torch.no_grad():
+        try:
+            torch.manual_seed(seed)
+            extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
+            ref = model.generate(**kwargs, **extra)
+        except Exception as exc:  # noqa: BLE001
+            result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
+            return result
+        torch.manual_seed(seed)
+        extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
+        out = fast.generate(**kwargs, **extra)
+    tie = None
+    if not torch.equal(out, ref) and out.shape == ref.shape and mode in ("greedy", "explicit cache", "beam"):
+        tie = _tie_at_divergence(model, out, ref, mask, length, dtype)
+    if not torch.equal(out, ref) and tie is None:
+        result.status = "mismatch"
+        result.detail = f"tokens {out[:, length:].tolist()} vs {ref[:, length:].tolist()}; {result.detail}"
+    elif tie is not None:
+        result.status, result.detail = "tie", f"{tie}; {result.detail}"
+        result.accelerated = int(_accelerated(fast))
+    elif (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
+        result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
+    elif _accelerated(fast):
+        result.accelerated += 1
+    elif fast.backend.last_unaccelerated:
+        result.reasons.append(fast.backend.last_unaccelerated)
+    return result
+
+
+def _tie_at_divergence(model, out, ref, mask, length: int, dtype) -> str | None:
+    """Where greedy or beam tokens first differ, whether the plain model itself scores the two
+    tokens within the dtype's tolerance (a tie that rounding flips: row-by-row prefill of a
+    padded batch computes the same logits in a different order). None: a real mismatch."""
+    differ = (out != ref).nonzero()
+    row, pos = int(differ[0, 0]), int(differ[0, 1])
+    if pos < length:
+        return None
+    per_row = out.shape[0] // mask.shape[0]
+    prefix = ref[row:row + 1, :pos]
+    prefix_mask = torch.cat([mask[row // per_row:row // per_row + 1],
+                             torch.ones(1, pos - length, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=prefix, attention_mask=prefix_mask, use_cache=False).logits[0, -1].float()
+    gap = float((logits[ref[row, pos]] - logits[out[row, pos]]).abs())
+    tol = TOLERANCE[dtype] * max(1.0, float(logits.abs().max()))
+    if gap > tol:
+        return None
+    return (f"tokens first differ at row {row}, step {pos - length + 1}: the plain model scores them "
+            f"{gap:.3g} apart (tolerance {tol:.3g}), a tie")
+
+
+def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
+    """A prefill into a cache object passed in, then one-token steps through the same forward."""
+    from transformers import DynamicCache
+
+    model, fast = pool.get(arch, dtype, p=1.0)
+    length = rng.randint(MIN_TOKENS, 200)
+    ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(case))
+    mask = torch.ones_like(ids)
+    if rng.random() < 0.4:
+        mask[:, : rng.randint(1, length // 3)] = 0
+    result = CaseResult(case, arch, "forward + decode steps", "equal", detail=f"length {length}, pads {int((mask == 0).sum())}")
+    with torch.no_grad():
+        mine, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        out = fast(input_ids=ids, attention_mask=mask, past_key_values=mine, use_cache=True).logits
+        ref = model(input_ids=ids, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
+        bad = _compare_logits(out, ref, mask, None, dtype)
+        accelerated = _accelerated(fast)
+        for step in range(rng.randint(1, 3)):
+            if bad:
+                break
+            token = ref[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            out = fast(input_ids=token, attention_mask=mask, past_key_values=mine, use_cache=True).logits
+            ref = model(input_ids=token, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
+            bad = _compare_logits(out, ref, torch.ones_like(token), None, dtype)
+            if bad:
+                bad = f"decode step {step + 1}: {bad}"
+    if bad:
+        result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
+    elif (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
+        result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
+    elif accelerated:
+        result.accelerated = 1
+    elif fast.backend.last_unaccelerated:
+        result.reasons.append(fast.backend.last_unaccelerated)
+    return result
+
+
+def _reference_case(rng, pool, case, arch, dtype) -> CaseResult:
+    from .eager_reference import reference_last_logits
+
+    ratio = rng.choice([0.3, 0.5, 0.8])
+    model, fast = pool.get(arch, torch.float32, keep_ratio=ratio)
+    length = rng.randint(MIN_TOKENS + 16, 260)
+    ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(case))
+    result = CaseResult(case, arch, "reference p<1", "equal", detail=f"length {length}, keep_ratio {ratio}")
+    with torch.no_grad():
+        out = fast(input_ids=ids, use_cache=rng.choice([True, False])).logits[:, -1]
+        history = fast.history
+        if history is None or not history.points:
+            result.status, result.detail = "unexplained", f"nothing dropped; {result.detail}"
+            return result
+        kept = {p.layer: p.kept_positions(0, length) for p in history.points}
+        ref = reference_last_logits(model, ids, kept)
+    result.accelerated = 1
+    bad = _compare_logits(out[:, None], ref[:, None], torch.ones(1, 1), None, torch.float32)
+    if bad:
+        result.status, result.detail = "mismatch", f"vs the eager reference: {bad}; {result.detail}"
+    return result
