@@ -37,18 +37,8 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 
-from .vllm_metadata import (
-    DropHistoryStore,
-    KVCacheGroup,
-    SkipReason,
-    TokenLayout,
-    batch_layout,
-    compact,
-    drop_eligibility,
-    _offsets,
-    _ranges,
-    install_layer_metadata,
-)
+from .vllm_layout import KVCacheGroup, TokenLayout, _offsets, _ranges, batch_layout, compact, install_layer_metadata
+from .vllm_metadata import DropHistoryStore, SkipReason, drop_eligibility
 from uniprefill.kernels.paged_window import paged_window_attention
 
 from .vllm_graph_decode import DecodeRemovedBuffer, segment_metadata

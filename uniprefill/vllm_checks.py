@@ -1,0 +1,173 @@
+"""What the vLLM plugin accepts: the uniprefill settings read from vLLM's `compilation_config`, and
+the check of an engine's configuration (`check_vllm_config`) that decides whether it drops, runs
+unaccelerated with a logged reason, or fails construction with a `ValueError` naming the setting.
+
+Nothing here imports vLLM: the configuration objects are read by attribute or key (`_get`), so
+the checks run in CI on plain namespaces (`tests/fake_vllm.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import env
+from .config import UniPrefillConfig
+
+logger = logging.getLogger("uniprefill.vllm")
+
+CONFIG_KEY = "uniprefill"
+BACKEND_QUALNAME = "uniprefill.vllm_plugin.vllm_backend"
+SUPPORTED_MODES = {1: "STOCK_TORCH_COMPILE", 2: "DYNAMO_TRACE_ONCE"}
+# Read in source and run on the H200 (docs/vllm.md): the channel above, the rewrite, the runner
+# hook, decode graphs. Dropping on another version needs UNIPREFILL_VLLM_ALLOW_UNTESTED=1.
+VERIFIED_VLLM_VERSIONS = ("0.26.0",)
+
+
+def _get(obj: Any, name: str, default: Any = None) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)
+
+
+def config_from_compilation_config(compilation_config: Any) -> UniPrefillConfig | None:
+    """The `UniPrefillConfig` under `inductor_compile_config["uniprefill"]`, or None if absent.
+
+    Accepts vLLM's `CompilationConfig` or the plain dict a user passes to `LLM(...)`.
+    Unknown options and out-of-range values raise `ValueError` naming where they were found.
+    """
+    inductor = _get(compilation_config, "inductor_compile_config") or {}
+    if not isinstance(inductor, Mapping):
+        raise ValueError(f"compilation_config.inductor_compile_config: expected a dict, got {type(inductor).__name__}")
+    if CONFIG_KEY not in inductor:
+        return None
+    options = inductor[CONFIG_KEY]
+    if options is None:
+        options = {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"compilation_config.inductor_compile_config[{CONFIG_KEY!r}]: expected a dict of "
+                         f"UniPrefillConfig fields, got {type(options).__name__} {options!r}")
+    try:
+        return UniPrefillConfig.from_options(options)
+    except ValueError as exc:
+        raise ValueError(f"compilation_config.inductor_compile_config[{CONFIG_KEY!r}]: {exc}") from None
+
+
+def _mode_number(mode: Any) -> int | None:
+    if mode is None:
+        return None
+    if isinstance(mode, str):
+        names = {v: k for k, v in SUPPORTED_MODES.items()} | {"NONE": 0, "VLLM_COMPILE": 3}
+        return names.get(mode.upper(), int(mode) if mode.isdigit() else -1)
+    return int(mode)
+
+
+@dataclass
+class VllmCheck:
+    """What `check_vllm_config` found: errors stop the engine, notes are logged."""
+
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def raise_if_errors(self) -> None:
+        if self.errors:
+            raise ValueError("uniprefill cannot run with this vLLM configuration:\n  - " + "\n  - ".join(self.errors))
+
+
+def cudagraph_mode_name(vllm_config: Any) -> str:
+    """`compilation_config.cudagraph_mode` as an upper-case name ("NONE" when unset)."""
+    graphs = _get(_get(vllm_config, "compilation_config"), "cudagraph_mode")
+    return str(getattr(graphs, "name", graphs) or "NONE").upper()
+
+
+def decode_graphs_requested(vllm_config: Any) -> bool:
+    """FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1: decode under CUDA graphs after drops."""
+    return cudagraph_mode_name(vllm_config) == "FULL_DECODE_ONLY" and env.vllm_decode_graphs_enabled()
+
+
+def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_compile: bool | None = None,
+                      drop_enabled: bool = False) -> VllmCheck:
+    """Check the parts of a `VllmConfig` (or a duck-typed fake) uniprefill depends on.
+
+    aot_compile: vLLM's `envs.VLLM_USE_AOT_COMPILE` (on by default with torch >= 2.10).
+    drop_enabled: the experimental rewrite will drop tokens (`UNIPREFILL_VLLM_DROP=1`).
+    """
+    check = VllmCheck()
+    cc = _get(vllm_config, "compilation_config")
+    mode = _mode_number(_get(cc, "mode"))
+    if mode not in SUPPORTED_MODES:
+        check.errors.append(
+            f"compilation_config.mode={_get(cc, 'mode')!r}: expected 1 (STOCK_TORCH_COMPILE) or 2 "
+            "(DYNAMO_TRACE_ONCE); mode 3 splits the graph at attention ops and never hands a custom "
+            "backend the whole model")
+    if mode == 2 and aot_compile:
+        check.errors.append(
+            "compilation_config.mode=2 with VLLM_USE_AOT_COMPILE=1 (vLLM's default on torch >= 2.10): dynamo's "
+            "AOT compile needs a serialisable compiled function and uniprefill's backend returns a plain "
+            "callable; set VLLM_USE_AOT_COMPILE=0 or use mode 1")
+    backend = _get(cc, "backend")
+    if backend != BACKEND_QUALNAME:
+        check.errors.append(f"compilation_config.backend={backend!r}: expected {BACKEND_QUALNAME!r}")
+    parallel = _get(vllm_config, "parallel_config")
+    if (_get(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+        check.errors.append("pipeline_parallel_size > 1 is not supported (drop layers may sit on another rank)")
+    if _get(vllm_config, "speculative_config") is not None:
+        check.errors.append("speculative decoding is not supported yet")
+    graphs = cudagraph_mode_name(vllm_config)
+    decode_graphs = decode_graphs_requested(vllm_config)
+    if drop_enabled and graphs != "NONE" and not decode_graphs:
+        check.errors.append(
+            f"compilation_config.cudagraph_mode={graphs} with token dropping: CUDA graphs would be captured "
+            "without any request's drop history, so a replayed decode step would attend, in the layers after a "
+            "drop, over KV entries those layers never wrote; use cudagraph_mode NONE (what vLLM sets for mode 2 "
+            "unless FULL_DECODE_ONLY or VLLM_USE_BREAKABLE_CUDAGRAPH asks otherwise), or FULL_DECODE_ONLY with "
+            "UNIPREFILL_VLLM_DECODE_GRAPHS=1 (decode graphs that read each step's drop histories; experimental; "
+            "run on the H200 with vLLM 0.26.0, docs/vllm.md)")
+    if mode in SUPPORTED_MODES:
+        check.notes.append(
+            f"compilation mode {mode} runs the model without Inductor's fusion and without piecewise CUDA graphs "
+            "for prefills: measured on the H200 (docs/benchmarks.md), dropping gave 2.07-2.42x standard vLLM's "
+            "prefill throughput on a Llama-3.1-8B shape but 0.48-0.84x on Gemma-3-270M, whose layers are too small "
+            "for that loss; compare with standard vLLM on your model")
+    if drop_enabled and decode_graphs:
+        check.notes.append("decode under CUDA graphs after drops (UNIPREFILL_VLLM_DECODE_GRAPHS=1): experimental "
+                           "(run on the H200 with vLLM 0.26.0 and FA3); models with sliding-window layers after a drop run unaccelerated")
+    runner = _get(_get(vllm_config, "model_config"), "runner_type", "generate")
+    if runner not in (None, "generate"):
+        check.errors.append(f"model_config.runner_type={runner!r}: uniprefill serves generation only (a pooling model "
+                            "reads the hidden state of every prompt token, and after a drop point only the kept "
+                            "tokens have one)")
+    if (_get(parallel, "tensor_parallel_size", 1) or 1) > 1:
+        check.notes.append("tensor_parallel_size > 1: block scores are summed across the TP group (rank-consistent "
+                           "selection, tested with gloo ranks on CPU; not yet run on GPUs)")
+    if _get(_get(vllm_config, "cache_config"), "enable_prefix_caching", False):
+        if drop_enabled:
+            check.errors.append(
+                "enable_prefix_caching=True (vLLM's default) with token dropping: after a drop point a dropped "
+                "request's KV blocks hold only its kept tokens, and the prefix cache would hand those blocks to "
+                "later requests with the same prefix as if they held every token; pass enable_prefix_caching=False")
+        else:
+            check.notes.append("prefix caching: requests with cached context run unaccelerated")
+    scheduler = _get(vllm_config, "scheduler_config")
+    if _get(scheduler, "enable_chunked_prefill", False):
+        budget = _get(scheduler, "max_num_batched_tokens")
+        longest = _get(_get(vllm_config, "model_config"), "max_model_len")
+        if budget and longest and budget < longest:
+            check.notes.append(f"chunked prefill with max_num_batched_tokens={budget} < max_model_len={longest}: prompts "
+                               f"longer than {budget} tokens are split over several steps and run unaccelerated; "
+                               "raise max_num_batched_tokens to accelerate them")
+        else:
+            check.notes.append("chunked prefill: prompts split over several steps run unaccelerated")
+    if vllm_version is not None and vllm_version.split("+")[0] not in VERIFIED_VLLM_VERSIONS:
+        if drop_enabled and not env.vllm_untested_allowed():
+            check.errors.append(
+                f"vLLM {vllm_version} with token dropping: the rewrite reads vLLM internals (attention metadata "
+                f"fields, the model runner's batch, CUDA-graph capture) verified in {list(VERIFIED_VLLM_VERSIONS)} "
+                "only, and a change there could give wrong answers; install a verified version, or set "
+                "UNIPREFILL_VLLM_ALLOW_UNTESTED=1 to try it (and compare its outputs with standard vLLM's)")
+        else:
+            check.notes.append(f"vLLM {vllm_version} is untested; the channel was read in "
+                               f"{list(VERIFIED_VLLM_VERSIONS)}")
+    return check
