@@ -48,18 +48,19 @@ def run_demo(model, tokenizer, config: UniPrefillConfig, sample: Sample,
 
 def format_demo(sample: Sample, records: dict[str, Any]) -> str:
     base, method = records["baseline"], records["uniprefill"]
+    width = max(len("system"), len(base["system_label"]), len(method["system_label"]))
     lines = [
         f"prompt: {sample.task}, {sample.num_tokens} tokens, needle at depth {sample.depth:.2f}, "
         f"answer {sample.answers[0]}",
         "",
-        f"{'system':<45} {'TTFT ms':>9}  first token  answer",
+        f"{'system':<{width}} {'TTFT ms':>9}  first token  answer",
     ]
     for rec in (base, method):
         if rec["generation"] == "done":
             verdict = f"{'correct' if rec['score'] == 1.0 else 'WRONG'}: {rec['prediction']!r}"
         else:
             verdict = f"generation pending ({rec.get('generation_error', '')})"
-        lines.append(f"{rec['system_label']:<45} {1000 * rec['ttft_s']:>9.1f}  "
+        lines.append(f"{rec['system_label']:<{width}} {1000 * rec['ttft_s']:>9.1f}  "
                      f"{rec['first_token']!r:<11}  {verdict}")
     lines.append("")
     lines.append(f"speedup: {base['ttft_s'] / method['ttft_s']:.2f}x (median of "

@@ -15,6 +15,9 @@ import sympy
 
 from .plan import RewriteSkipped
 
+# sympy's integer division and modulo (torch's symbolic shapes use FloorDiv and PythonMod)
+_BINARY = {"Mod": operator.mod, "PythonMod": operator.mod, "FloorDiv": operator.floordiv}
+
 
 class SymbolicShapes:
     def _emit_expr(self, expr, j: int):
@@ -36,23 +39,14 @@ class SymbolicShapes:
             if expr in self.plan.sym_nodes:
                 return self.env[self.plan.sym_nodes[expr]]
             raise RewriteSkipped(f"shape symbol {expr} has no graph input")
-        if isinstance(expr, sympy.Add):
+        if isinstance(expr, (sympy.Add, sympy.Mul)):
+            fold = operator.add if isinstance(expr, sympy.Add) else operator.mul
             terms = [self._emit(a, extra) for a in expr.args]
             out = terms[0]
             for t in terms[1:]:
-                out = self.new.call_function(operator.add, (out, t))
+                out = self.new.call_function(fold, (out, t))
             return out
-        if isinstance(expr, sympy.Mul):
-            terms = [self._emit(a, extra) for a in expr.args]
-            out = terms[0]
-            for t in terms[1:]:
-                out = self.new.call_function(operator.mul, (out, t))
-            return out
-        name = type(expr).__name__
-        if name in ("Mod", "PythonMod"):
+        if type(expr).__name__ in _BINARY:
             a, b = (self._emit(x, extra) for x in expr.args)
-            return self.new.call_function(operator.mod, (a, b))
-        if name == "FloorDiv":
-            a, b = (self._emit(x, extra) for x in expr.args)
-            return self.new.call_function(operator.floordiv, (a, b))
+            return self.new.call_function(_BINARY[type(expr).__name__], (a, b))
         raise RewriteSkipped(f"cannot rewrite the shape expression {expr}")
