@@ -169,7 +169,7 @@ class UniPrefillConfig:
         for name, default in _ADDED_LATER.items():
             if data[name] == default:
                 del data[name]
-        if self.drop_layers == "auto" and AUTO_RULE != 1:
+        if self.drop_layers == "auto":
             data["auto_rule"] = AUTO_RULE
         blob = json.dumps(data, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
