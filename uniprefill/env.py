@@ -11,6 +11,10 @@ Read:
     UNIPREFILL_SMOLLM2_DIR: likewise for SmolLM2-135M (`uniprefill.models.smollm2`).
         Default: `<UNIPREFILL_CACHE_DIR>/smollm2-135m`.
 
+    UNIPREFILL_MINFERENCE_CSRC: the `csrc` folder of an unpacked minference sdist, whose CUDA
+        index builder `uniprefill.peers.minference_loader` compiles for the MInference peer when
+        the installed package has no `minference.cuda` (`minference_csrc()`).
+
     UNIPREFILL_HAYSTACK: essay haystack file for `uniprefill demo/eval` when --haystack is not
         given (`haystack_path()`).
     UNIPREFILL_VLLM_DROP: "1" turns on the experimental token dropping inside vLLM
@@ -41,7 +45,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "haystack_path", "rewrite_dump_dir", "smollm2_dir",
+__all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "haystack_path", "minference_csrc", "rewrite_dump_dir", "smollm2_dir",
            "vllm_decode_graphs_enabled", "vllm_drop_enabled"]
 
 
@@ -68,6 +72,12 @@ def smollm2_dir() -> Path:
 def force_hub_offline() -> None:
     """Forbid model-hub downloads for this process (sets `HF_HUB_OFFLINE=1`)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def minference_csrc() -> str | None:
+    """UNIPREFILL_MINFERENCE_CSRC, or None when unset or empty."""
+    value = os.environ.get("UNIPREFILL_MINFERENCE_CSRC", "").strip()
+    return value or None
 
 
 def haystack_path() -> str | None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from uniprefill.config import UniPrefillConfig
-from uniprefill.eval.systems import System, baseline_spec, drop_points, uniprefill_spec
+from uniprefill.eval.systems import System, baseline_spec, drop_points, peer_spec, uniprefill_spec
 
 from uniprefill.measure.flops import prefill_flops
 from uniprefill.measure.timing import measure
@@ -37,6 +37,7 @@ class SweepPlan:
         lengths: context lengths in tokens.
         batch_sizes: sequences per prefill.
         configs: uniprefill settings to measure (one per p x policy, say).
+        peers: peer accelerators to measure beside them (`uniprefill.peers.PeerSpec`).
         baseline: "eager", "compiled" (`torch.compile(model)`) or "both".
         warmup, repeats: untimed and timed runs per point.
         inputs: "random" token ids or "niah" prompts (needs a tokenizer).
@@ -46,6 +47,7 @@ class SweepPlan:
     lengths: tuple[int, ...]
     batch_sizes: tuple[int, ...] = (1,)
     configs: tuple[UniPrefillConfig, ...] = ()
+    peers: tuple = ()
     baseline: str = "both"
     warmup: int = 2
     repeats: int = 5
@@ -67,6 +69,7 @@ class SweepPlan:
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["configs"] = [c.to_dict() for c in self.configs]
+        out["peers"] = [p.to_dict() for p in self.peers]
         return out
 
 
@@ -120,6 +123,7 @@ def sweep(model, plan: SweepPlan, *, model_name: str, tokenizer=None, haystack=N
     if plan.baseline in ("compiled", "both"):
         specs.append(baseline_spec(compiled=True))
     specs += [uniprefill_spec(c) for c in plan.configs]
+    specs += [peer_spec(p) for p in plan.peers]
     bound: dict[str, System] = {}
     results = []
     points = [(n, b) for n in plan.lengths for b in plan.batch_sizes]
@@ -143,9 +147,10 @@ def sweep(model, plan: SweepPlan, *, model_name: str, tokenizer=None, haystack=N
                 "tokens": int(mask.sum()), "system": spec.name, "label": spec.label,
                 "role": "baseline" if spec.is_baseline else "method",
                 "config": spec.config.to_dict() if spec.config else None,
-                "ttft": stats.as_dict(), "ttft_ms": 1000 * stats.median_s,
+                "ttft": stats.as_dict(), "ttft_ms": 1000 * stats.median_s, "peer": spec.peer.to_dict() if spec.peer else None,
                 "drop_report": report,
                 "overall_retention": report["overall_retention"] if report else None,
+                "density": report.get("density") if report and spec.peer is not None else None,
             }
             if spec.config is not None:
                 result["analytic_ideal_speedup"] = analytic_speedup(
@@ -188,7 +193,8 @@ def format_results(results: Sequence[dict[str, Any]]) -> str:
             f"{r['speedup']:.2f}x" if "speedup" in r else "",
             f"{ideal:.2f}x" if ideal is not None else "",
             f"{r['ideal_speedup']:.2f}x" if "ideal_speedup" in r else "",
-            f"{r['overall_retention']:.3f}" if r["overall_retention"] is not None else "",
+            f"{r['overall_retention']:.3f}" if r["overall_retention"] is not None else
+            (f"density {r['density']:.3f}" if r.get("density") is not None else ""),
         ))
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h)
               for i, h in enumerate(header)]

@@ -17,6 +17,10 @@ from .arguments import UsageError, _TYPES, _configs, parse_drop_layers, parse_le
 from .checks import cmd_census, cmd_fuzz
 from .commands import cmd_bench, cmd_demo, cmd_eval
 
+_PEER_HELP = ("also run a peer accelerator: flexprefill, xattention, minference (their defaults), or with "
+              "settings like xattention:threshold=0.8; repeatable; needs uniprefill[peers] (docs/peers.md)")
+
+
 def _common(p: argparse.ArgumentParser, *, model_default: str) -> None:
     p.add_argument("--model", default=model_default,
                    help="gemma-3-270m (default model), a preset name, or a local model folder")
@@ -66,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: niah prompts when the model has a tokenizer, else random ids")
     bench.add_argument("--keep-ratio", help="forced retention instead of top-p: keep this share of the "
                        "tokens at every drop point (comma-separated list; --p is then ignored)")
+    bench.add_argument("--peer", action="append", default=[], metavar="SPEC", help=_PEER_HELP)
     bench.add_argument("--measured-ideal", action="store_true",
                        help="also time the plain model on each drop segment's kept token count "
                             "(the measured ideal; batch 1, cumulative policy)")
@@ -98,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="generate the whole budget even after every reference is found")
     ev.add_argument("--decode-sdpa", choices=("default", "no-cudnn"), default="default",
                     help="SDPA kernels of decode steps (prefills keep the default)")
+    ev.add_argument("--peer", action="append", default=[], metavar="SPEC", help=_PEER_HELP)
     ev.add_argument("--measured-ideal", action="store_true",
                     help="also time the plain model on each timed method prompt's kept token counts "
                          "(the measured ideal speedup, beside the FLOP-model one)")

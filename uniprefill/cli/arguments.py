@@ -76,6 +76,16 @@ def _configs(args) -> list:
             for policy in _split(args.policy) for p in _floats(args.p, "--p")]
 
 
+def _peers(args) -> list:
+    """One `PeerSpec` per --peer; a bad method or setting is a usage error."""
+    from uniprefill.peers import parse_peer
+
+    try:
+        return [parse_peer(text) for text in getattr(args, "peer", [])]
+    except ValueError as err:
+        raise UsageError(f"--peer: {err}") from None
+
+
 def _haystack(args) -> tuple[str | None, str]:
     """(path, where it came from), checked to exist."""
     path, source = args.haystack, "--haystack"

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from .arguments import UsageError, parse_length, _split, _floats, _ints, _configs, _haystack, _device_and_dtype, _check_model, _load, _settings, _write_json
+from .arguments import UsageError, parse_length, _split, _floats, _ints, _configs, _peers, _haystack, _device_and_dtype, _check_model, _load, _settings, _write_json
 
 def cmd_demo(args, checks) -> int:
     from uniprefill.bench.demo import DemoSettings, demo_sample, format_demo, run_demo
@@ -67,6 +67,7 @@ def cmd_bench(args, checks) -> int:
         plan = SweepPlan(
             lengths=tuple(lengths), batch_sizes=tuple(batch_sizes),
             configs=() if args.baseline_only else tuple(configs), baseline=args.baseline,
+            peers=() if args.baseline_only else tuple(_peers(args)),
             warmup=args.warmup, repeats=args.repeats, inputs=inputs, seed=args.seed)
     ideal_fn = _measured_ideal_fn(device, args.warmup, args.repeats) if args.measured_ideal else None
     results = sweep(loaded.model, plan, model_name=args.model, tokenizer=loaded.tokenizer,
@@ -99,7 +100,7 @@ def _measured_ideal_fn(device, warmup: int, repeats: int):
 def cmd_eval(args, checks) -> int:
     from uniprefill.eval.runner import EvalPlan, parse_shard, read_records, run_eval
     from uniprefill.eval.summary import format_table, plot_pareto, summarize
-    from uniprefill.eval.systems import baseline_spec, uniprefill_spec
+    from uniprefill.eval.systems import baseline_spec, peer_spec, uniprefill_spec
     from uniprefill.eval.tasks import TASK_NAMES, check_task, make_sample, needs_essay
 
     summary_path = args.summary or f"{os.path.splitext(args.out)[0]}.summary.json"
@@ -123,6 +124,7 @@ def cmd_eval(args, checks) -> int:
             systems = [baseline_spec(compiled=args.baseline == "compiled")]
             if not args.baseline_only:
                 systems += [uniprefill_spec(c) for c in _configs(args)]
+                systems += [peer_spec(p) for p in _peers(args)]
             shard = parse_shard(args.shard)
             for path in args.also_done:
                 if not os.path.isfile(path):

@@ -290,7 +290,7 @@ def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
                       first_token=tokenizer.decode([first_id]),
                       prefills_wall_s=time.perf_counter() - begin)
         _add_drop_report(record, system)
-        if ideal_times is not None and not system.spec.is_baseline:
+        if ideal_times is not None and system.spec.config is not None:
             record["ideal_measured"] = _measured_ideal(system, ids, mask, record["drop_report"], device,
                                                        warmup, repeats, ideal_times)
     if not generate:

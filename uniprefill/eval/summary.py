@@ -90,6 +90,8 @@ def _row(model, length, task, name, recs, pairs, n_boot, seed, is_reference) -> 
         "n_timed": len(timed),
         "ttft_ms": 1000 * statistics.median(timed) if timed else None,
         "retention": _mean([r.get("overall_retention") for r in recs]),
+        "peer": (spec.get("peer") or {}).get("method"),
+        "density": _mean([(r.get("drop_report") or {}).get("density") for r in recs]) if spec.get("peer") else None,
         "delta": None, "ci_low": None, "ci_high": None, "speedup": None, "n_paired": 0,
         "ideal_speedup": None, "speedup_vs_ideal": None,
         "ideal_measured_speedup": None, "speedup_vs_measured_ideal": None,
@@ -151,7 +153,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{r['speedup']:.2f}x" if r["speedup"] is not None else "",
             f"{r['ideal_speedup']:.2f}x" if r.get("ideal_speedup") is not None else "",
             f"{r['ideal_measured_speedup']:.2f}x" if r.get("ideal_measured_speedup") is not None else "",
-            f"{r['retention']:.3f}" if r["retention"] is not None else "",
+            f"{r['retention']:.3f}" if r["retention"] is not None else
+            (f"density {r['density']:.3f}" if r.get("density") is not None else ""),
         ))
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
               for i, h in enumerate(header)]
@@ -169,7 +172,8 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
     being filled) is compared on its own prompts; such partial curves are dashed and say n.
     The baseline sits at (1x, 0). A length with no timed method row (an untimed run) is drawn
     against 1 / retention instead (the share of token-layers the method skipped, as a factor),
-    and its panel says so.
+    and its panel says so; a peer is one diamond per setting, at its speedup (untimed: at
+    1 / its attention density).
     """
     import math
 
@@ -221,6 +225,12 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
             for x, y, _, _, p, _ in points:
                 ax.annotate(f"p={p:g}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
             plotted += 1
+        for r in (r for r in at_length if r.get("peer") and r["delta"] is not None):
+            x = r["speedup"] if not untimed else (1.0 / r["density"] if r.get("density") else None)
+            if x is not None:  # a peer is one point: its settings are not a p sweep
+                ax.errorbar([x], [r["delta"]], yerr=[[r["delta"] - r["ci_low"]], [r["ci_high"] - r["delta"]]],
+                            marker="D", linestyle="none", capsize=2, label=f"peer: {r['label']}")
+                plotted += 1
         ax.set_title((f"{length} tokens" if length is not None else "no results") + (" (untimed)" if untimed else ""))
         ax.set_xlabel("1 / retention (untimed run: no TTFT)" if untimed else "TTFT speedup over baseline (x)")
         ax.set_ylabel("score - baseline (points, 95% CI)")

@@ -1,14 +1,18 @@
-"""The systems an evaluation compares: the plain model, and the model under uniprefill.
+"""The systems an evaluation compares: the plain model, the model under uniprefill, and peers.
 
 A `SystemSpec` names a system and holds its settings; `System` is the spec bound to a model,
 ready to prefill (what TTFT measures) and to generate greedily. The uniprefill system is
 `uniprefill.compile(model, config)`; generation goes through `compiled.generate`, and when
 that is missing or would just run the original model, the system says so
-(`generation_pending`) instead of quietly scoring the unaccelerated model.
+(`generation_pending`) instead of quietly scoring the unaccelerated model. A peer system
+(`uniprefill.peers`: FlexPrefill, XAttention, MInference) runs the plain model with the peer's
+prefill attention switched in for each call; its "drop report" is the peer's counts (calls it
+served, their attention density, the SDPA calls and why).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -28,16 +32,18 @@ class SystemSpec:
         label: short readable description for tables and plots.
         config: the uniprefill settings, or None for the plain model.
         compiled: for the plain model, whether it runs under `torch.compile`.
+        peer: a peer accelerator (`uniprefill.peers.PeerSpec`) run on the plain model.
     """
 
     name: str
     label: str
     config: UniPrefillConfig | None = None
     compiled: bool = False
+    peer: Any = None
 
     @property
     def is_baseline(self) -> bool:
-        return self.config is None
+        return self.config is None and self.peer is None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -45,6 +51,7 @@ class SystemSpec:
             "label": self.label,
             "config": self.config.to_dict() if self.config is not None else None,
             "compiled": self.compiled,
+            "peer": self.peer.to_dict() if self.peer is not None else None,
         }
 
 
@@ -67,6 +74,11 @@ def uniprefill_spec(config: UniPrefillConfig) -> SystemSpec:
     return SystemSpec(f"uniprefill-{config.stable_hash()}", label, config, True)
 
 
+def peer_spec(peer) -> SystemSpec:
+    """The system of a peer accelerator (`uniprefill.peers.PeerSpec`)."""
+    return SystemSpec(f"peer-{peer.method}-{peer.stable_hash()}", peer.label, None, False, peer)
+
+
 def uniprefill_api():
     """The `uniprefill` module, or `RuntimeError` if `compile` is not there yet."""
     import uniprefill
@@ -83,7 +95,14 @@ class System:
     def __init__(self, spec: SystemSpec, model, *, compile_backend: str = "inductor"):
         self.spec = spec
         self.model = model
-        if spec.config is not None:
+        self._peer = None
+        if spec.peer is not None:
+            from uniprefill.peers.attention import PeerAttention
+
+            self._api = None
+            self._peer = PeerAttention(spec.peer)
+            self.fn = model
+        elif spec.config is not None:
             self._api = uniprefill_api()
             self.fn = self._api.compile(model, spec.config)
         elif spec.compiled:
@@ -95,13 +114,26 @@ class System:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits of the last position, [batch, vocab]: the work that TTFT measures."""
-        out = self.fn(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1
-        )
+        with self._peer_applied():
+            out = self.fn(
+                input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1
+            )
         return out.logits[:, -1]
 
+    def _peer_applied(self):
+        if self._peer is None:
+            return contextlib.nullcontext()
+        self._peer.counts.reset()  # the counts describe the last call
+        return self._peer.applied(self.model)
+
     def drop_report(self) -> dict[str, Any] | None:
-        """The drop report of the last prefill (`as_dict()` plus `overall_retention`)."""
+        """The drop report of the last prefill (`as_dict()` plus `overall_retention`).
+
+        For a peer: its counts of the last call (`PeerCounts.as_dict()`), with "density" the mean
+        share of causal attention blocks its sparse calls computed; no retention (nothing dropped).
+        """
+        if self._peer is not None:
+            return {**self._peer.counts.as_dict(), "overall_retention": None}
         if self._api is None:
             return None
         report = self._api.last_drop_report(self.fn)
@@ -159,6 +191,7 @@ class System:
         from uniprefill.measure.sdpa import for_decode_steps
 
         target = self.model if self.spec.config is None else self.fn
+        peer_context = self._peer_applied()
         config = GenerationConfig(
             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id,
             eos_token_id=eos_token_id,
@@ -166,10 +199,11 @@ class System:
         # generation calls target(...), which looks `forward` up on the instance first
         object.__setattr__(target, "forward", for_decode_steps(target.forward, decode_sdpa))
         try:
-            out = target.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                stopping_criteria=stopping_criteria,
-            )
+            with peer_context:
+                out = target.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                    stopping_criteria=stopping_criteria,
+                )
         finally:
             object.__delattr__(target, "forward")
         return out[:, input_ids.shape[1]:]
