@@ -1,7 +1,6 @@
 """uniprefill inside vLLM 0.26.0: offline generation with token dropping, one request opted out.
 
-    UNIPREFILL_VLLM_DROP=1 VLLM_USE_AOT_COMPILE=0 \\
-        python examples/vllm_offline.py --model /path/to/hf-model-folder --p 0.95 [--decode-graphs]
+    VLLM_USE_AOT_COMPILE=0 python examples/vllm_offline.py --model /path/to/hf-model-folder --p 0.95 [--decode-graphs]
 
 Needs a GPU, vLLM 0.26.0 and uniprefill installed in the same environment (vLLM finds the
 plugin through its `vllm.general_plugins` entry point). What the settings mean and why each is
@@ -9,9 +8,9 @@ needed: docs/vllm.md ("Switching it on"). Measured on an H200 (docs/benchmarks.m
 2.07-2.42x standard vLLM's prefill throughput on a Llama-3.1-8B shape at keep 0.3; slower than
 standard vLLM on a model as small as Gemma-3-270M. The same settings from the command line:
 
-    UNIPREFILL_VLLM_DROP=1 VLLM_USE_AOT_COMPILE=0 vllm serve MODEL --no-enable-prefix-caching \\
+    VLLM_USE_AOT_COMPILE=0 vllm serve MODEL --no-enable-prefix-caching \\
         --no-enable-chunked-prefill --max-num-batched-tokens 32768 -cc '{"mode": 2, "backend": "uniprefill.vllm_plugin.vllm_backend",
-        "inductor_compile_config": {"uniprefill": {"p": 0.95}}}'
+        "inductor_compile_config": {"uniprefill": {"p": 0.95, "vllm_drop": true}}}'
 """
 from __future__ import annotations
 
@@ -22,13 +21,17 @@ import os
 def llm_kwargs(model: str, settings: dict, max_model_len: int = 32768, decode_graphs: bool = False) -> dict:
     """`vllm.LLM(**kwargs)` for a dropping engine.
 
-    settings: the `UniPrefillConfig` fields (e.g. {"p": 0.95}). Prefix caching must be off (a
+    settings: the `UniPrefillConfig` fields (e.g. {"p": 0.95}); "vllm_drop" (the experimental
+    rewrite; without it vLLM runs unaccelerated) is added here. Prefix caching must be off (a
     dropped request's KV blocks must never serve another request), and a prompt drops only when
     it is prefilled in one step, so the step's token budget covers the longest prompt.
-    decode_graphs: decode under CUDA graphs that read the drop histories (also needs
-    UNIPREFILL_VLLM_DECODE_GRAPHS=1 in the environment)."""
+    decode_graphs: decode under CUDA graphs that read the drop histories (the option
+    "vllm_decode_graphs" with cudagraph_mode FULL_DECODE_ONLY)."""
+    options = {"vllm_drop": True, **settings}
+    if decode_graphs:
+        options["vllm_decode_graphs"] = True
     compilation = {"mode": 2, "backend": "uniprefill.vllm_plugin.vllm_backend",
-                   "inductor_compile_config": {"uniprefill": dict(settings)}}
+                   "inductor_compile_config": {"uniprefill": options}}
     if decode_graphs:
         compilation["cudagraph_mode"] = "FULL_DECODE_ONLY"
     return {"model": model, "max_model_len": max_model_len, "enable_prefix_caching": False,
@@ -44,9 +47,6 @@ def main() -> None:
     parser.add_argument("--decode-graphs", action="store_true", help="decode under CUDA graphs after drops")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # mode 2 with a custom backend cannot AOT-compile
-    os.environ.setdefault("UNIPREFILL_VLLM_DROP", "1")  # the rewrite is off without it (vLLM runs unaccelerated)
-    if args.decode_graphs:
-        os.environ.setdefault("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(drop_totals) sends a function
 
     from vllm import LLM, SamplingParams

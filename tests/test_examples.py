@@ -40,9 +40,10 @@ def test_the_vllm_example_asks_for_a_dropping_engine_the_checks_accept(monkeypat
     assert check.errors == []
     assert not any("chunked" in note for note in check.notes)
 
+    assert config_from_compilation_config(kwargs["compilation_config"]).vllm_drop  # the example drops
     graphs = example.llm_kwargs("/models/x", {"p": 0.95}, decode_graphs=True)
-    monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
-    assert check_vllm_config(as_vllm_config(graphs), "0.26.0", aot_compile=False, drop_enabled=True).errors == []
-    monkeypatch.delenv("UNIPREFILL_VLLM_DECODE_GRAPHS")  # FULL_DECODE_ONLY without the switch is refused
-    (error,) = check_vllm_config(as_vllm_config(graphs), "0.26.0", aot_compile=False, drop_enabled=True).errors
-    assert "FULL_DECODE_ONLY" in error
+    assert config_from_compilation_config(graphs["compilation_config"]).vllm_decode_graphs
+    assert check_vllm_config(as_vllm_config(graphs), "0.26.0", aot_compile=False).errors == []
+    graphs["compilation_config"]["inductor_compile_config"]["uniprefill"]["vllm_decode_graphs"] = False
+    (error,) = check_vllm_config(as_vllm_config(graphs), "0.26.0", aot_compile=False).errors
+    assert "FULL_DECODE_ONLY" in error  # FULL_DECODE_ONLY without the option is refused

@@ -7,7 +7,7 @@ after `scripts/gpu/vllm/box_install.sh`:
 
 The engines run as users run them (vLLM's EngineCore in its own process, model runner V2 for
 Llama) on a 4-layer Llama-3.1-8B-shaped model with random weights (`load_format="dummy"`, the
-folder `scripts/gpu/vllm/smoke_llm.py` writes), with `UNIPREFILL_VLLM_DROP=1`; the runtimes'
+folder `scripts/gpu/vllm/smoke_llm.py` writes), with the option `vllm_drop`; the runtimes'
 totals come back through `collective_rpc` (`uniprefill.vllm_runner_hook.collect_drop_totals`).
 Random weights make the texts meaningless: accuracy against standard vLLM is the needle
 parity run (`scripts/gpu/vllm/needle_parity.py`), not this file.
@@ -30,7 +30,7 @@ from smoke_llm import prompts, write_model_folder  # noqa: E402  (the scripts ar
 
 from uniprefill.vllm_runner_hook import collect_drop_totals  # noqa: E402
 
-SETTINGS = {"drop_layers": [1], "keep_ratio": 0.5, "min_tokens": 64}
+SETTINGS = {"drop_layers": [1], "keep_ratio": 0.5, "min_tokens": 64, "vllm_drop": True}
 MAX_TOKENS = 8
 
 
@@ -43,7 +43,6 @@ def model_folder(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _dropping(monkeypatch):
-    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")  # inherited by the EngineCore process
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc sends a function
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # Mode 2 needs vLLM's AOT compile off (docs/vllm.md). And spawn, not fork: this process has
@@ -114,7 +113,7 @@ def test_prefix_caching_with_dropping_fails_at_engine_construction(model_folder,
 
 def test_decode_under_cuda_graphs_after_drops_matches_eager_decode(model_folder, monkeypatch):
     """The same six 1,000-token prompts through two dropping engines: decode eager (cudagraph_mode
-    NONE) and under CUDA graphs (FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1, whose
+    NONE) and under CUDA graphs (FULL_DECODE_ONLY with the option vllm_decode_graphs, whose
     graphs read each step's drop histories). Same drops; the graphs were captured through the
     runtime; the first output token (from the prefill) equal everywhere and at least 90% of the
     decoded tokens equal (bf16 kernels with and without split-KV may break near-ties of the random
@@ -127,10 +126,10 @@ def test_decode_under_cuda_graphs_after_drops_matches_eager_decode(model_folder,
     for name in ("eager", "graphs"):
         overrides = {}
         if name == "graphs":
-            monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
             overrides["compilation_config"] = {"mode": 2, "backend": "uniprefill.vllm_plugin.vllm_backend",
                                                "cudagraph_mode": "FULL_DECODE_ONLY",
-                                               "inductor_compile_config": {"uniprefill": dict(SETTINGS)}}
+                                               "inductor_compile_config": {"uniprefill": {**SETTINGS,
+                                                                                          "vllm_decode_graphs": True}}}
         llm = engine(model_folder, **overrides)
         try:
             outputs = llm.generate(texts, params, use_tqdm=False)

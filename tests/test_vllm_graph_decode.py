@@ -129,10 +129,9 @@ def test_config_check_accepts_decode_graphs_only_behind_their_switch(monkeypatch
                                    inductor_compile_config={"uniprefill": {}}, cudagraph_mode=ns(name="FULL_DECODE_ONLY")),
              parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1), cache_config=ns(enable_prefix_caching=False),
              scheduler_config=ns(enable_chunked_prefill=False, max_num_seqs=8), speculative_config=None)
-    monkeypatch.delenv("UNIPREFILL_VLLM_DECODE_GRAPHS", raising=False)
     (error,) = check_vllm_config(cfg, drop_enabled=True).errors
-    assert "FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1" in error
-    monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
+    assert 'FULL_DECODE_ONLY with the option "vllm_decode_graphs": true' in error
+    cfg.compilation_config.inductor_compile_config = {"uniprefill": {"vllm_decode_graphs": True}}
     check = check_vllm_config(cfg, drop_enabled=True)
     assert check.errors == [] and any("decode under CUDA graphs" in n for n in check.notes)
     cfg.compilation_config.cudagraph_mode = ns(name="FULL_AND_PIECEWISE")  # prefill graphs: still refused
@@ -209,9 +208,10 @@ def test_backend_sizes_the_table_from_max_num_seqs_and_refuses_sliding_layers_af
 
     ns = types.SimpleNamespace
 
-    def config(max_num_seqs):
+    def config(max_num_seqs, decode_graphs=True):
+        settings = {"drop_layers": [1], "vllm_drop": True, "vllm_decode_graphs": decode_graphs}
         return ns(compilation_config=ns(mode=2, backend="uniprefill.vllm_plugin.vllm_backend",
-                                        inductor_compile_config={"uniprefill": {"drop_layers": [1]}},
+                                        inductor_compile_config={"uniprefill": settings},
                                         cudagraph_mode=ns(name="FULL_DECODE_ONLY")),
                   parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1),
                   cache_config=ns(enable_prefix_caching=False, block_size=16), speculative_config=None,
@@ -220,15 +220,11 @@ def test_backend_sizes_the_table_from_max_num_seqs_and_refuses_sliding_layers_af
                                                     layer_types=["full_attention", "full_attention",
                                                                  "sliding_attention", "full_attention"])))
 
-    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
-    monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
     assert VllmTokenDropBackend.from_vllm_config(config(64), "0.26.0", aot_compile=False).graph_decode_max_reqs == 64
     with pytest.raises(ValueError, match="needs scheduler_config.max_num_seqs"):
         VllmTokenDropBackend.from_vllm_config(config(None), "0.26.0", aot_compile=False)
-    monkeypatch.delenv("UNIPREFILL_VLLM_DECODE_GRAPHS")  # without the switch the mode is refused outright
     with pytest.raises(ValueError, match="cudagraph_mode=FULL_DECODE_ONLY with token dropping"):
-        VllmTokenDropBackend.from_vllm_config(config(64), "0.26.0", aot_compile=False)
-    monkeypatch.setenv("UNIPREFILL_VLLM_DECODE_GRAPHS", "1")
+        VllmTokenDropBackend.from_vllm_config(config(64, decode_graphs=False), "0.26.0", aot_compile=False)
     backend = VllmTokenDropBackend.from_vllm_config(config(64), "0.26.0", aot_compile=False)
     report = types.SimpleNamespace(drop_layers=(1,), reason="")
     info = types.SimpleNamespace(gdn_ops=0, layers=(0, 1, 2, 3), sites=[types.SimpleNamespace(layer=i, layer_name=f"l{i}")

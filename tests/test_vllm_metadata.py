@@ -796,16 +796,18 @@ def test_backend_reads_layer_kinds_window_and_block_size_from_the_vllm_config():
 def test_dropping_on_an_unverified_vllm_version_is_refused_unless_allowed(monkeypatch):
     config = fake_vllm_config(settings={})
     config.cache_config.enable_prefix_caching = False
-    monkeypatch.delenv("UNIPREFILL_VLLM_ALLOW_UNTESTED", raising=False)
     assert check_vllm_config(config, "0.26.0", drop_enabled=True).errors == []
     assert check_vllm_config(config, "0.26.0+cu130", drop_enabled=True).errors == []
     refused = check_vllm_config(config, "0.27.1", drop_enabled=True)
     assert len(refused.errors) == 1 and "vLLM 0.27.1 with token dropping" in refused.errors[0]
-    assert "UNIPREFILL_VLLM_ALLOW_UNTESTED=1" in refused.errors[0]
+    assert '"vllm_allow_untested": true' in refused.errors[0]
     channel_only = check_vllm_config(config, "0.27.1", drop_enabled=False)  # unaccelerated: a note only
     assert channel_only.errors == [] and any("0.27.1 is untested" in n for n in channel_only.notes)
-    monkeypatch.setenv("UNIPREFILL_VLLM_ALLOW_UNTESTED", "1")
-    allowed = check_vllm_config(config, "0.27.1", drop_enabled=True)
+    config.compilation_config.inductor_compile_config["uniprefill"] = {"vllm_allow_untested": True}
+    allowed = check_vllm_config(config, "0.27.1")
+    assert allowed.errors == [] and any("0.27.1 is untested" in n for n in allowed.notes)
+    config.compilation_config.inductor_compile_config["uniprefill"] = {"vllm_allow_untested": True, "vllm_drop": True}
+    allowed = check_vllm_config(config, "0.27.1")  # the drop switch read from the same dict
     assert allowed.errors == [] and any("0.27.1 is untested" in n for n in allowed.notes)
 
 
@@ -815,12 +817,28 @@ def test_backend_warms_the_kernels_up_to_max_model_len_only_where_triton_runs_th
 
     config = fake_vllm_config(settings={})
     config.model_config = NS(max_model_len=32768)
-    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert vllm_plugin._warm_up_max_seqlen(config, UniPrefillConfig()) == 32768
-    assert vllm_plugin._warm_up_max_seqlen(config, UniPrefillConfig(impl="torch")) == 0  # no Triton to compile
+    dropping = UniPrefillConfig(vllm_drop=True)
+    assert vllm_plugin._warm_up_max_seqlen(config, dropping) == 32768
+    assert vllm_plugin._warm_up_max_seqlen(config, UniPrefillConfig(impl="torch", vllm_drop=True)) == 0  # no Triton
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert vllm_plugin._warm_up_max_seqlen(config, UniPrefillConfig()) == 0
+    assert vllm_plugin._warm_up_max_seqlen(config, dropping) == 0
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.delenv("UNIPREFILL_VLLM_DROP")
     assert vllm_plugin._warm_up_max_seqlen(config, UniPrefillConfig()) == 0  # nothing drops, nothing to warm
+
+
+def test_the_former_environment_switches_are_config_fields_now(monkeypatch):
+    """Behaviour is configured, not switched by the environment: the old variables only earn a note
+    naming the option that replaced them, and the options travel in the uniprefill dict."""
+    config = fake_vllm_config(settings={})
+    config.cache_config.enable_prefix_caching = False
+    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
+    check = check_vllm_config(config, "0.27.1")  # an unverified version: refused only when dropping
+    assert check.errors == []  # the variable does not switch dropping on
+    assert any('UNIPREFILL_VLLM_DROP is no longer read: give "vllm_drop": true' in n for n in check.notes)
+    config.compilation_config.inductor_compile_config["uniprefill"] = {"vllm_drop": True}
+    assert len(check_vllm_config(config, "0.27.1").errors) == 1
+    with pytest.raises(ValueError, match="vllm_drop='yes' must be True or False"):
+        UniPrefillConfig(vllm_drop="yes")
+    assert UniPrefillConfig().stable_hash() == UniPrefillConfig(vllm_drop=False).stable_hash()
+    assert UniPrefillConfig().stable_hash() != UniPrefillConfig(vllm_drop=True).stable_hash()

@@ -91,13 +91,14 @@ def test_smoke_script_runs_tensor_parallel_and_checks_that_ranks_agree():
 def test_smoke_script_asks_for_decode_graphs_behind_their_switch(monkeypatch):
     smoke = load_script("smoke_llm")
     args = smoke.parse_args(["--uniprefill", "--decode-graphs"])
-    assert smoke.engine_kwargs(args, None)[0]["compilation_config"]["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    graphs = smoke.engine_kwargs(args, None)[0]["compilation_config"]
+    assert graphs["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert graphs["inductor_compile_config"]["uniprefill"]["vllm_decode_graphs"] is True
     assert "cudagraph_mode" not in smoke.engine_kwargs(smoke.parse_args(["--uniprefill"]), None)[0]["compilation_config"]
-    monkeypatch.delenv("UNIPREFILL_VLLM_DECODE_GRAPHS", raising=False)
     for name in ("VLLM_USE_AOT_COMPILE", "VLLM_ALLOW_INSECURE_SERIALIZATION"):  # restored after the test
         monkeypatch.setenv(name, "1")
     smoke.prepare_environment(args)
-    assert smoke.os.environ["UNIPREFILL_VLLM_DECODE_GRAPHS"] == "1"
+    assert smoke.os.environ["VLLM_USE_AOT_COMPILE"] == "0"
     with pytest.raises(SystemExit):
         smoke.parse_args(["--decode-graphs"])  # not without the channel
 

@@ -363,17 +363,17 @@ def assert_prefill_and_decode_match_the_reference(model, ids, query_lens, kept, 
 
 def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_reference(model, monkeypatch, tmp_path):
     """VllmTokenDropBackend end to end in the fake vLLM, as vLLM would call it, with
-    UNIPREFILL_VLLM_DROP=1: the graph is rewritten (its code dumped where
+    the option vllm_drop: the graph is rewritten (its code dumped where
     UNIPREFILL_VLLM_REWRITE_DUMP says), the prefill and a decode step match the reference, and
     a finished request's history is freed through the hook's listeners."""
     from uniprefill import vllm_runner_hook as hook
     from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
 
-    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
     monkeypatch.setenv("UNIPREFILL_VLLM_REWRITE_DUMP", str(tmp_path / "dump"))
     listeners = hook.FinishedListeners()
     hooks = VllmHooks(lambda: WORLD.context, lambda: WORLD.context.request_ids, lambda: None, listeners)
-    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,),
+                              vllm_drop=True)
     backend = VllmTokenDropBackend(config, layer_kinds=["full"] * LAYERS, block_size=BLOCK, hooks=hooks)
     compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
     query_lens = [200, 120]
@@ -410,11 +410,11 @@ def test_backend_under_model_runner_v2_drops_decodes_and_frees(model, monkeypatc
     from uniprefill import vllm_runner_hook as hook
     from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
 
-    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
     listeners = hook.FinishedListeners()
     hooks = VllmHooks(lambda: WORLD.context, hook.step_request_ids, hook.num_prompt_tokens, listeners,
                       opted_out_fn=hook.opted_out)
-    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,),
+                              vllm_drop=True)
     backend = VllmTokenDropBackend(config, layer_kinds=["full"] * LAYERS, block_size=BLOCK, hooks=hooks)
     compiled = torch.compile(model, backend=backend, dynamic=True, fullgraph=True)
     prompts = {"req-0": 200, "req-1": 120}
@@ -486,11 +486,11 @@ def test_a_refusal_half_way_leaves_vllms_graph_intact(monkeypatch, model_cls, re
     from uniprefill import vllm_runner_hook as hook
     from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
 
-    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
     model = model_cls().eval()
     hooks = VllmHooks(lambda: WORLD.context, lambda: WORLD.context.request_ids, lambda: None,
                       hook.FinishedListeners())
-    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,),
+                              vllm_drop=True)
     backend = VllmTokenDropBackend(config, layer_kinds=["full"] * LAYERS, block_size=BLOCK, hooks=hooks)
     query_lens = [200, 120]
     ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(4))
@@ -584,9 +584,9 @@ def test_backend_drops_before_sliding_layers_with_the_models_window(model, monke
     from uniprefill import vllm_runner_hook as hook
     from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
 
-    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
     window, kinds = 24, ["sliding", "full", "sliding", "full"]
-    config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,),
+                              vllm_drop=True)
     query_lens = [200, 120]
     ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(7))
     positions = torch.cat([torch.arange(q) for q in query_lens])
@@ -652,8 +652,8 @@ def test_backend_under_tensor_parallelism_sums_scores_over_the_tp_group(model, m
     from uniprefill import vllm_runner_hook as hook
     from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
 
-    monkeypatch.setenv("UNIPREFILL_VLLM_DROP", "1")
-    config = UniPrefillConfig(p=0.9, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,))
+    config = UniPrefillConfig(p=0.9, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,),
+                              vllm_drop=True)
     query_lens = [200, 120]
     ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(8))
     positions = torch.cat([torch.arange(q) for q in query_lens])

@@ -75,6 +75,18 @@ class UniPrefillConfig:
         strict: raise instead of running a graph unaccelerated when it cannot be rewritten.
         debug: dump the graph before and after the rewrite to the logger `uniprefill.passes`
             at INFO (formatted only when that logger shows INFO: `logging.basicConfig(level=logging.INFO)`).
+        vllm_drop: inside vLLM only (`uniprefill.vllm_plugin`): run the token-drop rewrite. Off,
+            the engine runs unaccelerated with the reason logged (the rewrite is experimental:
+            docs/vllm.md). Formerly the environment switch UNIPREFILL_VLLM_DROP=1.
+        vllm_decode_graphs: inside vLLM only: with `cudagraph_mode="FULL_DECODE_ONLY"`, a dropping
+            engine decodes under CUDA graphs that read each step's drop histories; without it that
+            mode is refused when dropping. Formerly UNIPREFILL_VLLM_DECODE_GRAPHS=1.
+        vllm_allow_untested: inside vLLM only: let a dropping engine start on a vLLM version other
+            than the verified ones (the rewrite reads vLLM internals that may change). Formerly
+            UNIPREFILL_VLLM_ALLOW_UNTESTED=1.
+        The `vllm_*` fields travel in the same dict as the others
+        (`compilation_config.inductor_compile_config["uniprefill"]`), so they enter vLLM's config
+        hash and this config's digest; the Hugging Face backend ignores them.
     """
 
     p: float = 0.95
@@ -93,6 +105,9 @@ class UniPrefillConfig:
     # with keep_ratio (which replaces top-p, so no rule applies; "paper" keeps the digest of such
     # configs as it was before the field existed)
     selection: Literal["paper", "content"] | None = None
+    vllm_drop: bool = False
+    vllm_decode_graphs: bool = False
+    vllm_allow_untested: bool = False
 
     def __post_init__(self) -> None:
         for name in ("p", "block_size", "last_q", "sink", "drop_layers", "keep_ratio", "min_tokens"):
@@ -117,7 +132,7 @@ class UniPrefillConfig:
             raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
         if self.window_positions not in WINDOW_POSITIONS:
             raise ValueError(f"window_positions={self.window_positions!r} is not one of {WINDOW_POSITIONS}")
-        for name in ("strict", "debug"):
+        for name in ("strict", "debug", "vllm_drop", "vllm_decode_graphs", "vllm_allow_untested"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
 
@@ -175,7 +190,8 @@ class UniPrefillConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-_ADDED_LATER = {"window_positions": "original", "selection": "paper"}
+_ADDED_LATER = {"window_positions": "original", "selection": "paper", "vllm_drop": False,
+                "vllm_decode_graphs": False, "vllm_allow_untested": False}
 
 
 def _plain(value):

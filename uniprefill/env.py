@@ -17,21 +17,16 @@ Read:
 
     UNIPREFILL_HAYSTACK: essay haystack file for `uniprefill demo/eval` when --haystack is not
         given (`haystack_path()`).
-    UNIPREFILL_VLLM_DROP: "1" turns on the experimental token dropping inside vLLM
-        (`vllm_drop_enabled()`; `uniprefill.vllm_plugin`). First GPU runs on 2026-12-01
-        (docs/vllm.md): off by default, and vLLM then runs unaccelerated with the reason logged.
-    UNIPREFILL_VLLM_DECODE_GRAPHS: "1" lets the dropping vLLM engine decode under CUDA graphs
-        (`compilation_config.cudagraph_mode="FULL_DECODE_ONLY"`; `vllm_decode_graphs_enabled()`,
-        `uniprefill.runtime.vllm_graph_decode`): built and tested on CPU, first run on the H200 on
-        2026-12-01 (docs/vllm.md), still a second switch; without it that mode is refused when dropping.
-    UNIPREFILL_VLLM_ALLOW_UNTESTED: "1" lets the dropping vLLM engine start on a vLLM version
-        other than the verified ones (`vllm_untested_allowed()`); without it such an engine is
-        refused at construction, since the rewrite reads vLLM internals that may have changed.
     UNIPREFILL_VLLM_REWRITE_DUMP: a folder; when set, the vLLM plugin writes each rewritten
         graph's code there (`rewrite_dump_dir()`), for debugging on the GPU box.
     TRITON_INTERPRET: Triton's own switch ("1": run Triton kernels in its CPU interpreter);
         `uniprefill.kernels` reads it (kernels/_common.py) to allow Triton on CPU tensors.
         tests/conftest.py sets it when there is no CUDA device.
+
+Read only to warn that they are gone (`legacy_vllm_switches()`): UNIPREFILL_VLLM_DROP,
+    UNIPREFILL_VLLM_DECODE_GRAPHS, UNIPREFILL_VLLM_ALLOW_UNTESTED. They were switches of the vLLM
+    plugin; they are the config fields `vllm_drop`, `vllm_decode_graphs` and `vllm_allow_untested`
+    now, given in the same dict as the other options.
 
 Set, never read:
     HF_HUB_OFFLINE: `force_hub_offline()` sets it to "1" before a model is loaded, so that
@@ -45,8 +40,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "haystack_path", "minference_csrc", "rewrite_dump_dir", "smollm2_dir",
-           "vllm_decode_graphs_enabled", "vllm_drop_enabled"]
+__all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "haystack_path", "legacy_vllm_switches", "minference_csrc",
+           "rewrite_dump_dir", "smollm2_dir"]
 
 
 def _path_from_env(name: str, default: Path) -> Path:
@@ -86,19 +81,13 @@ def haystack_path() -> str | None:
     return value or None
 
 
-def vllm_drop_enabled() -> bool:
-    """UNIPREFILL_VLLM_DROP == "1": the experimental vLLM rewrite may run."""
-    return os.environ.get("UNIPREFILL_VLLM_DROP", "").strip() == "1"
+LEGACY_VLLM_SWITCHES = {"UNIPREFILL_VLLM_DROP": "vllm_drop", "UNIPREFILL_VLLM_DECODE_GRAPHS": "vllm_decode_graphs",
+                        "UNIPREFILL_VLLM_ALLOW_UNTESTED": "vllm_allow_untested"}
 
 
-def vllm_decode_graphs_enabled() -> bool:
-    """UNIPREFILL_VLLM_DECODE_GRAPHS == "1": a dropping vLLM engine may decode under CUDA graphs."""
-    return os.environ.get("UNIPREFILL_VLLM_DECODE_GRAPHS", "").strip() == "1"
-
-
-def vllm_untested_allowed() -> bool:
-    """UNIPREFILL_VLLM_ALLOW_UNTESTED == "1": dropping may run on an unverified vLLM version."""
-    return os.environ.get("UNIPREFILL_VLLM_ALLOW_UNTESTED", "").strip() == "1"
+def legacy_vllm_switches() -> dict[str, str]:
+    """The former vLLM switches set in this environment -> the config field that replaced each."""
+    return {name: field for name, field in LEGACY_VLLM_SWITCHES.items() if os.environ.get(name, "").strip()}
 
 
 def rewrite_dump_dir() -> Path | None:

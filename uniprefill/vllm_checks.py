@@ -22,7 +22,7 @@ CONFIG_KEY = "uniprefill"
 BACKEND_QUALNAME = "uniprefill.vllm_plugin.vllm_backend"
 SUPPORTED_MODES = {1: "STOCK_TORCH_COMPILE", 2: "DYNAMO_TRACE_ONCE"}
 # Read in source and run on the H200 (docs/vllm.md): the channel above, the rewrite, the runner
-# hook, decode graphs. Dropping on another version needs UNIPREFILL_VLLM_ALLOW_UNTESTED=1.
+# hook, decode graphs. Dropping on another version needs the option vllm_allow_untested.
 VERIFIED_VLLM_VERSIONS = ("0.26.0",)
 
 
@@ -82,19 +82,32 @@ def cudagraph_mode_name(vllm_config: Any) -> str:
     return str(getattr(graphs, "name", graphs) or "NONE").upper()
 
 
-def decode_graphs_requested(vllm_config: Any) -> bool:
-    """FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1: decode under CUDA graphs after drops."""
-    return cudagraph_mode_name(vllm_config) == "FULL_DECODE_ONLY" and env.vllm_decode_graphs_enabled()
+def _settings(vllm_config: Any) -> UniPrefillConfig:
+    """The uniprefill settings of a vLLM config (the defaults where it gives none)."""
+    return config_from_compilation_config(_get(vllm_config, "compilation_config")) or UniPrefillConfig()
+
+
+def decode_graphs_requested(vllm_config: Any, config: UniPrefillConfig | None = None) -> bool:
+    """FULL_DECODE_ONLY with the option `vllm_decode_graphs`: decode under CUDA graphs after drops."""
+    config = config if config is not None else _settings(vllm_config)
+    return cudagraph_mode_name(vllm_config) == "FULL_DECODE_ONLY" and config.vllm_decode_graphs
 
 
 def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_compile: bool | None = None,
-                      drop_enabled: bool = False) -> VllmCheck:
+                      drop_enabled: bool | None = None) -> VllmCheck:
     """Check the parts of a `VllmConfig` (or a duck-typed fake) uniprefill depends on.
 
     aot_compile: vLLM's `envs.VLLM_USE_AOT_COMPILE` (on by default with torch >= 2.10).
-    drop_enabled: the experimental rewrite will drop tokens (`UNIPREFILL_VLLM_DROP=1`).
+    drop_enabled: the experimental rewrite will drop tokens; None: the option `vllm_drop` of the
+        uniprefill settings in the config.
     """
     check = VllmCheck()
+    settings = _settings(vllm_config)
+    if drop_enabled is None:
+        drop_enabled = settings.vllm_drop
+    for name, field_name in env.legacy_vllm_switches().items():
+        check.notes.append(f"the environment variable {name} is no longer read: give \"{field_name}\": true in "
+                           f"compilation_config.inductor_compile_config[{CONFIG_KEY!r}] instead")
     cc = _get(vllm_config, "compilation_config")
     mode = _mode_number(_get(cc, "mode"))
     if mode not in SUPPORTED_MODES:
@@ -116,14 +129,14 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
     if _get(vllm_config, "speculative_config") is not None:
         check.errors.append("speculative decoding is not supported yet")
     graphs = cudagraph_mode_name(vllm_config)
-    decode_graphs = decode_graphs_requested(vllm_config)
+    decode_graphs = decode_graphs_requested(vllm_config, settings)
     if drop_enabled and graphs != "NONE" and not decode_graphs:
         check.errors.append(
             f"compilation_config.cudagraph_mode={graphs} with token dropping: CUDA graphs would be captured "
             "without any request's drop history, so a replayed decode step would attend, in the layers after a "
             "drop, over KV entries those layers never wrote; use cudagraph_mode NONE (what vLLM sets for mode 2 "
             "unless FULL_DECODE_ONLY or VLLM_USE_BREAKABLE_CUDAGRAPH asks otherwise), or FULL_DECODE_ONLY with "
-            "UNIPREFILL_VLLM_DECODE_GRAPHS=1 (decode graphs that read each step's drop histories; experimental; "
+            "the option \"vllm_decode_graphs\": true (decode graphs that read each step's drop histories; experimental; "
             "run on the H200 with vLLM 0.26.0, docs/vllm.md)")
     if mode in SUPPORTED_MODES:
         check.notes.append(
@@ -132,7 +145,7 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
             "prefill throughput on a Llama-3.1-8B shape but 0.48-0.84x on Gemma-3-270M, whose layers are too small "
             "for that loss; compare with standard vLLM on your model")
     if drop_enabled and decode_graphs:
-        check.notes.append("decode under CUDA graphs after drops (UNIPREFILL_VLLM_DECODE_GRAPHS=1): experimental "
+        check.notes.append("decode under CUDA graphs after drops (vllm_decode_graphs): experimental "
                            "(run on the H200 with vLLM 0.26.0 and FA3); models with sliding-window layers after a drop run unaccelerated")
     runner = _get(_get(vllm_config, "model_config"), "runner_type", "generate")
     if runner not in (None, "generate"):
@@ -161,12 +174,12 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         else:
             check.notes.append("chunked prefill: prompts split over several steps run unaccelerated")
     if vllm_version is not None and vllm_version.split("+")[0] not in VERIFIED_VLLM_VERSIONS:
-        if drop_enabled and not env.vllm_untested_allowed():
+        if drop_enabled and not settings.vllm_allow_untested:
             check.errors.append(
                 f"vLLM {vllm_version} with token dropping: the rewrite reads vLLM internals (attention metadata "
                 f"fields, the model runner's batch, CUDA-graph capture) verified in {list(VERIFIED_VLLM_VERSIONS)} "
-                "only, and a change there could give wrong answers; install a verified version, or set "
-                "UNIPREFILL_VLLM_ALLOW_UNTESTED=1 to try it (and compare its outputs with standard vLLM's)")
+                "only, and a change there could give wrong answers; install a verified version, or give the option "
+                "\"vllm_allow_untested\": true to try it (and compare its outputs with standard vLLM's)")
         else:
             check.notes.append(f"vLLM {vllm_version} is untested; the channel was read in "
                                f"{list(VERIFIED_VLLM_VERSIONS)}")

@@ -5,7 +5,8 @@ Switching uniprefill on (written against vLLM 0.26.0; docs/vllm.md says what is 
     LLM(model, compilation_config={
         "mode": 2,  # DYNAMO_TRACE_ONCE; 1 (STOCK_TORCH_COMPILE) also works
         "backend": "uniprefill.vllm_plugin.vllm_backend",
-        "inductor_compile_config": {"uniprefill": {"p": 0.99, "drop_layers": [7, 11, 15, 19, 23, 27]}},
+        "inductor_compile_config": {"uniprefill": {"p": 0.99, "drop_layers": [7, 11, 15, 19, 23, 27],
+                                                   "vllm_drop": True}},  # without it: unaccelerated
     })
 
 Why this channel, read in vLLM 0.26.0's source (`CompilationConfig.init_backend`,
@@ -151,7 +152,7 @@ def _warm_up_max_seqlen(vllm_config: Any, config: UniPrefillConfig) -> int:
     first requests' prefills (`kernels/warm_up.py`); else 0."""
     import torch
 
-    if not env.vllm_drop_enabled() or config.impl == "torch" or not torch.cuda.is_available():
+    if not config.vllm_drop or config.impl == "torch" or not torch.cuda.is_available():
         return 0
     return int(_get(_get(vllm_config, "model_config"), "max_model_len", 0) or 0)
 
@@ -161,7 +162,7 @@ class VllmTokenDropBackend:
 
     By default every graph runs unaccelerated (plain FX, no Inductor) with the reason logged
     and kept in `graphs` (or raises under `strict=True`), and the report names the attention
-    layers and the drop points the config would use. With `UNIPREFILL_VLLM_DROP=1` the graph
+    layers and the drop points the config would use. With the option `vllm_drop` the graph
     is rewritten (`passes.vllm_rewrite`, `runtime.vllm_drop`, request ids from
     `vllm_runner_hook`; sliding-window layers after a drop through
     `runtime.vllm_window`; under TP > 1 the block scores are summed across vLLM's TP group, so
@@ -175,7 +176,7 @@ class VllmTokenDropBackend:
         """hooks: a `VllmHooks`, or a callable returning one (built when first needed).
         sliding_window: the model's window (tokens) for its "sliding" layers.
         graph_decode_max_reqs: vLLM's max_num_seqs when it decodes under CUDA graphs after drops
-        (FULL_DECODE_ONLY with UNIPREFILL_VLLM_DECODE_GRAPHS=1), else 0.
+        (FULL_DECODE_ONLY with the option `vllm_decode_graphs`), else 0.
         warm_up_max_seqlen: vLLM's max_model_len where the score-and-select Triton kernels will
         run (CUDA): each runtime compiles them at its first dummy forward; 0: no warm-up."""
         self.config = config
@@ -198,14 +199,14 @@ class VllmTokenDropBackend:
             raise ValueError(f"compilation_config.backend is {BACKEND_QUALNAME!r} but compilation_config."
                              f"inductor_compile_config has no {CONFIG_KEY!r} entry; give one (an empty dict "
                              "takes the defaults)")
-        check = check_vllm_config(vllm_config, vllm_version, aot_compile, drop_enabled=env.vllm_drop_enabled())
+        check = check_vllm_config(vllm_config, vllm_version, aot_compile, drop_enabled=config.vllm_drop)
         check.raise_if_errors()
         for note in check.notes:  # what will run unaccelerated: a warning, so that it shows without logging set up
             logger.warning("uniprefill: %s", note)
         cache = _get(vllm_config, "cache_config")
         parallel = _get(vllm_config, "parallel_config")
         max_reqs = 0
-        if env.vllm_drop_enabled() and decode_graphs_requested(vllm_config):
+        if config.vllm_drop and decode_graphs_requested(vllm_config, config):
             max_reqs = int(_get(_get(vllm_config, "scheduler_config"), "max_num_seqs", 0) or 0)
             if max_reqs < 1:  # without the table vLLM would capture graphs that ignore the drop histories
                 raise ValueError("decode under CUDA graphs after drops needs scheduler_config.max_num_seqs (the size "
@@ -223,16 +224,16 @@ class VllmTokenDropBackend:
         report = VllmGraphReport(
             rewritten=False,
             reason=("the vLLM rewrite is experimental and off: it is tested on CPU in a fake vLLM only "
-                    "(UNIPREFILL_VLLM_DROP=1 turns it on; docs/vllm.md)"),
+                    "(the option \"vllm_drop\": true turns it on; docs/vllm.md)"),
             attention_ops=sum("unified_attention" in n for n in names),
             kv_cache_updates=sum("unified_kv_cache_update" in n for n in names),
             gdn_ops=sum("gdn_attention" in n for n in names),
             placeholders=sum(1 for n in gm.graph.nodes if n.op == "placeholder"),
         )
         info = self._plan(gm, report)
-        if info is None and env.vllm_drop_enabled():
+        if info is None and self.config.vllm_drop:
             report.reason = f"its graph could not be read ({report.plan_error})"
-        if info is not None and env.vllm_drop_enabled():
+        if info is not None and self.config.vllm_drop:
             rewritten = self._rewrite(gm, info, report)
             if rewritten is not None:
                 self.graphs.append(report)
@@ -268,7 +269,7 @@ class VllmTokenDropBackend:
             return None
 
     def _rewrite(self, gm, info, report: VllmGraphReport):
-        """The experimental vLLM rewrite (UNIPREFILL_VLLM_DROP=1); None, with the reason in the
+        """The experimental vLLM rewrite (option `vllm_drop`); None, with the reason in the
         report, where it cannot run."""
         from .passes.vllm_graph import analyze_vllm_graph
         from .passes.vllm_rewrite import copy_graph_module, rewrite_vllm_graph
@@ -334,7 +335,7 @@ class VllmTokenDropBackend:
         hooks.listeners.add(runtime)
         self.runtimes.append(runtime)
         report.rewritten, report.reason = True, ""
-        logger.warning("uniprefill: EXPERIMENTAL token dropping inside vLLM at layers %s (UNIPREFILL_VLLM_DROP=1; "
+        logger.warning("uniprefill: EXPERIMENTAL token dropping inside vLLM at layers %s (option vllm_drop; "
                        "first GPU runs on 2026-12-01, docs/vllm.md): %s", list(report.drop_layers), report.rewrite)
         return gm.forward
 

@@ -22,7 +22,7 @@ nothing is computed per step.
 
 [read] in vLLM 0.26.0's source and run there on the H200 (runner V2, and V1 in a debugging run;
 docs/vllm.md). Private methods can change between vLLM versions: the plugin uses the hook only
-where `UNIPREFILL_VLLM_DROP=1` asks for the experimental vLLM rewrite, and refuses that on an
+where the option `vllm_drop` asks for the experimental vLLM rewrite, and refuses that on an
 unverified vLLM version (see `uniprefill.vllm_plugin`).
 """
 

@@ -4,7 +4,7 @@ by vLLM with uniprefill, same prompts, greedy, then the paired comparison.
     # on the GPU box, scripts/gpu/vllm/env.sh sourced, Gemma converted into /tmp/gemma-270m:
     python3 scripts/gpu/vllm/needle_parity.py run --system standard --model-dir /tmp/gemma-270m \\
         --haystack .gpu_data/PaulGrahamEssays.json --out $OUT/needles-standard.jsonl
-    UNIPREFILL_VLLM_DROP=1 python3 scripts/gpu/vllm/needle_parity.py run --system uniprefill \\
+    python3 scripts/gpu/vllm/needle_parity.py run --system uniprefill \\
         --settings '{"p": 0.99}' --model-dir /tmp/gemma-270m --haystack ... --out $OUT/needles-p099.jsonl
     python3 scripts/gpu/vllm/needle_parity.py compare $OUT/needles-standard.jsonl $OUT/needles-p099.jsonl
 
@@ -14,7 +14,7 @@ answer budget). Every prompt of a run goes to ONE `llm.generate` call, so vLLM b
 continuously (prefills of new requests beside decodes of earlier ones). Prefix caching and
 chunked prefill are off, so each prompt is prefilled whole in one step (stage 2 drops only
 such requests). "standard" is vLLM's default configuration (mode 3, CUDA graphs); "uniprefill"
-is the channel of docs/vllm.md (mode 2 and the uniprefill backend; with UNIPREFILL_VLLM_DROP=1
+is the channel of docs/vllm.md (mode 2 and the uniprefill backend; with "vllm_drop": true in --settings
 it drops, without it runs the graph unaccelerated). Scores: RULER's string_match_all /
 string_match_part (`uniprefill.eval.scoring.score`); `compare` pairs the prompts both runs
 answered and prints per-length differences with paired bootstrap 95% CIs.
@@ -115,7 +115,7 @@ def run(args) -> None:
     outputs = llm.generate([s.prompt for s in samples], params)
     wall = time.perf_counter() - start
     extra = {"settings": json.loads(args.settings) if args.system == "uniprefill" else None,
-             "vllm_drop": os.environ.get("UNIPREFILL_VLLM_DROP", "0"), "generate_wall_s": wall, "engine_init_s": built}
+             "vllm_drop": bool(json.loads(args.settings).get("vllm_drop")) if args.system == "uniprefill" else False, "generate_wall_s": wall, "engine_init_s": built}
     if args.system == "uniprefill":  # did requests drop inside the engine? (the runtimes' totals, per worker)
         from uniprefill.vllm_runner_hook import collect_drop_totals
 

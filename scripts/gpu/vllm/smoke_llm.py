@@ -17,7 +17,7 @@ Channel. "Standard vLLM" is the default configuration (mode 3, CUDA graphs on). 
 uses the channel of docs/vllm.md (mode 2, backend "uniprefill.vllm_plugin.vllm_backend");
 by default the backend runs the graph unaccelerated and logs "running the vLLM graph
 unaccelerated" with the number of attention ops it saw (the check that vLLM handed over the
-whole backbone graph); with UNIPREFILL_VLLM_DROP=1 in the environment it runs the experimental
+whole backbone graph); with "vllm_drop": true in --uniprefill-settings it runs the experimental
 rewrite and logs "EXPERIMENTAL token dropping inside vLLM". `--dump-graph` uses mode 2 with
 scripts/gpu/vllm/dump_backend.py, which writes the graph and the forward context of its first
 calls into $UNIPREFILL_VLLM_DUMP_DIR (default /tmp/vllm-dump). Debugging: SMOKE_CUDAGRAPH_MODE
@@ -172,6 +172,7 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
         }
         if args.decode_graphs:  # decode steps replay CUDA graphs that read the drop histories
             kwargs["compilation_config"]["cudagraph_mode"] = "FULL_DECODE_ONLY"
+            kwargs["compilation_config"]["inductor_compile_config"]["uniprefill"]["vllm_decode_graphs"] = True
         elif os.environ.get("SMOKE_CUDAGRAPH_MODE"):  # debugging: e.g. NONE (no CUDA graphs at all)
             kwargs["compilation_config"]["cudagraph_mode"] = os.environ["SMOKE_CUDAGRAPH_MODE"]
         # token dropping refuses prefix caching (a dropped request's blocks must not be reused)
@@ -288,7 +289,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--uniprefill", action="store_true", help="the uniprefill channel (mode 2)")
     parser.add_argument("--uniprefill-settings", default='{"p": 0.99}',
                         help="JSON of the UniPrefillConfig fields under inductor_compile_config['uniprefill']; "
-                             "with UNIPREFILL_VLLM_DROP=1 in the environment the experimental rewrite runs")
+                             "with \"vllm_drop\": true in it the experimental rewrite runs")
     parser.add_argument("--dump-graph", action="store_true",
                         help="mode 2 with scripts/gpu/vllm/dump_backend.py (writes $UNIPREFILL_VLLM_DUMP_DIR)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -305,7 +306,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(ms per output token from the engine's timestamps; decode runs without CUDA graphs "
                              "in the uniprefill channel)")
     parser.add_argument("--decode-graphs", action="store_true",
-                        help="with --uniprefill: cudagraph_mode FULL_DECODE_ONLY and UNIPREFILL_VLLM_DECODE_GRAPHS=1 "
+                        help="with --uniprefill: cudagraph_mode FULL_DECODE_ONLY and the option vllm_decode_graphs "
                              "(decode under CUDA graphs after drops; experimental)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="vLLM's tensor_parallel_size (needs that many GPUs); with dropping, the JSON's "
@@ -326,8 +327,6 @@ def prepare_environment(args) -> None:
     if args.uniprefill or args.dump_graph:
         # Mode 2 + vLLM's AOT compile needs a serialisable compiled function (docs/vllm.md).
         os.environ["VLLM_USE_AOT_COMPILE"] = "0"
-    if args.decode_graphs:
-        os.environ["UNIPREFILL_VLLM_DECODE_GRAPHS"] = "1"
     if args.dump_graph:
         path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = str(HERE) + (os.pathsep + path if path else "")
@@ -423,7 +422,7 @@ def main(argv=None) -> int:
         checks.append(all(p["decode"].get("all_generated", True) for p in summary["throughput"]["points"]
                           if "decode" in p))
 
-    if os.environ.get("UNIPREFILL_VLLM_DROP"):  # the evidence that dropping happened inside the engine, or not
+    if args.uniprefill and json.loads(args.uniprefill_settings).get("vllm_drop"):  # did the engine drop, or not
         from uniprefill.vllm_runner_hook import collect_drop_totals
 
         summary["drop_totals"] = collect_drop_totals(llm)

@@ -8,14 +8,14 @@
 #   dump     Gemma-3-270M through dump_backend.py (mode 2), texts only, 4K context;
 #            the dump folder is packed into $OUT/vllm-dump.tar.gz                     ~1.5 min (cap 240 s)
 #   llama4   4-layer Llama-shaped dummy through the uniprefill channel (mode 2)      ~1.5 min (cap 240 s)
-#   llama4drop  the same with UNIPREFILL_VLLM_DROP=1: the experimental rewrite (drop at layer 1)  ~1.5 min
-#   gemmadrop  Gemma-3-270M through the uniprefill channel with UNIPREFILL_VLLM_DROP=1, rewritten at
+#   llama4drop  the same with "vllm_drop": true: the experimental rewrite (drop at layer 1)  ~1.5 min
+#   gemmadrop  Gemma-3-270M through the uniprefill channel with "vllm_drop": true, rewritten at
 #            the "auto" layers (5, 11); its greedy prompts are shorter than min_tokens (256), so
 #            they run through WITHOUT dropping (a check that short prompts are left alone; the
 #            `needles` and `gemmadroptput` steps drop)                                       ~2 min
 #   needles  needle parity (issue 6 stage 2): scripts/gpu/vllm/needle_parity.py on Gemma-3-270M,
 #            niah_single_1..3 + niah_multikey_1 at 8K/16K/32K, NEEDLE_SAMPLES (10) each, standard
-#            vLLM vs uniprefill p = 0.99 (UNIPREFILL_VLLM_DROP=1), then the paired comparison   ~6 min
+#            vLLM vs uniprefill p = 0.99 ("vllm_drop": true), then the paired comparison   ~6 min
 #   gemmadroptput  prefill throughput of Gemma-3-270M with uniprefill dropping (p = 0.95), $THROUGHPUT
 #   llama8bdrop    the same for the Llama-8B-shaped dummy, forced keep 0.3 at layer 7
 #   llama8btp2, llama8bdroptp2  llama8b / llama8bdrop with tensor_parallel_size=2 (the two-GPU kind):
@@ -26,7 +26,7 @@
 #   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput
 #            8192,16384,32000 x 1,4,16                                                ~5 min  (cap 540 s)
 #   llama8bdropcg  llama8bdrop with decode under CUDA graphs (--decode-graphs: cudagraph_mode
-#            FULL_DECODE_ONLY, UNIPREFILL_VLLM_DECODE_GRAPHS=1; run on the H200 2026-12-01)  ~3 min
+#            FULL_DECODE_ONLY, "vllm_decode_graphs": true; run on the H200 2026-12-01)  ~3 min
 #   llama8beager, llama8bchannel  controls for the decode time per output token (DECODE=N): standard
 #            vLLM with enforce_eager (no compile, no CUDA graphs), and the uniprefill channel (mode 2)
 #            without dropping: how much of the dropping run's slower decode is eagerness, how much
@@ -118,18 +118,16 @@ for step in "${steps[@]}"; do
       fi ;;
     llama4drop)
       # the EXPERIMENTAL vLLM rewrite: drop at layer 1 of 4, keep 50% (dropped on the H200, 2026-12-01)
-      export UNIPREFILL_VLLM_DROP=1  # inherited by vLLM's EngineCore process
       run llama4-drop 240 $SMOKE --layers 4 --uniprefill "${SHARED[@]}" --kv-cache-gib 2 \
         --max-model-len 4096 --prompt-words 1000 \
-        --uniprefill-settings '{"drop_layers": [1], "keep_ratio": 0.5, "min_tokens": 64}' \
+        --uniprefill-settings '{"drop_layers": [1], "keep_ratio": 0.5, "min_tokens": 64, "vllm_drop": true}' \
         --out "$OUT/smoke-uniprefill-4l-drop.json"
-      unset UNIPREFILL_VLLM_DROP ;;
+      ;;
     gemmadrop)
-      export UNIPREFILL_VLLM_DROP=1
       run gemma-drop 300 $SMOKE --model-dir "$GEMMA_DIR" --uniprefill "${SHARED[@]}" --kv-cache-gib 4 \
-        --max-model-len 32768 --uniprefill-settings '{"p": 0.99, "min_tokens": 256}' \
+        --max-model-len 32768 --uniprefill-settings '{"p": 0.99, "min_tokens": 256, "vllm_drop": true}' \
         --out "$OUT/gemma-vllm-drop.json"
-      unset UNIPREFILL_VLLM_DROP ;;
+      ;;
     llama4)
       run llama4-uniprefill 240 $SMOKE --layers 4 --uniprefill "${SHARED[@]}" --kv-cache-gib 2 --max-model-len 4096 \
         --prompt-words 1000 --out "$OUT/smoke-uniprefill-4l.json" ;;
@@ -138,44 +136,38 @@ for step in "${steps[@]}"; do
       HAYSTACK="${HAYSTACK:-.gpu_data/PaulGrahamEssays.json}"
       NEEDLE=(--model-dir "$GEMMA_DIR" --haystack "$HAYSTACK" --samples "${NEEDLE_SAMPLES:-10}" --kv-cache-gib 8)
       run needles-standard 300 $NP run --system standard "${NEEDLE[@]}" --out "$OUT/needles-standard.jsonl"
-      export UNIPREFILL_VLLM_DROP=1
-      run needles-p099 300 $NP run --system uniprefill --settings '{"p": 0.99}' "${NEEDLE[@]}" \
+      run needles-p099 300 $NP run --system uniprefill --settings '{"p": 0.99, "vllm_drop": true}' "${NEEDLE[@]}" \
         --out "$OUT/needles-p099.jsonl"
-      unset UNIPREFILL_VLLM_DROP
       run needles-compare 60 $NP compare "$OUT/needles-standard.jsonl" "$OUT/needles-p099.jsonl" \
         --out "$OUT/needles-compare-p099.json" ;;
     gemmadroptput)
-      export UNIPREFILL_VLLM_DROP=1
       run gemma-drop-tput 420 $SMOKE --model-dir "$GEMMA_DIR" --uniprefill "${SHARED[@]}" --kv-cache-gib 4 \
-        --max-model-len 32768 --uniprefill-settings '{"p": 0.95, "min_tokens": 256}' "${TPUT[@]}" \
+        --max-model-len 32768 --uniprefill-settings '{"p": 0.95, "min_tokens": 256, "vllm_drop": true}' "${TPUT[@]}" \
         --out "$OUT/gemma-vllm-drop-tput.json"
-      unset UNIPREFILL_VLLM_DROP ;;
+      ;;
     llama8bdrop)
-      export UNIPREFILL_VLLM_DROP=1
       run llama8b-drop 540 $SMOKE "${SHARED[@]}" --uniprefill --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
-        --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256}' "${TPUT[@]}" \
+        --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256, "vllm_drop": true}' "${TPUT[@]}" \
         --out "$OUT/llama8b-vllm-drop.json"
-      unset UNIPREFILL_VLLM_DROP ;;
+      ;;
     pytest)
       run vllm-pytest 420 env OUT="$OUT" bash scripts/gpu/vllm/pytest_vllm.sh ;;
     llama8btp2)
       run llama8b-tp2 540 $SMOKE "${SHARED[@]}" --tensor-parallel-size 2 --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm-tp2.json" ;;
     llama8bdroptp2)
-      export UNIPREFILL_VLLM_DROP=1
       run llama8b-drop-tp2 540 $SMOKE "${SHARED[@]}" --uniprefill --tensor-parallel-size 2 --kv-cache-gib 8 \
-        --max-model-len 32768 --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256}' \
+        --max-model-len 32768 --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256, "vllm_drop": true}' \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm-drop-tp2.json"
-      unset UNIPREFILL_VLLM_DROP ;;
+      ;;
     llama8b)
       run llama8b 540 $SMOKE "${SHARED[@]}" --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm.json" ;;
     llama8bdropcg)
-      export UNIPREFILL_VLLM_DROP=1
       run llama8b-drop-cg 540 $SMOKE "${SHARED[@]}" --uniprefill --decode-graphs --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
-        --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256}' "${TPUT[@]}" \
+        --uniprefill-settings '{"drop_layers": [7], "keep_ratio": 0.3, "min_tokens": 256, "vllm_drop": true}' "${TPUT[@]}" \
         --out "$OUT/llama8b-vllm-drop-cg.json"
-      unset UNIPREFILL_VLLM_DROP ;;
+      ;;
     llama8beager)
       run llama8b-eager 540 $SMOKE "${SHARED[@]}" --eager --kv-cache-gib "${LLAMA_KV_GIB:-8}" --max-model-len 32768 \
         "${TPUT[@]}" --out "$OUT/llama8b-vllm-eager.json" ;;
