@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from fake_vllm import make_world, step  # noqa: E402  (the tests' fake vLLM context)
 
 from uniprefill.config import UniPrefillConfig  # noqa: E402
-from uniprefill.runtime.vllm_drop import VllmDropRuntime  # noqa: E402
+from uniprefill.vllm.drop import VllmDropRuntime  # noqa: E402
 
 LAYERS, DROP_LAYER, BLOCK, HEADS, HEAD_SIZE = 32, 7, 16, 2, 16
 

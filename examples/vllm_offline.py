@@ -9,7 +9,7 @@ needed: docs/vllm.md ("Switching it on"). Measured on an H200 (docs/benchmarks.m
 standard vLLM on a model as small as Gemma-3-270M. The same settings from the command line:
 
     VLLM_USE_AOT_COMPILE=0 vllm serve MODEL --no-enable-prefix-caching \\
-        --no-enable-chunked-prefill --max-num-batched-tokens 32768 -cc '{"mode": 2, "backend": "uniprefill.vllm_plugin.vllm_backend",
+        --no-enable-chunked-prefill --max-num-batched-tokens 32768 -cc '{"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
         "inductor_compile_config": {"uniprefill": {"p": 0.95, "vllm_drop": true}}}'
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def llm_kwargs(model: str, settings: dict, max_model_len: int = 32768, decode_gr
     options = {"vllm_drop": True, **settings}
     if decode_graphs:
         options["vllm_decode_graphs"] = True
-    compilation = {"mode": 2, "backend": "uniprefill.vllm_plugin.vllm_backend",
+    compilation = {"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
                    "inductor_compile_config": {"uniprefill": options}}
     if decode_graphs:
         compilation["cudagraph_mode"] = "FULL_DECODE_ONLY"
@@ -51,7 +51,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    from uniprefill.vllm_runner_hook import collect_drop_totals
+    from uniprefill.vllm.runner_hook import collect_drop_totals
 
     llm = LLM(**llm_kwargs(args.model, {"p": args.p}, args.max_model_len, args.decode_graphs))
     long_prompt = "Here is a long report. " + "The committee met and discussed the budget. " * 600

@@ -1,5 +1,5 @@
 """Paged sliding-window attention with a per-row window: the kernel behind vLLM sliding layers
-after a drop point (`uniprefill.runtime.vllm_window`).
+after a drop point (`uniprefill.vllm.window`).
 
 Each query row t of request r sees the `count[t]` cache entries that end at its own entry,
 logical KV indices `[logical[t] - count[t] + 1, logical[t]]`, read from vLLM's paged cache

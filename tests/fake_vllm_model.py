@@ -16,9 +16,9 @@ from torch import nn
 
 from fake_vllm import make_world, step
 from uniprefill.config import UniPrefillConfig
-from uniprefill.passes.vllm_graph import analyze_vllm_graph
-from uniprefill.passes.vllm_rewrite import rewrite_vllm_graph
-from uniprefill.runtime.vllm_drop import VllmDropRuntime, WindowLayer
+from uniprefill.vllm.graph import analyze_vllm_graph
+from uniprefill.vllm.rewrite import rewrite_vllm_graph
+from uniprefill.vllm.drop import VllmDropRuntime, WindowLayer
 
 
 HEADS, DIM, HIDDEN, LAYERS, VOCAB, BLOCK = 2, 16, 32, 4, 64, 16

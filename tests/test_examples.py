@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 from types import SimpleNamespace as NS
 
-from uniprefill.vllm_plugin import BACKEND_QUALNAME, check_vllm_config, config_from_compilation_config
+from uniprefill.vllm.plugin import BACKEND_QUALNAME, check_vllm_config, config_from_compilation_config
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vllm_offline.py"
 

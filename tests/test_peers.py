@@ -10,6 +10,7 @@ attention, and at its defaults computes a share of the blocks.
 from __future__ import annotations
 
 import importlib.util
+import types
 
 import pytest
 import torch
@@ -238,3 +239,73 @@ def test_the_packages_own_xattention_estimate_masks_earlier_chunks():
     if "100" in torch.cuda.get_device_name():
         pytest.skip("on an A100 the package takes its Triton path")
     assert ours == pytest.approx(1.0, abs=0.02) and package < 0.8
+
+
+def test_calls_a_peer_was_not_written_for_go_to_sdpa_with_their_reason():
+    """Non-causal attention (an encoder) and extra terms (T5's position bias) are SDPA's, exactly."""
+    bert = transformers.BertModel(transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                                          num_attention_heads=4, intermediate_size=128,
+                                                          max_position_embeddings=512), add_pooling_layer=False).eval()
+    ids = torch.randint(0, 128, (1, 300))
+    peer = PeerAttention(FULL)
+    with torch.no_grad():
+        plain = bert(ids).last_hidden_state
+        with peer.applied(bert):
+            out = bert(ids).last_hidden_state
+    torch.testing.assert_close(out, plain, atol=0, rtol=0)
+    assert peer.counts.sparse_calls == 0
+    assert peer.counts.sdpa_reasons == {"not causal (encoder, cross-attention or vision tower)": 2}
+    module = types.SimpleNamespace(is_causal=True)
+    q = torch.randn(1, 2, 100, 16)
+    reason = PeerAttention(parse_peer("blocks:min_tokens=8"))._sdpa_reason(
+        module, q, q, None, 0.0, {"position_bias": torch.zeros(1)})
+    assert reason == "extra attention terms (position bias, sinks or packed lengths)"
+
+
+def test_two_systems_of_one_setting_keep_their_own_counts():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 200))
+    first, second = PeerAttention(FULL), PeerAttention(FULL)
+    assert first.name != second.name
+    with torch.no_grad(), first.applied(model):
+        model(ids)
+    assert first.counts.sparse_calls == 2 and second.counts.sparse_calls == 0
+
+
+def test_generation_errors_of_a_peer_are_raised_not_recorded_as_pending(monkeypatch):
+    from uniprefill.eval import runner
+
+    system = System(peer_spec(FULL), tiny_llama())
+    monkeypatch.setattr(system, "generate", lambda *a, **k: (_ for _ in ()).throw(PeerUnavailable("no kernel")))
+    sample = types.SimpleNamespace(prompt="x", stop_at_newline=False, max_new_tokens=2, task="t", answers=["a"],
+                                   to_dict=lambda: {"task": "t"})
+
+    class Tok:
+        pad_token_id, eos_token_id = 0, 1
+
+        def __call__(self, text, return_tensors=None):
+            ids = torch.randint(2, 128, (1, 80))
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    with pytest.raises(PeerUnavailable, match="no kernel"):
+        runner.run_one(system, sample, Tok(), torch.device("cpu"), timed=False)
+
+
+@pytest.mark.gpu
+@needs_peers
+def test_minference_keeps_the_nearest_diagonals_on_a_local_head():
+    """A head that attends to itself and its neighbours: MInference's forced nearest 100 distances
+    must include distance 0 (a sliced diagonal-sum array once dropped the 63 nearest: error ~1)."""
+    from uniprefill.peers.methods import PREFILL
+
+    torch.manual_seed(0)
+    n, d = 2048, 64
+    base = torch.nn.functional.normalize(torch.randn(1, 2, n, d, device="cuda"), dim=-1)
+    q = (base * 128).to(torch.bfloat16)  # a logit of 16 on itself: the head attends to its own token
+    k = base.to(torch.bfloat16)
+    v = torch.randn(1, 2, n, d, device="cuda", dtype=torch.bfloat16)
+    spec = parse_peer("minference:vertical_size=30,slash_size=400")
+    out, density = PREFILL["minference"](q, k, v, d ** -0.5, spec.resolved)
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert density < 0.5
+    assert (out.float() - dense.float()).abs().max() < 0.1

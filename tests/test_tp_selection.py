@@ -78,7 +78,7 @@ import sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[6])  # tests/: the fake vLLM of test_vllm_rewrite.py and fake_vllm.py
 from test_vllm_rewrite import BLOCK, fake_context
 from uniprefill.config import UniPrefillConfig
-from uniprefill.runtime.vllm_drop import VllmDropRuntime
+from uniprefill.vllm.drop import VllmDropRuntime
 rank, world, init_file, out_file = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 q, k, query_lens, hq_all, hk_all = torch.load(sys.argv[5])
 group = None

@@ -8,7 +8,7 @@ after `scripts/gpu/vllm/box_install.sh`:
 The engines run as users run them (vLLM's EngineCore in its own process, model runner V2 for
 Llama) on a 4-layer Llama-3.1-8B-shaped model with random weights (`load_format="dummy"`, the
 folder `scripts/gpu/vllm/smoke_llm.py` writes), with the option `vllm_drop`; the runtimes'
-totals come back through `collective_rpc` (`uniprefill.vllm_runner_hook.collect_drop_totals`).
+totals come back through `collective_rpc` (`uniprefill.vllm.runner_hook.collect_drop_totals`).
 Random weights make the texts meaningless: accuracy against standard vLLM is the needle
 parity run (`scripts/gpu/vllm/needle_parity.py`), not this file.
 """
@@ -28,7 +28,7 @@ vllm = pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vllm"))
 from smoke_llm import prompts, write_model_folder  # noqa: E402  (the scripts are not a package)
 
-from uniprefill.vllm_runner_hook import collect_drop_totals  # noqa: E402
+from uniprefill.vllm.runner_hook import collect_drop_totals  # noqa: E402
 
 SETTINGS = {"drop_layers": [1], "keep_ratio": 0.5, "min_tokens": 64, "vllm_drop": True}
 MAX_TOKENS = 8
@@ -56,7 +56,7 @@ def engine(folder: Path, **overrides):
     kwargs = dict(model=str(folder), load_format="dummy", dtype="bfloat16", seed=0, max_model_len=4096,
                   max_num_batched_tokens=4096, enable_chunked_prefill=False, enable_prefix_caching=False,
                   gpu_memory_utilization=0.3, kv_cache_memory_bytes=2 << 30, enable_flashinfer_autotune=False,
-                  compilation_config={"mode": 2, "backend": "uniprefill.vllm_plugin.vllm_backend",
+                  compilation_config={"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
                                       "inductor_compile_config": {"uniprefill": dict(SETTINGS)}})
     kwargs.update(overrides)
     return vllm.LLM(**kwargs)
@@ -126,7 +126,7 @@ def test_decode_under_cuda_graphs_after_drops_matches_eager_decode(model_folder,
     for name in ("eager", "graphs"):
         overrides = {}
         if name == "graphs":
-            overrides["compilation_config"] = {"mode": 2, "backend": "uniprefill.vllm_plugin.vllm_backend",
+            overrides["compilation_config"] = {"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
                                                "cudagraph_mode": "FULL_DECODE_ONLY",
                                                "inductor_compile_config": {"uniprefill": {**SETTINGS,
                                                                                           "vllm_decode_graphs": True}}}

@@ -1,4 +1,4 @@
-"""The vLLM graph analysis (`uniprefill.passes.vllm_graph`): synthetic graphs shaped like
+"""The vLLM graph analysis (`uniprefill.vllm.graph`): synthetic graphs shaped like
 vLLM 0.26's mode-2 backbone, checked against what the H200 dump of the real one recorded."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import torch
 import torch.fx as fx
 from transformers import Gemma3TextConfig, LlamaConfig
 
-from uniprefill.passes.vllm_graph import (
+from uniprefill.vllm.graph import (
     analyze_vllm_graph,
     attach_example_inputs,
     layer_name_of,
 )
 from uniprefill.models.layer_kinds import layer_kinds as layer_kinds_from_hf_config
-from uniprefill.vllm_plugin import VllmTokenDropBackend, config_from_compilation_config
+from uniprefill.vllm.plugin import VllmTokenDropBackend, config_from_compilation_config
 
 DUMP = Path(__file__).resolve().parent.parent / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
 

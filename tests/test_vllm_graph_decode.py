@@ -1,4 +1,4 @@
-"""Decode under vLLM's CUDA graphs after drops (`runtime.vllm_graph_decode`), on CPU.
+"""Decode under vLLM's CUDA graphs after drops (`vllm.graph_decode`), on CPU.
 
 No graph is captured here (no CUDA): what is tested is that the metadata the capture path
 computes on the device, from vLLM's persistent inputs and the removed-KV table refilled before
@@ -16,8 +16,8 @@ import torch
 
 from fake_vllm import make_world, step
 from uniprefill.config import UniPrefillConfig
-from uniprefill.runtime.vllm_drop import VllmDropRuntime
-from uniprefill.runtime.vllm_graph_decode import DecodeRemovedBuffer, segment_metadata
+from uniprefill.vllm.drop import VllmDropRuntime
+from uniprefill.vllm.graph_decode import DecodeRemovedBuffer, segment_metadata
 
 BLOCK, HEADS, HEAD = 16, 2, 16
 QUERY_LENS = [400, 30, 260]  # the middle request is too short to drop: it has no history
@@ -122,10 +122,10 @@ def test_graph_decode_needs_full_attention_after_the_drops_and_a_table_size():
 
 
 def test_config_check_accepts_decode_graphs_only_behind_their_switch(monkeypatch):
-    from uniprefill.vllm_plugin import check_vllm_config
+    from uniprefill.vllm.plugin import check_vllm_config
 
     ns = types.SimpleNamespace
-    cfg = ns(compilation_config=ns(mode=2, backend="uniprefill.vllm_plugin.vllm_backend",
+    cfg = ns(compilation_config=ns(mode=2, backend="uniprefill.vllm.plugin.vllm_backend",
                                    inductor_compile_config={"uniprefill": {}}, cudagraph_mode=ns(name="FULL_DECODE_ONLY")),
              parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1), cache_config=ns(enable_prefix_caching=False),
              scheduler_config=ns(enable_chunked_prefill=False, max_num_seqs=8), speculative_config=None)
@@ -186,7 +186,7 @@ def test_a_capture_is_recognised_by_the_capturing_stream_when_the_context_says_n
     """vLLM 0.26's runner V2 captures FULL graphs with `cudagraph_runtime_mode=NONE` in the
     forward context: the capturing CUDA stream alone must send the drop point down the capture
     path (otherwise the graph would replay without the drop histories)."""
-    from uniprefill.runtime import vllm_drop
+    from uniprefill.vllm import drop as vllm_drop
 
     context = types.SimpleNamespace(cudagraph_runtime_mode=types.SimpleNamespace(name="NONE"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -204,13 +204,13 @@ def test_backend_sizes_the_table_from_max_num_seqs_and_refuses_sliding_layers_af
     """From vLLM's config: graph decoding only when dropping and asked for (FULL_DECODE_ONLY with the
     switch), sized by `max_num_seqs` (missing: an error, never graphs that ignore the histories);
     a model with sliding layers after the drop runs unaccelerated with the reason."""
-    from uniprefill.vllm_plugin import VllmTokenDropBackend
+    from uniprefill.vllm.plugin import VllmTokenDropBackend
 
     ns = types.SimpleNamespace
 
     def config(max_num_seqs, decode_graphs=True):
         settings = {"drop_layers": [1], "vllm_drop": True, "vllm_decode_graphs": decode_graphs}
-        return ns(compilation_config=ns(mode=2, backend="uniprefill.vllm_plugin.vllm_backend",
+        return ns(compilation_config=ns(mode=2, backend="uniprefill.vllm.plugin.vllm_backend",
                                         inductor_compile_config={"uniprefill": settings},
                                         cudagraph_mode=ns(name="FULL_DECODE_ONLY")),
                   parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1),

@@ -180,7 +180,7 @@ def test_an_output_the_analysis_missed_fails_with_a_clear_error(monkeypatch):
     """The safety net behind the scatter: were the FX analysis to miss that an output is computed
     after the drop (simulated here), the output would reach vLLM with the kept rows only; instead
     `check_rows` stops the step with an error naming the shapes."""
-    from uniprefill.passes import vllm_rewrite
+    from uniprefill.vllm import rewrite as vllm_rewrite
 
     monkeypatch.setattr(vllm_rewrite, "_descends_from", lambda node, sources: False)
     model = OutputThroughABuffer().eval()

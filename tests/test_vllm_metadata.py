@@ -18,8 +18,9 @@ import pytest
 import torch
 import torch.fx as fx
 
-from uniprefill import UniPrefillConfig, vllm_plugin
-from uniprefill.runtime.vllm_metadata import (
+from uniprefill import UniPrefillConfig
+from uniprefill.vllm import plugin as vllm_plugin
+from uniprefill.vllm.metadata import (
     DropHistoryStore,
     DropRecord,
     KVCacheGroup,
@@ -32,7 +33,7 @@ from uniprefill.runtime.vllm_metadata import (
     relayout_kv,
     window_visibility,
 )
-from uniprefill.vllm_plugin import BACKEND_QUALNAME, VllmTokenDropBackend, check_vllm_config, config_from_compilation_config
+from uniprefill.vllm.plugin import BACKEND_QUALNAME, VllmTokenDropBackend, check_vllm_config, config_from_compilation_config
 
 
 # ----------------------------------------------------------------------------- fakes
@@ -623,7 +624,7 @@ def test_vllm_config_checks():
     assert len(dropping.errors) == 1 and "enable_prefix_caching=False" in dropping.errors[0]
     assert check_vllm_config(fake_vllm_config(mode="DYNAMO_TRACE_ONCE")).errors == []
     bad = check_vllm_config(fake_vllm_config(mode=3, backend="inductor", pp=2, spec=object()), "0.33.0")
-    assert len(bad.errors) == 4 and "mode=3" in bad.errors[0] and "expected 'uniprefill.vllm_plugin" in bad.errors[1]
+    assert len(bad.errors) == 4 and "mode=3" in bad.errors[0] and "expected 'uniprefill.vllm.plugin" in bad.errors[1]
     assert any("0.33.0 is untested" in n for n in bad.notes)
     with pytest.raises(ValueError, match="cannot run with this vLLM configuration"):
         bad.raise_if_errors()
@@ -651,8 +652,8 @@ def test_vllm_config_checks():
 def test_register_is_idempotent_and_imports_nothing():
     code = (
         "import sys, uniprefill\n"
-        "assert 'uniprefill.vllm_plugin' not in sys.modules\n"
-        "from uniprefill import vllm_plugin as p\n"
+        "assert 'uniprefill.vllm.plugin' not in sys.modules\n"
+        "from uniprefill.vllm import plugin as p\n"
         "p.register(); p.register()\n"
         "assert p.plugin_loaded()\n"
         "assert 'vllm' not in sys.modules and 'torch._dynamo' not in sys.modules, 'register imported too much'\n"
@@ -667,7 +668,7 @@ def test_entry_point_declared():
     from importlib.metadata import entry_points
 
     values = {ep.value for ep in entry_points(group="vllm.general_plugins") if ep.name == "uniprefill"}
-    assert values == {"uniprefill.vllm_plugin:register"}
+    assert values == {"uniprefill.vllm.plugin:register"}
 
 
 def test_vllm_backend_binds_the_current_vllm_config(monkeypatch):
@@ -741,7 +742,7 @@ def _real_flash_metadata_class():
 
 
 def test_install_layer_metadata_gives_each_later_layer_its_own_compacted_metadata():
-    from uniprefill.runtime.vllm_metadata import install_layer_metadata
+    from uniprefill.vllm.metadata import install_layer_metadata
 
     Meta = _real_flash_metadata_class()
     batch = make_batch([1, 300, 40], [12, 0, 0], (16, 16))  # two KV-cache groups, as Gemma-3 has six
@@ -812,7 +813,7 @@ def test_dropping_on_an_unverified_vllm_version_is_refused_unless_allowed(monkey
 
 
 def test_backend_warms_the_kernels_up_to_max_model_len_only_where_triton_runs_them(monkeypatch):
-    from uniprefill import vllm_plugin
+    from uniprefill.vllm import plugin as vllm_plugin
     from uniprefill.config import UniPrefillConfig
 
     config = fake_vllm_config(settings={})

@@ -31,9 +31,9 @@ import torch.fx as fx
 
 from fake_vllm import make_world, step
 from uniprefill.config import UniPrefillConfig
-from uniprefill.passes.vllm_graph import analyze_vllm_graph
-from uniprefill.passes.vllm_rewrite import rewrite_vllm_graph
-from uniprefill.runtime.vllm_drop import VllmDropRuntime, WindowLayer
+from uniprefill.vllm.graph import analyze_vllm_graph
+from uniprefill.vllm.rewrite import rewrite_vllm_graph
+from uniprefill.vllm.drop import VllmDropRuntime, WindowLayer
 
 DUMP = Path(__file__).resolve().parents[1] / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
 LAYERS, FULL, GROUPS, BLOCK, WINDOW, VOCAB = 18, (5, 11, 17), 6, 16, 96, 1024

@@ -20,10 +20,10 @@ import torch
 from fake_vllm_model import (BLOCK, DIM, HIDDEN, LAYERS, VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context,
                              fake_window_layer, kept_per_request, step_context)
 from uniprefill.config import UniPrefillConfig
-from uniprefill.passes.vllm_graph import analyze_vllm_graph
-from uniprefill.passes.vllm_rewrite import rewrite_vllm_graph
-from uniprefill.runtime.vllm_drop import VllmDropRuntime
-from uniprefill.runtime.vllm_metadata import SkipReason
+from uniprefill.vllm.graph import analyze_vllm_graph
+from uniprefill.vllm.rewrite import rewrite_vllm_graph
+from uniprefill.vllm.drop import VllmDropRuntime
+from uniprefill.vllm.metadata import SkipReason
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +154,7 @@ def test_a_request_recomputed_from_scratch_replaces_its_history_and_totals_count
     assert totals.kv_entries_prompt == totals.rows_in * layers
     assert totals.kv_entries_written == totals.rows_in * 2 + totals.rows_kept * (layers - 2)
     assert totals.kv_written_share == totals.kv_entries_written / totals.kv_entries_prompt < 1
-    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm import runner_hook as hook
 
     listeners = hook.FinishedListeners()  # as vLLM's collective_rpc(drop_totals) reads them in a worker
     listeners.add(runtime)
@@ -200,7 +200,7 @@ def test_each_request_may_bring_its_own_p(model):
 
 
 def test_runner_hook_supplies_request_ids_and_frees_finished_requests():
-    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm import runner_hook as hook
 
     class Runner:  # the two methods and the batch fields of vLLM 0.26's GPUModelRunner it wraps
         def __init__(self):
@@ -234,7 +234,7 @@ def test_runner_hook_supplies_request_ids_and_frees_finished_requests():
 def test_runner_hook_marks_requests_that_must_keep_every_row():
     """Opt-outs: prompt logprobs (vLLM's `input_batch.num_prompt_logprobs`) and
     `extra_args={"uniprefill": False}` seen when the request arrives; none -> None."""
-    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm import runner_hook as hook
 
     seen = []
 
@@ -270,7 +270,7 @@ def test_runner_hook_v2_supplies_requests_from_the_prepared_batch():
     arriving requests' sampling params (extra_args, prompt logprobs)."""
     import numpy as np
 
-    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm import runner_hook as hook
 
     seen = []
 
@@ -323,7 +323,7 @@ def test_runner_hook_v2_supplies_requests_from_the_prepared_batch():
 def test_request_settings_from_sampling_params(caplog):
     """extra_args["uniprefill"]: {"p": x} gives the request its own p until it finishes; False
     or a bad setting (logged) keep every row; prompt logprobs opt out where read from params."""
-    from uniprefill import vllm_runner_hook as hook
+    from uniprefill.vllm import runner_hook as hook
 
     def arriving(req_id, setting=None, logprobs=None):
         extra = None if setting is None else {"uniprefill": setting}
@@ -366,8 +366,8 @@ def test_backend_with_the_experimental_switch_drops_and_decodes_like_the_referen
     the option vllm_drop: the graph is rewritten (its code dumped where
     UNIPREFILL_VLLM_REWRITE_DUMP says), the prefill and a decode step match the reference, and
     a finished request's history is freed through the hook's listeners."""
-    from uniprefill import vllm_runner_hook as hook
-    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+    from uniprefill.vllm import runner_hook as hook
+    from uniprefill.vllm.plugin import VllmHooks, VllmTokenDropBackend
 
     monkeypatch.setenv("UNIPREFILL_VLLM_REWRITE_DUMP", str(tmp_path / "dump"))
     listeners = hook.FinishedListeners()
@@ -407,8 +407,8 @@ def test_backend_under_model_runner_v2_drops_decodes_and_frees(model, monkeypatc
     next `execute_model`."""
     import numpy as np
 
-    from uniprefill import vllm_runner_hook as hook
-    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+    from uniprefill.vllm import runner_hook as hook
+    from uniprefill.vllm.plugin import VllmHooks, VllmTokenDropBackend
 
     listeners = hook.FinishedListeners()
     hooks = VllmHooks(lambda: WORLD.context, hook.step_request_ids, hook.num_prompt_tokens, listeners,
@@ -483,8 +483,8 @@ class OutputSummedOverTokens(TinyBackbone):
     (OutputSummedOverTokens, "is not one row per token"),
 ], ids=["token-axis-second", "output-summed-over-tokens"])
 def test_a_refusal_half_way_leaves_vllms_graph_intact(monkeypatch, model_cls, reason):
-    from uniprefill import vllm_runner_hook as hook
-    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+    from uniprefill.vllm import runner_hook as hook
+    from uniprefill.vllm.plugin import VllmHooks, VllmTokenDropBackend
 
     model = model_cls().eval()
     hooks = VllmHooks(lambda: WORLD.context, lambda: WORLD.context.request_ids, lambda: None,
@@ -581,8 +581,8 @@ def test_a_window_over_cache_entries_would_differ(model):
 def test_backend_drops_before_sliding_layers_with_the_models_window(model, monkeypatch):
     """VllmTokenDropBackend with a sliding/full model config: the sliding layer after the drop
     gets the config's window and the hooks' cache access; without a window it is refused."""
-    from uniprefill import vllm_runner_hook as hook
-    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+    from uniprefill.vllm import runner_hook as hook
+    from uniprefill.vllm.plugin import VllmHooks, VllmTokenDropBackend
 
     window, kinds = 24, ["sliding", "full", "sliding", "full"]
     config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,),
@@ -621,7 +621,7 @@ def test_vllm_window_layer_reads_flash_attentions_cache_layout(monkeypatch):
     the layer's (left, 0) pair; a quantised cache or a bidirectional window is refused."""
     import sys
 
-    from uniprefill.vllm_plugin import vllm_window_layer
+    from uniprefill.vllm.plugin import vllm_window_layer
 
     kv = torch.randn(5, 2, BLOCK, 2 * DIM)
     impl = types.SimpleNamespace(head_size=DIM, scale=0.25, sliding_window=(511, 0), logits_soft_cap=0.0,
@@ -649,8 +649,8 @@ def test_backend_under_tensor_parallelism_sums_scores_over_the_tp_group(model, m
     group standing in for vLLM's) the runtime selects through it and matches the reference."""
     import torch.distributed as dist
 
-    from uniprefill import vllm_runner_hook as hook
-    from uniprefill.vllm_plugin import VllmHooks, VllmTokenDropBackend
+    from uniprefill.vllm import runner_hook as hook
+    from uniprefill.vllm.plugin import VllmHooks, VllmTokenDropBackend
 
     config = UniPrefillConfig(p=0.9, block_size=BLOCK, last_q=16, sink=16, min_tokens=64, drop_layers=(1,),
                               vllm_drop=True)
@@ -760,7 +760,7 @@ def test_a_forward_without_attention_metadata_runs_through(model):
 def test_many_forwards_without_request_ids_are_reported_once(model, caplog):
     """An unwrapped model runner (vLLM's V2 before its hook) shows up as forwards with attention
     metadata and no request ids: after a handful (dummy runs) the runtime says so, once."""
-    from uniprefill.runtime import vllm_drop
+    from uniprefill.vllm import drop as vllm_drop
 
     config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
     compiled, state = compile_with_drops(model, config, (1,))
@@ -783,7 +783,7 @@ def test_kv_entries_count_each_segment_of_layers_at_its_own_rows():
     from fake_vllm import make_world
 
     from uniprefill.config import UniPrefillConfig
-    from uniprefill.runtime.vllm_drop import VllmDropRuntime
+    from uniprefill.vllm.drop import VllmDropRuntime
 
     world = make_world([400, 30, 260], layers=6, groups=1, block=16, kv_heads=2, head_size=16)
     config = UniPrefillConfig(keep_ratio=0.5, drop_layers=(1, 3), min_tokens=64, sink=16, last_q=16, block_size=16,

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from test_vllm_metadata import make_batch, random_drop  # tests/ is on the path (pyproject.toml)
-from uniprefill.runtime.vllm_metadata import DropHistoryStore, DropRecord, RequestDropHistory, compact
+from uniprefill.vllm.metadata import DropHistoryStore, DropRecord, RequestDropHistory, compact
 from uniprefill.kernels.paged_window import paged_window_attention
-from uniprefill.runtime.vllm_window import row_logical, window_counts
+from uniprefill.vllm.window import row_logical, window_counts
 
 DROPS, LAYERS = (1, 3), 6
 

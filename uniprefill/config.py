@@ -75,7 +75,7 @@ class UniPrefillConfig:
         strict: raise instead of running a graph unaccelerated when it cannot be rewritten.
         debug: dump the graph before and after the rewrite to the logger `uniprefill.passes`
             at INFO (formatted only when that logger shows INFO: `logging.basicConfig(level=logging.INFO)`).
-        vllm_drop: inside vLLM only (`uniprefill.vllm_plugin`): run the token-drop rewrite. Off,
+        vllm_drop: inside vLLM only (`uniprefill.vllm.plugin`): run the token-drop rewrite. Off,
             the engine runs unaccelerated with the reason logged (the rewrite is experimental:
             docs/vllm.md). Formerly the environment switch UNIPREFILL_VLLM_DROP=1.
         vllm_decode_graphs: inside vLLM only: with `cudagraph_mode="FULL_DECODE_ONLY"`, a dropping

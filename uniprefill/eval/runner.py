@@ -312,7 +312,7 @@ def run_one(system: System, sample: Sample, tokenizer, device: torch.device, *,
                 eos_token_id=tokenizer.eos_token_id, decode_sdpa=decode_sdpa,
             )
     except Exception as err:  # noqa: BLE001 - the method's generate may not be ready yet
-        if system.spec.is_baseline:
+        if system.spec.config is None:  # the plain model, or a peer on it: its error is the answer
             raise
         record.update(generation="pending", generation_error=f"{type(err).__name__}: {err}")
         return record

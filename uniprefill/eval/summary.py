@@ -199,7 +199,7 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
 
         curves = sorted({curve(r) for r in at_length if r["policy"]}, key=str)
         rules = {rule for rule, *_ in curves}
-        untimed = not any(r["speedup"] is not None for r in at_length if r["policy"])
+        untimed = not any(r["speedup"] is not None for r in at_length if r["policy"] or r.get("peer"))
 
         def x_of(r):
             if not untimed:

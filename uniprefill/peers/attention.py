@@ -10,6 +10,8 @@ SDPA serves, and the counts say why, every call a peer's kernel was not written 
 - decode steps and any call with cached keys (queries fewer than keys);
 - a mask (left padding, sliding windows, packed documents): the peers' kernels are causal over
   one unpadded sequence; SDPA's mask builder returns None exactly for plain causal batches;
+- calls that are not causal (encoders, cross-attention, vision towers) or carry extra terms
+  (position bias, attention sinks, packed-sequence lengths);
 - sliding-window layers (the peers accelerate full attention), dropout, softcapping;
 - prompts shorter than `PeerSpec.min_tokens` or than the method's own blocks need.
 A peer that cannot run at all here (no `minference`, no CUDA, an unsupported head size)
@@ -50,6 +52,11 @@ class PeerCounts:
                 "sdpa_calls": dict(self.sdpa_reasons)}
 
 
+# keyword arguments that change what attention computes beyond q, k, v, a causal mask and a scale:
+# where one is set, SDPA (which honours it) serves the call
+_EXTRA_TERMS = ("position_bias", "s_aux", "sinks", "cu_seq_lens_q", "cu_seq_lens_k", "alibi_slopes")
+
+
 class PeerAttention:
     """One peer setting registered as a transformers attention function."""
 
@@ -60,9 +67,9 @@ class PeerAttention:
         self.spec = spec
         self.settings = spec.resolved
         self.counts = PeerCounts()
-        self.name = f"uniprefill_peer_{spec.method}_{spec.stable_hash()}"
-        # transformers' registries are process-wide; the name is this setting's own, and the
-        # latest PeerAttention of a setting owns it (its counts are the ones updated)
+        # transformers' registries are process-wide: each PeerAttention registers under its own
+        # name, so two systems of one setting in one process keep their own counts
+        self.name = f"uniprefill_peer_{spec.method}_{spec.stable_hash()}_{id(self):x}"
         AttentionInterface.register(self.name, self.forward)
         AttentionMaskInterface.register(self.name, sdpa_mask)
 
@@ -71,10 +78,14 @@ class PeerAttention:
             return "decode or cached keys"
         if attention_mask is not None:
             return "mask (padding, window or packing)"
+        if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+            return "not causal (encoder, cross-attention or vision tower)"
         if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
             return "sliding-window layer"
         if dropout or kwargs.get("softcap") is not None:
             return "dropout or softcap"
+        if any(kwargs.get(name) is not None for name in _EXTRA_TERMS):
+            return "extra attention terms (position bias, sinks or packed lengths)"
         if query.shape[2] < self.spec.min_tokens:
             return "shorter than min_tokens"
         return None
@@ -99,13 +110,34 @@ class PeerAttention:
 
     @contextlib.contextmanager
     def applied(self, model: torch.nn.Module):
-        """Run `model` with this peer's attention inside the block, its own afterwards."""
-        previous = model.config._attn_implementation
-        if previous not in ("sdpa", self.name):
-            raise ValueError(f"the model runs {previous!r} attention; a peer replaces SDPA attention "
-                             "only (load the model with attn_implementation='sdpa')")
+        """Run `model` with this peer's attention inside the block, its own afterwards.
+
+        Every config of the model (sub-models too: a vision tower's calls are not causal and go to
+        SDPA) is switched, and each gets back exactly what it had."""
+        configs = _attention_configs(model)
+        before = {id(c): c._attn_implementation for c in configs}
+        if model.config._attn_implementation not in ("sdpa", self.name):
+            raise ValueError(f"the model runs {model.config._attn_implementation!r} attention; a peer "
+                             "replaces SDPA attention only (load the model with attn_implementation='sdpa')")
         model.set_attn_implementation(self.name)
         try:
+            if model.config._attn_implementation != self.name:
+                raise ValueError(f"{type(model).__name__} does not let its attention be switched at run time "
+                                 "(transformers' set_attn_implementation left it as it was)")
             yield model
         finally:
-            model.set_attn_implementation(previous)
+            for config in configs:
+                config._attn_implementation_internal = before[id(config)]
+
+
+def _attention_configs(model: torch.nn.Module) -> list:
+    """The model's config and every sub-config that carries an attention implementation."""
+    found, stack = {}, [model.config]
+    stack += [m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")]
+    while stack:
+        config = stack.pop()
+        if id(config) in found or not hasattr(config, "_attn_implementation"):
+            continue
+        found[id(config)] = config
+        stack += [getattr(config, key) for key in getattr(config, "sub_configs", {}) if getattr(config, key, None) is not None]
+    return list(found.values())

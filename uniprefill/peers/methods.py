@@ -15,8 +15,8 @@ over batch rows and heads. A method returns None where its own code would not ru
   `block_sparse_attn` (not on PyPI), so the mask runs on FlexPrefill's block kernel instead: a
   stand-in kernel of the same block granularity (128).
 - MInference: the "vertical_and_slash" pattern of `minference_prefill_kernel` (last 64 queries,
-  top vertical lines and diagonals) for all heads at once, with the package's Triton
-  vertical/slash kernel and its CUDA index builder.
+  top vertical lines and diagonals) for all heads at once, with the package's CUDA index builder
+  and Triton vertical/slash kernel called directly (`_vertical_slash_attention` says why).
 - blocks: the CPU stand-in (`reference`), no `minference` needed.
 """
 
@@ -46,6 +46,15 @@ def _check_flex_kernel(q: torch.Tensor, block_size: int) -> None:
         raise PeerUnavailable(f"FlexPrefill's block kernel takes head_dim 16-128 (got {q.shape[-1]})")
     if block_size not in (32, 64, 128):
         raise PeerUnavailable(f"FlexPrefill's block kernel takes block_size 32, 64 or 128 (got {block_size})")
+
+
+def _padded_block_index(flat: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[b, h, blocks*blocks] bool -> FlexPrefill's block index [b, h, k]: the selected flat indices
+    in order, padded with the value its kernel skips (num_blocks * (num_blocks + 1))."""
+    pad = num_blocks * (num_blocks + 1)
+    positions = torch.arange(flat.shape[-1], device=flat.device).expand_as(flat)
+    index = torch.where(flat, positions, torch.full_like(positions, pad)).sort(dim=-1).values
+    return index[..., :max(int(flat.sum(-1).max()), 1)].contiguous()
 
 
 def _density_of_lists(block_idx, num_blocks: int) -> float:
@@ -87,7 +96,7 @@ def xattention(q, k, v, scale: float, s: dict[str, Any]) -> Result:
     mask = mask[:, :, :num_blocks, :num_blocks].to(q.device)
     mask = mask & torch.ones(num_blocks, num_blocks, dtype=torch.bool, device=q.device).tril()
     flat = mask.flatten(2)
-    block_idx = [[row.nonzero().squeeze(1) for row in heads] for heads in flat]
+    block_idx = _padded_block_index(flat, num_blocks)
     qt, kt, vt = _flex_layout(q, k, v)
     out = flex.triton_block_wise_attention(qt, kt, vt, block_idx, block, softmax_scale=scale,
                                            gqa_interleave=False)
@@ -95,44 +104,55 @@ def xattention(q, k, v, scale: float, s: dict[str, Any]) -> Result:
 
 
 def minference(q, k, v, scale: float, s: dict[str, Any]) -> Result:
-    pit = load("ops.pit_sparse_flash_attention_v2")
+    pit, flex = load("ops.pit_sparse_flash_attention_v2"), load("modules.flexprefill")
     b, h, n, d = q.shape
     last_q = min(int(s["last_q"]), n)
     if n <= 2 * last_q:
         return None
-    # the package caps both at the prompt length; its diagonal scores exclude the last queries'
-    # own band, so `slash_size` is capped at what is left (the package's topk fails beyond it)
-    vertical_size = min(n, max(int(s["vertical_size"]), 30))
-    slash_size = min(n - last_q + 1, max(int(s["slash_size"]), 50))
+    if d not in (16, 32, 64, 128) or q.dtype not in (torch.bfloat16, torch.float16):
+        raise PeerUnavailable(f"MInference's vertical/slash kernel takes head_dim 16-128 in bf16/fp16 "
+                              f"(got {d}, {q.dtype})")
+    vertical_size, slash_size = min(n, max(int(s["vertical_size"]), 30)), min(n, max(int(s["slash_size"]), 50))
     groups = h // k.shape[1]
-    # the package's kernel indexes [b, h, n, d] as laid out contiguously (transformers' views are not)
-    q, k, v = q.contiguous(), repeat_kv(k, groups).contiguous(), repeat_kv(v, groups).contiguous()
-    # minference_prefill_kernel's vertical_and_slash_kernel, for every head at once
-    qk = torch.einsum("bhmk,bhnk->bhmn", q[:, :, -last_q:, :], k) / math.sqrt(d)
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    # minference_prefill_kernel's vertical_and_slash_kernel, for every head at once, with the
+    # model's softmax scale (the package divides by sqrt(head_dim), the same for most models)
+    qk = torch.einsum("bhmk,bhnk->bhmn", q[:, :, -last_q:, :], k) * scale
     tail = torch.ones(last_q, last_q, dtype=torch.bool, device=q.device).tril()
     qk[..., -last_q:] = qk[..., -last_q:].masked_fill(~tail, float("-inf"))
     qk = torch.softmax(qk, dim=-1, dtype=torch.float32)
     vertical = qk.sum(-2, keepdim=True)
     vertical[..., :30] = torch.inf
     vertical_topk = torch.topk(vertical, vertical_size, -1).indices
-    slash = load("modules.flexprefill").sum_all_diagonal_matrix(qk)[..., :-last_q + 1]
+    # FlexPrefill's diagonal sums have one entry per distance, n - 1 down to 0; the package's own
+    # function has last_q - 1 more, which its `[..., :-last_q + 1]` cuts. Cutting these instead
+    # would drop the 63 nearest distances, the diagonal included.
+    slash = flex.sum_all_diagonal_matrix(qk)
     slash[..., -100:] = torch.inf
     slash = (n - 1) - torch.topk(slash, slash_size, -1).indices
-    out = pit.vertical_slash_sparse_attention(q, k, v, vertical_topk, slash)
-    return out, _vertical_slash_density(pit, vertical_topk, slash, b, h, n)
+    return _vertical_slash_attention(pit, q, k, v, vertical_topk, slash, scale)
 
 
-def _vertical_slash_density(pit, v_idx, s_idx, b: int, h: int, n: int, block: int = 64) -> float:
-    """Share of causal query-key pairs the vertical/slash kernel visits (its index builder's counts;
-    the diagonal blocks count whole, so a near-dense pattern is capped at 1)."""
-    seqlens = torch.tensor([n], dtype=torch.int32, device=v_idx.device)
-    v_sorted = v_idx.to(torch.int32).reshape(b, h, -1).sort(dim=-1)[0]
-    s_sorted = s_idx.to(torch.int32).reshape(b, h, -1).sort(dim=-1, descending=True)[0]
-    padded = n + ((block - n) & (block - 1))
-    block_count, _, column_count, _ = pit.convert_vertical_slash_indexes(seqlens, v_sorted, s_sorted, padded,
-                                                                          block, block)
-    pairs = (block_count.double().sum() * block * block + column_count.double().sum() * block)
-    return min(1.0, float(pairs / (b * h * n * (n + 1) / 2)))
+def _vertical_slash_attention(pit, q, k, v, v_idx, s_idx, scale: float, block: int = 64):
+    """The package's CUDA index builder and Triton vertical/slash kernel, with one sequence length
+    per row and the model's scale; the density from that same index (64x64 tiles count whole,
+    capped at 1).
+
+    The package's wrapper is not used: where sgl_kernel or vLLM's ops import it switches to their
+    kernels, and it passes one sequence length for the whole batch, which the builder and the
+    kernel read per row."""
+    b, h, n, d = q.shape
+    pad = -n % block
+    q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, pad)).contiguous() for t in (q, k, v))
+    v_idx = v_idx.to(torch.int32).reshape(b, h, -1).sort(dim=-1).values.contiguous()
+    s_idx = s_idx.to(torch.int32).reshape(b, h, -1).sort(dim=-1, descending=True).values.contiguous()
+    seqlens = torch.full((b,), n, dtype=torch.int32, device=q.device)
+    block_count, block_offset, column_count, column_index = pit.convert_vertical_slash_indexes(
+        seqlens, v_idx, s_idx, n, block, block)
+    out = pit._triton_mixed_sparse_attention(q, k, v, seqlens, block_count, block_offset, column_count,
+                                             column_index, scale, block, block)
+    pairs = block_count.double().sum() * block * block + column_count.double().sum() * block
+    return out[:, :, :n], min(1.0, float(pairs / (b * h * n * (n + 1) / 2)))
 
 
 def blocks(q, k, v, scale: float, s: dict[str, Any]) -> Result:

@@ -66,8 +66,10 @@ class PeerSpec:
 
     @property
     def label(self) -> str:
-        given = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.settings)
-        return f"{self.method}" + (f" {given}" if given else " (defaults)")
+        items = [f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.settings]
+        if self.min_tokens != 1024:
+            items.append(f"min_tokens={self.min_tokens}")
+        return f"{self.method}" + (f" {','.join(items)}" if items else " (defaults)")
 
     def stable_hash(self) -> str:
         text = json.dumps({"method": self.method, "settings": self.resolved,

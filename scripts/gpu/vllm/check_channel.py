@@ -3,7 +3,7 @@
     python3 scripts/gpu/vllm/check_channel.py [--out FILE]
 
 What it runs, with vLLM's own code: the `vllm.general_plugins` loader (does it call
-`uniprefill.vllm_plugin.register`?); `CompilationConfig` / `VllmConfig` validation of the
+`uniprefill.vllm.plugin.register`?); `CompilationConfig` / `VllmConfig` validation of the
 channel's settings; `CompilationConfig.init_backend` inside `set_current_vllm_config` (does
 the qualname resolve to a `VllmTokenDropBackend` bound to the settings?); the config hash;
 bad settings (each must fail with a ValueError naming it); and the mode-2 decorator path
@@ -30,7 +30,7 @@ from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
 from vllm import envs
-from uniprefill import vllm_plugin
+from uniprefill.vllm import plugin as vllm_plugin
 import check_channel
 
 @support_torch_compile
@@ -70,7 +70,7 @@ def check_config_path() -> dict:
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.plugins import load_general_plugins
 
-    from uniprefill import vllm_plugin
+    from uniprefill.vllm import plugin as vllm_plugin
 
     out = {"vllm": vllm.__version__, "torch": torch.__version__}
     load_general_plugins()

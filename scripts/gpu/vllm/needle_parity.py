@@ -84,7 +84,7 @@ def _engine_kwargs(args, max_len: int) -> dict:
     if args.kv_cache_gib:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.system == "uniprefill":
-        kwargs["compilation_config"] = {"mode": 2, "backend": "uniprefill.vllm_plugin.vllm_backend",
+        kwargs["compilation_config"] = {"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
                                         "inductor_compile_config": {"uniprefill": json.loads(args.settings)}}
     return kwargs
 
@@ -117,7 +117,7 @@ def run(args) -> None:
     extra = {"settings": json.loads(args.settings) if args.system == "uniprefill" else None,
              "vllm_drop": bool(json.loads(args.settings).get("vllm_drop")) if args.system == "uniprefill" else False, "generate_wall_s": wall, "engine_init_s": built}
     if args.system == "uniprefill":  # did requests drop inside the engine? (the runtimes' totals, per worker)
-        from uniprefill.vllm_runner_hook import collect_drop_totals
+        from uniprefill.vllm.runner_hook import collect_drop_totals
 
         extra["drop_totals"] = collect_drop_totals(llm)
     records = score_records(samples, [o.outputs[0].text for o in outputs], args.system, extra)

@@ -14,7 +14,7 @@ CUDA graphs and generates), and generates `--num-prompts` word prompts. With --m
 folder's real weights and tokenizer, and greedy texts (16 tokens) for TEXT_PROMPTS.
 
 Channel. "Standard vLLM" is the default configuration (mode 3, CUDA graphs on). `--uniprefill`
-uses the channel of docs/vllm.md (mode 2, backend "uniprefill.vllm_plugin.vllm_backend");
+uses the channel of docs/vllm.md (mode 2, backend "uniprefill.vllm.plugin.vllm_backend");
 by default the backend runs the graph unaccelerated and logs "running the vLLM graph
 unaccelerated" with the number of attention ops it saw (the check that vLLM handed over the
 whole backbone graph); with "vllm_drop": true in --uniprefill-settings it runs the experimental
@@ -167,7 +167,7 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
     if args.uniprefill:
         kwargs["compilation_config"] = {
             "mode": 2,
-            "backend": "uniprefill.vllm_plugin.vllm_backend",
+            "backend": "uniprefill.vllm.plugin.vllm_backend",
             "inductor_compile_config": {"uniprefill": json.loads(args.uniprefill_settings)},
         }
         if args.decode_graphs:  # decode steps replay CUDA graphs that read the drop histories
@@ -423,7 +423,7 @@ def main(argv=None) -> int:
                           if "decode" in p))
 
     if args.uniprefill and json.loads(args.uniprefill_settings).get("vllm_drop"):  # did the engine drop, or not
-        from uniprefill.vllm_runner_hook import collect_drop_totals
+        from uniprefill.vllm.runner_hook import collect_drop_totals
 
         summary["drop_totals"] = collect_drop_totals(llm)
         # KV memory a cache sized by the kept tokens would save (vLLM does not reclaim it)

@@ -13,13 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import env
-from .config import UniPrefillConfig
+from .. import env
+from ..config import UniPrefillConfig
 
 logger = logging.getLogger("uniprefill.vllm")
 
 CONFIG_KEY = "uniprefill"
-BACKEND_QUALNAME = "uniprefill.vllm_plugin.vllm_backend"
+BACKEND_QUALNAME = "uniprefill.vllm.plugin.vllm_backend"
+# the name before the vLLM code moved into uniprefill.vllm (2026-12-02); `uniprefill.vllm_plugin`
+# is that package's plugin module under its old name, so configs written for it keep working
+FORMER_BACKEND_QUALNAME = "uniprefill.vllm_plugin.vllm_backend"
 SUPPORTED_MODES = {1: "STOCK_TORCH_COMPILE", 2: "DYNAMO_TRACE_ONCE"}
 # Read in source and run on the H200 (docs/vllm.md): the channel above, the rewrite, the runner
 # hook, decode graphs. Dropping on another version needs the option vllm_allow_untested.
@@ -121,7 +124,7 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
             "AOT compile needs a serialisable compiled function and uniprefill's backend returns a plain "
             "callable; set VLLM_USE_AOT_COMPILE=0 or use mode 1")
     backend = _get(cc, "backend")
-    if backend != BACKEND_QUALNAME:
+    if backend not in (BACKEND_QUALNAME, FORMER_BACKEND_QUALNAME):
         check.errors.append(f"compilation_config.backend={backend!r}: expected {BACKEND_QUALNAME!r}")
     parallel = _get(vllm_config, "parallel_config")
     if (_get(parallel, "pipeline_parallel_size", 1) or 1) > 1:

@@ -11,7 +11,7 @@ inside the graph, from buffers whose addresses the graph keeps:
   `block_table` and `slot_mapping` (read from the metadata vLLM built for the capture);
 * `DecodeRemovedBuffer.table`, `[columns, max_num_reqs]` int32: KV entries removed per request
   at the layers after each drop point, which `fill` (called by the model-runner hook before
-  every step, `vllm_runner_hook`) refills from the drop histories, in the step's batch order.
+  every step, `vllm.runner_hook`) refills from the drop histories, in the step's batch order.
 
 `segment_metadata` is that computation, and the same formula the host path (`compact` with
 `kv_removed_cpu`) applies on the host: tested equal on CPU. A decode step has one token per
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .vllm_metadata import DropHistoryStore
+from .metadata import DropHistoryStore
 
 
 class DecodeRemovedBuffer:

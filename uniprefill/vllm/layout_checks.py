@@ -1,4 +1,4 @@
-"""Checks of the vLLM token layouts (`runtime.vllm_layout`): shapes always, index contents on request.
+"""Checks of the vLLM token layouts (`uniprefill.vllm.layout`): shapes always, index contents on request.
 
 `validate="shapes"` (the default) runs the shape and host-count checks, which read no device
 tensor; `validate="full"` also reads index contents (sorted, inside their request, last token
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .vllm_layout import KVCacheGroup, TokenLayout
+    from .layout import KVCacheGroup, TokenLayout
 
 
 def _host_int(name: str, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -74,7 +74,7 @@ def _check_kept_contents(layout: TokenLayout, kept: torch.Tensor, counts: torch.
 
 
 def _check_batch_contents(layout: TokenLayout) -> None:
-    from .vllm_layout import _request_of_rows, _slots  # the layout module imports this one
+    from .layout import _request_of_rows, _slots  # the layout module imports this one
 
     seq = layout.seq_lens.long().cpu()
     if not torch.equal(seq, layout.seq_lens_cpu):

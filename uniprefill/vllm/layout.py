@@ -35,7 +35,7 @@ from typing import Literal
 
 import torch
 
-from .vllm_layout_checks import (
+from .layout_checks import (
     _host_int, _check_shape, _check_group, _check_counts, _check_blocks, _check_kept_contents, _check_batch_contents,
 )
 
@@ -243,7 +243,7 @@ def compact(
         request because of EARLIER steps' drops (from `DropHistoryStore.kv_removed`); default:
         the input layout's.
     align: "left" (full-attention layers) puts request r's kept rows at logical indices
-        `ctx_r - kv_removed_r + i`; "right" (sliding-window layers, `runtime.vllm_window`) puts
+        `ctx_r - kv_removed_r + i`; "right" (sliding-window layers, `vllm.window`) puts
         them at the END of the span the entering rows had, `kv_base_r + (entering_r - kept_r) + i`,
         and records the gap as a negative `kv_removed` (kv_base grows by it): the last kept row
         keeps its logical index, and later decode tokens need no shift. `kv_removed_cpu` must

@@ -1,7 +1,7 @@
 """Eligibility, window tables and the per-request drop history of the vLLM runtime.
 
 The token layouts of one step (`TokenLayout`, `batch_layout`, `compact`, ...) live in
-`runtime.vllm_layout` and are re-exported here.
+`uniprefill.vllm.layout` and are re-exported here.
 
 Decode. `DropHistoryStore` keeps one `RequestDropHistory` per request that dropped, plus dense
 host tables indexed by a store row (row 0 = "no history"), so that a decode step is a few
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .vllm_layout import (  # noqa: F401  (re-exported: the plugin, the runner and tests use them from here)
+from .layout import (  # noqa: F401  (re-exported: the plugin, the runner and tests use them from here)
     _ABSENT, KVCacheGroup, TokenLayout, _check_shape, _host_int, _ranges, _request_of_rows, batch_layout, compact,
     install_layer_metadata, relayout_kv,
 )

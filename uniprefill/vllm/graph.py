@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from .fx_utils import target_name
+from ..passes.fx_utils import target_name
 
 ATTENTION_OP = "unified_attention_with_output"
 KV_UPDATE_OP = "unified_kv_cache_update"

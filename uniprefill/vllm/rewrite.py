@@ -2,10 +2,10 @@
 
 Input: the graph vLLM's mode 2 hands to `compilation_config.backend` (flat `[s, ...]`
 token-major values, `positions`, attention as `unified_kv_cache_update` +
-`unified_attention_with_output` per layer; `uniprefill.passes.vllm_graph` reads it). For each
+`unified_attention_with_output` per layer; `uniprefill.vllm.graph` reads it). For each
 drop layer L, right after L's attention op the rewrite inserts
 
-    keep_L = runtime.drop(q_L, k_L, L)          # uniprefill.runtime.vllm_drop: select, compact, install metadata
+    keep_L = runtime.drop(q_L, k_L, L)          # uniprefill.vllm.drop: select, compact, install metadata
 
 and then gathers, with `keep_L`, every token-aligned value that is used after that point (the
 residual stream, the attention output, `positions`: a value is token-aligned when its traced
@@ -20,7 +20,7 @@ with the kept rows only. The rewritten graph runs eagerly (no Inductor), as vLLM
 
 A sliding-window layer after a drop point keeps its KV-cache update (the runtime gave it
 right-aligned slots) and its attention becomes `runtime.window_attention(args, kwargs, L)`:
-a window over ORIGINAL positions (`uniprefill.runtime.vllm_window`), not FlashAttention's
+a window over ORIGINAL positions (`uniprefill.vllm.window`), not FlashAttention's
 window over cache entries.
 
 Refused with a ValueError naming the reason (the backend then runs the graph unaccelerated):
@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
-from .vllm_graph import VllmGraphInfo
+from .graph import VllmGraphInfo
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The runtime side of a drop point inside a vLLM forward (stage 2: prefill-only dropping).
 
 `VllmDropRuntime.drop(q, k, layer)` is what the rewritten vLLM graph calls right after the
-attention of drop layer `layer` (`uniprefill.passes.vllm_rewrite`). For the step's batch it
+attention of drop layer `layer` (`uniprefill.vllm.rewrite`). For the step's batch it
 
 1. reads the batch from the forward context: `attn_metadata[name]` of the drop layer gives
    `query_start_loc` / `seq_lens` (one device-to-host copy at the first drop point of the
@@ -22,7 +22,7 @@ It never imports vLLM: the forward context comes from `context_fn` (in vLLM,
 `block_size_fn(layer_name)`. Per-step state (the current layout) lives in this object,
 which belongs to one compiled graph; `begin_step()` resets it (the graph calls it first).
 Sliding-window layers after a drop (`windows`): their KV is stored right-aligned and their
-attention runs `window_attention` (a window over ORIGINAL positions, `runtime.vllm_window`)
+attention runs `window_attention` (a window over ORIGINAL positions, `vllm.window`)
 instead of vLLM's FlashAttention, whose uniform window counts cache entries.
 """
 
@@ -37,13 +37,13 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 
-from .vllm_layout import KVCacheGroup, TokenLayout, _offsets, _ranges, batch_layout, compact, install_layer_metadata
-from .vllm_metadata import DropHistoryStore, SkipReason, drop_eligibility
+from .layout import KVCacheGroup, TokenLayout, _offsets, _ranges, batch_layout, compact, install_layer_metadata
+from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 from uniprefill.kernels.paged_window import paged_window_attention
 
-from .vllm_graph_decode import DecodeRemovedBuffer, segment_metadata
+from .graph_decode import DecodeRemovedBuffer, segment_metadata
 
-from .vllm_window import row_logical, window_counts
+from .window import row_logical, window_counts
 
 logger = logging.getLogger(__name__)
 # Forwards with metadata but no request ids that pass silently before a runtime that has seen
@@ -162,7 +162,7 @@ class VllmDropRuntime:
             after a drop point; `window_layer_fn(name)` gives each one's `WindowLayer`.
         graph_decode_max_reqs: > 0 when vLLM captures decode steps in CUDA graphs
             (`cudagraph_mode=FULL_DECODE_ONLY`): vLLM's `max_num_seqs`, the size of the table of
-            removed KV entries the graphs read (`runtime.vllm_graph_decode`); 0 for eager decode.
+            removed KV entries the graphs read (`vllm.graph_decode`); 0 for eager decode.
         warm_up_max_seqlen: > 0 (vLLM's `max_model_len`; the backend passes it on CUDA): at the
             first forward without requests (vLLM's profiling run) compile the score-and-select
             kernels' variants for prompts up to this length (`warm_up_fn`, default
@@ -268,7 +268,7 @@ class VllmDropRuntime:
     def _graph_decode_point(self, context, q: torch.Tensor, layer: int) -> torch.Tensor:
         """The drop point while vLLM captures a decode CUDA graph: nothing drops (decode); the
         later layers get seq_lens and slots computed on the device from vLLM's persistent inputs
-        and the removed-KV table (`runtime.vllm_graph_decode`), so that replays follow each
+        and the removed-KV table (`vllm.graph_decode`), so that replays follow each
         step's requests. Every row is kept.
 
         vLLM may run one capture batch's forward more than once over the same metadata dicts
@@ -357,7 +357,7 @@ class VllmDropRuntime:
         totals.forwards_without_requests += 1
         if totals.forwards_without_requests == _SILENT_DUMMY_RUNS and totals.forwards == 0:
             logger.warning("uniprefill: %d forwards carried attention metadata but no request ids and none had "
-                           "them: vLLM's model runner is not one uniprefill wraps (vllm_runner_hook), so nothing "
+                           "them: vLLM's model runner is not one uniprefill wraps (uniprefill.vllm.runner_hook), so nothing "
                            "drops", totals.forwards_without_requests)
 
     def _count(self, eligible: torch.Tensor) -> None:

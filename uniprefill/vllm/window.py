@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from .vllm_layout import TokenLayout, _ranges, _request_of_rows
-from .vllm_metadata import DropHistoryStore
+from .layout import TokenLayout, _ranges, _request_of_rows
+from .metadata import DropHistoryStore
 
 _SPAN = 1 << 40  # (request, position) keys: request * _SPAN + position (no host sync for a bound)
 

@@ -1,0 +1,390 @@
+"""The vLLM side of uniprefill: the `vllm.general_plugins` entry point and the backend vLLM compiles with.
+
+Switching uniprefill on (written against vLLM 0.26.0; docs/vllm.md says what is verified):
+
+    LLM(model, compilation_config={
+        "mode": 2,  # DYNAMO_TRACE_ONCE; 1 (STOCK_TORCH_COMPILE) also works
+        "backend": "uniprefill.vllm.plugin.vllm_backend",
+        "inductor_compile_config": {"uniprefill": {"p": 0.99, "drop_layers": [7, 11, 15, 19, 23, 27],
+                                                   "vllm_drop": True}},  # without it: unaccelerated
+    })
+
+Why this channel, read in vLLM 0.26.0's source (`CompilationConfig.init_backend`,
+`compilation/wrapper.py`, `v1/worker/gpu_model_runner.py`):
+
+* Modes 1 and 2 hand the WHOLE backbone graph to `compilation_config.backend`; mode 3
+  (the default) splits it at attention ops and compiles the pieces with Inductor or the
+  platform's compiler, so it never calls a custom backend with the whole graph.
+* In modes 1 and 2 vLLM passes `torch.compile` options only to "inductor" (its
+  `inductor_compile_config`), so the dynamo backend name "uniprefill" (the Hugging Face
+  backend of `torch_dynamo_backends`) would receive no settings. A backend string that is
+  not a registered dynamo name is resolved as `module.attribute`, during model loading,
+  while vLLM's current-config context is set: the one moment a backend can see the
+  `VllmConfig`. `vllm_backend` is therefore built on attribute access (the module
+  `__getattr__` below), bound to that config and validated there, so a bad setting fails
+  engine construction with a `ValueError` naming it.
+* `CompilationConfig` forbids unknown fields; `inductor_compile_config` is its one free-form
+  dict (and part of vLLM's config hash), so the settings travel under its key "uniprefill".
+  Under mode 3 that key reaches Inductor, which rejects it ("torch._inductor.config.uniprefill
+  does not exist"): loud, never silent.
+
+`register()` runs in every vLLM process, for every vLLM user who has uniprefill installed:
+it must stay idempotent, cheap and harmless. vLLM 0.26.0 needs no registration (the backend
+is found by qualname), so it only records that the plugin was loaded. Nothing here imports
+vLLM at module level; `import uniprefill` never imports this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from .. import env
+from ..config import UniPrefillConfig
+from .checks import (  # noqa: F401  (re-exported: tests, scripts and docs use them from here)
+    BACKEND_QUALNAME, CONFIG_KEY, SUPPORTED_MODES, VERIFIED_VLLM_VERSIONS, VllmCheck, _get, _mode_number,
+    check_vllm_config, config_from_compilation_config, cudagraph_mode_name, decode_graphs_requested,
+)
+
+logger = logging.getLogger("uniprefill.vllm")
+
+_loaded = False
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: idempotent, imports nothing."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    logger.debug("uniprefill vLLM plugin loaded; enable it with compilation_config.backend=%r", BACKEND_QUALNAME)
+
+
+def plugin_loaded() -> bool:
+    return _loaded
+
+
+# ----------------------------------------------------------------------------- the backend
+@dataclass
+class VllmGraphReport:
+    """What the backend did with one graph vLLM handed over."""
+
+    rewritten: bool
+    reason: str
+    attention_ops: int  # unified_attention* calls (one per attention layer)
+    kv_cache_updates: int
+    gdn_ops: int
+    placeholders: int
+    layers: tuple[int, ...] = ()  # attention layer indices, in graph order (from the layer names)
+    drop_layers: tuple[int, ...] | None = None  # the drop points the config picks for these layers
+    plan_error: str = ""  # why the layers or drop points could not be read, if so
+    rewrite: Any = None  # the rewrite's counts (`VllmRewriteResult`: gathers, sizes, scatters, windows) when rewritten
+
+
+@dataclass(frozen=True)
+class VllmHooks:
+    """Where the experimental rewrite gets vLLM's per-step state (fakes in tests)."""
+
+    context_fn: Any  # () -> the forward context (attn_metadata, slot_mapping dicts by layer name)
+    request_ids_fn: Any  # () -> the step's request ids, batch order
+    num_prompt_tokens_fn: Any  # () -> host [R] prompt lengths
+    listeners: Any  # .add(runtime): runtime.free(request_id) for finished requests
+    window_layer_fn: Any = None  # layer name -> vllm.drop.WindowLayer (sliding layers after a drop)
+    tp_group_fn: Any = None  # () -> the tensor-parallel process group (block scores are summed across it)
+    opted_out_fn: Any = None  # () -> host bool [R] of requests that must not drop (prompt logprobs), or None
+    request_p_fn: Any = None  # () -> host float32 [R] of requests' own p (NaN: the config's), or None
+
+    @classmethod
+    def from_vllm(cls) -> "VllmHooks":
+        """vLLM 0.26's forward context, and its GPU model runners (V1 and V2) wrapped (`vllm.runner_hook`)."""
+        from vllm.forward_context import get_forward_context
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        from . import runner_hook as hook
+
+        hook.install(GPUModelRunner)
+        try:  # vLLM 0.26's model runner V2, its default for non-MoE, non-hybrid models
+            from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+        except ImportError:
+            GPUModelRunnerV2 = None
+        if GPUModelRunnerV2 is not None:
+            hook.install_v2(GPUModelRunnerV2)
+        return cls(get_forward_context, hook.step_request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer,
+                   vllm_tp_group, hook.opted_out, hook.request_p)
+
+
+def vllm_tp_group():
+    """vLLM's tensor-parallel device group ([read] vllm.distributed.parallel_state, 0.26)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return get_tp_group().device_group
+
+
+def vllm_window_layer(name: str):
+    """A vLLM 0.26 FlashAttention layer's paged cache, scale and window, for
+    `VllmDropRuntime.window_attention` ([read] in vLLM's flash_attn.py: the cache's logical
+    shape is (blocks, kv heads, block size, 2 x head size); K and V are its two halves)."""
+    from vllm.forward_context import get_forward_context
+
+    from .drop import WindowLayer
+
+    layer = get_forward_context().no_compile_layers[name]
+    impl = layer.impl
+    if getattr(impl, "kv_cache_dtype", "auto") != "auto":
+        raise NotImplementedError(f"{name}: a quantised KV cache ({impl.kv_cache_dtype}) after a drop point")
+    kv = layer.kv_cache
+    if isinstance(kv, (list, tuple)):  # one per virtual engine in older versions
+        kv = kv[0]
+    key_cache, value_cache = kv.transpose(1, 2).split(impl.head_size, dim=-1)
+    left, right = getattr(impl, "sliding_window", (-1, -1)) or (-1, -1)
+    if right not in (0, -1):
+        raise NotImplementedError(f"{name}: a bidirectional sliding window {impl.sliding_window}")
+    return WindowLayer(key_cache, value_cache, float(impl.scale), getattr(impl, "logits_soft_cap", None) or None,
+                       left + 1 if left >= 0 else None)
+
+
+def _warm_up_max_seqlen(vllm_config: Any, config: UniPrefillConfig) -> int:
+    """max_model_len when a dropping engine will run the Triton score-and-select kernels (CUDA,
+    impl "auto" or "triton"): they are then compiled at the first dummy forward, not inside the
+    first requests' prefills (`kernels/warm_up.py`); else 0."""
+    import torch
+
+    if not config.vllm_drop or config.impl == "torch" or not torch.cuda.is_available():
+        return 0
+    return int(_get(_get(vllm_config, "model_config"), "max_model_len", 0) or 0)
+
+
+class VllmTokenDropBackend:
+    """The dynamo backend vLLM calls with the whole backbone graph, bound to one config.
+
+    By default every graph runs unaccelerated (plain FX, no Inductor) with the reason logged
+    and kept in `graphs` (or raises under `strict=True`), and the report names the attention
+    layers and the drop points the config would use. With the option `vllm_drop` the graph
+    is rewritten (`vllm.rewrite`, `vllm.drop`, request ids from
+    `vllm.runner_hook`; sliding-window layers after a drop through
+    `vllm.window`; under TP > 1 the block scores are summed across vLLM's TP group, so
+    every rank keeps the same rows): tested on CPU in a fake vLLM and with gloo ranks only.
+    """
+
+    def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None,
+                 layer_kinds: list[str] | None = None, *, block_size: int | None = None,
+                 tensor_parallel: int = 1, hooks: Any = None, sliding_window: int | None = None,
+                 graph_decode_max_reqs: int = 0, warm_up_max_seqlen: int = 0) -> None:
+        """hooks: a `VllmHooks`, or a callable returning one (built when first needed).
+        sliding_window: the model's window (tokens) for its "sliding" layers.
+        graph_decode_max_reqs: vLLM's max_num_seqs when it decodes under CUDA graphs after drops
+        (FULL_DECODE_ONLY with the option `vllm_decode_graphs`), else 0.
+        warm_up_max_seqlen: vLLM's max_model_len where the score-and-select Triton kernels will
+        run (CUDA): each runtime compiles them at its first dummy forward; 0: no warm-up."""
+        self.config = config
+        self.check = check or VllmCheck()
+        self.layer_kinds = layer_kinds  # "full" / "sliding" / "linear" per layer, from the model config
+        self.block_size = block_size  # vLLM's KV-cache block size (cache_config.block_size)
+        self.tensor_parallel = tensor_parallel
+        self.sliding_window = sliding_window
+        self.graph_decode_max_reqs = graph_decode_max_reqs
+        self.warm_up_max_seqlen = warm_up_max_seqlen
+        self._hooks = hooks if hooks is not None else VllmHooks.from_vllm
+        self.graphs: list[VllmGraphReport] = []
+        self.runtimes: list = []  # one VllmDropRuntime per rewritten graph
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any, vllm_version: str | None = None,
+                         aot_compile: bool | None = None) -> "VllmTokenDropBackend":
+        config = config_from_compilation_config(_get(vllm_config, "compilation_config"))
+        if config is None:
+            raise ValueError(f"compilation_config.backend is {BACKEND_QUALNAME!r} but compilation_config."
+                             f"inductor_compile_config has no {CONFIG_KEY!r} entry; give one (an empty dict "
+                             "takes the defaults)")
+        check = check_vllm_config(vllm_config, vllm_version, aot_compile, drop_enabled=config.vllm_drop)
+        check.raise_if_errors()
+        for note in check.notes:  # what will run unaccelerated: a warning, so that it shows without logging set up
+            logger.warning("uniprefill: %s", note)
+        cache = _get(vllm_config, "cache_config")
+        parallel = _get(vllm_config, "parallel_config")
+        max_reqs = 0
+        if config.vllm_drop and decode_graphs_requested(vllm_config, config):
+            max_reqs = int(_get(_get(vllm_config, "scheduler_config"), "max_num_seqs", 0) or 0)
+            if max_reqs < 1:  # without the table vLLM would capture graphs that ignore the drop histories
+                raise ValueError("decode under CUDA graphs after drops needs scheduler_config.max_num_seqs (the size "
+                                 f"of the table the graphs read); got {max_reqs}")
+        return cls(config, check, _layer_kinds(vllm_config), block_size=_get(cache, "block_size"),
+                   tensor_parallel=int(_get(parallel, "tensor_parallel_size", 1) or 1),
+                   sliding_window=_get(_hf_text_config(vllm_config), "sliding_window"),
+                   graph_decode_max_reqs=max_reqs, warm_up_max_seqlen=_warm_up_max_seqlen(vllm_config, config))
+
+    def __call__(self, gm, example_inputs):
+        from .graph import attach_example_inputs
+
+        attach_example_inputs(gm, example_inputs)
+        names = [_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
+        report = VllmGraphReport(
+            rewritten=False,
+            reason=("the vLLM rewrite is experimental and off: it is tested on CPU in a fake vLLM only "
+                    "(the option \"vllm_drop\": true turns it on; docs/vllm.md)"),
+            attention_ops=sum("unified_attention" in n for n in names),
+            kv_cache_updates=sum("unified_kv_cache_update" in n for n in names),
+            gdn_ops=sum("gdn_attention" in n for n in names),
+            placeholders=sum(1 for n in gm.graph.nodes if n.op == "placeholder"),
+        )
+        info = self._plan(gm, report)
+        if info is None and self.config.vllm_drop:
+            report.reason = f"its graph could not be read ({report.plan_error})"
+        if info is not None and self.config.vllm_drop:
+            rewritten = self._rewrite(gm, info, report)
+            if rewritten is not None:
+                self.graphs.append(report)
+                return rewritten
+        self.graphs.append(report)
+        if self.config.strict:
+            raise RuntimeError(f"uniprefill cannot rewrite this vLLM graph: {report.reason}")
+        message = f"uniprefill: running the vLLM graph unaccelerated: {report.reason}"
+        logger.warning("%s (%d attention ops; layers %s; drop layers it would use: %s%s)", message,
+                       report.attention_ops, list(report.layers), report.drop_layers,
+                       f"; {report.plan_error}" if report.plan_error else "")
+        warnings.warn(message, stacklevel=2)
+        return gm.forward
+
+    def _plan(self, gm, report: VllmGraphReport):
+        """The attention layers of the graph and the drop points the config picks among them."""
+        from ..passes.classify import LayerInfo
+        from ..passes.drop_points import resolve_drop_layers
+        from .graph import analyze_vllm_graph
+
+        try:
+            info = analyze_vllm_graph(gm)
+            report.layers = info.layers
+            if self.layer_kinds is None:
+                report.plan_error = "the model config gave no layer kinds"
+                return None
+            kinds = {i: LayerInfo(i, self.layer_kinds[i] if i < len(self.layer_kinds) else "other")
+                     for i in info.layers}
+            report.drop_layers = resolve_drop_layers(self.config.drop_layers, kinds)
+            return info
+        except ValueError as exc:
+            report.plan_error = str(exc)
+            return None
+
+    def _rewrite(self, gm, info, report: VllmGraphReport):
+        """The experimental vLLM rewrite (option `vllm_drop`); None, with the reason in the
+        report, where it cannot run."""
+        from .graph import analyze_vllm_graph
+        from .rewrite import copy_graph_module, rewrite_vllm_graph
+        from .drop import VllmDropRuntime
+
+        if not report.drop_layers:
+            report.reason = (f"drop_layers={self.config.drop_layers!r} selects no layer: no full-attention layer "
+                             f"among the layer kinds {sorted(set(self.layer_kinds or []))}")
+            return None
+        if info.gdn_ops:
+            report.reason = (f"{info.gdn_ops} linear-attention (Gated DeltaNet) ops: their vLLM metadata for the kept "
+                             "rows (FLA chunk indices, causal-conv1d pointers, state slots) is not built yet")
+            return None
+        if "linear" in (self.layer_kinds or []):
+            report.reason = ("recurrent or convolutional token mixers (Mamba, short convolutions): the vLLM rewrite "
+                             "does not rebuild their state metadata for the kept rows")
+            return None
+        if not self.block_size or info.layers != tuple(range(len(info.layers))):
+            report.reason = "unknown KV block size, or attention layers that are not 0..L-1"
+            return None
+        first = min(report.drop_layers)
+        sliding = [site.layer_name for site in info.sites
+                   if site.layer > first and self.layer_kinds[site.layer] == "sliding"]
+        if sliding and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            report.reason = (f"sliding-window layers run after drop layer {first} but the model config gives no "
+                             f"sliding_window ({self.sliding_window!r})")
+            return None
+        if sliding and self.graph_decode_max_reqs:
+            report.reason = (f"sliding-window layers run after drop layer {first}, and decoding under CUDA graphs "
+                             "after a drop does not support them yet (their window tables are built on the host)")
+            return None
+        hooks = self._hooks() if callable(self._hooks) else self._hooks
+        if sliding and hooks.window_layer_fn is None:
+            report.reason = "sliding-window layers run after a drop point and the hooks give no window_layer_fn"
+            return None
+        group = None
+        if self.tensor_parallel != 1:
+            if hooks.tp_group_fn is None:
+                report.reason = f"tensor_parallel_size={self.tensor_parallel} and the hooks give no tp_group_fn"
+                return None
+            group = hooks.tp_group_fn()  # every rank sums the head-sharded block scores: one decision
+        runtime = VllmDropRuntime(self.config, [site.layer_name for site in info.sites], report.drop_layers,
+                                  hooks.context_fn, lambda name: self.block_size,
+                                  num_prompt_tokens_fn=hooks.num_prompt_tokens_fn,
+                                  request_ids_fn=hooks.request_ids_fn, opted_out_fn=hooks.opted_out_fn,
+                                  request_p_fn=hooks.request_p_fn,
+                                  windows={name: self.sliding_window for name in sliding},
+                                  window_layer_fn=hooks.window_layer_fn, group=group,
+                                  graph_decode_max_reqs=self.graph_decode_max_reqs,
+                                  warm_up_max_seqlen=self.warm_up_max_seqlen)
+        copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
+        try:
+            report.rewrite = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds,
+                                                runtime)
+        except (ValueError, KeyError) as exc:
+            report.reason = f"the vLLM rewrite refused this graph: {exc}"
+            return None
+        gm = copy
+        dump = env.rewrite_dump_dir()  # debugging: the rewritten graph's code, with the rewrite's counts
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / f"rewritten-{os.getpid()}-{len(self.runtimes)}.py").write_text(f"# {report.rewrite}\n{gm.code}")
+        hooks.listeners.add(runtime)
+        self.runtimes.append(runtime)
+        report.rewritten, report.reason = True, ""
+        logger.warning("uniprefill: EXPERIMENTAL token dropping inside vLLM at layers %s (option vllm_drop; "
+                       "first GPU runs on 2026-12-01, docs/vllm.md): %s", list(report.drop_layers), report.rewrite)
+        return gm.forward
+
+
+def _hf_text_config(vllm_config: Any) -> Any:
+    """vLLM's model config's Hugging Face text config (or its whole config), or None."""
+    model_config = _get(vllm_config, "model_config")
+    return _get(model_config, "hf_text_config") or _get(model_config, "hf_config")
+
+
+def _layer_kinds(vllm_config: Any) -> list[str] | None:
+    """Layer kinds from vLLM's model config (its Hugging Face text config), or None."""
+    from ..models.layer_kinds import layer_kinds
+
+    hf_config = _hf_text_config(vllm_config)
+    layers = _get(hf_config, "num_hidden_layers")
+    if hf_config is None or not isinstance(layers, int):
+        return None
+    try:
+        return layer_kinds(hf_config, layers)
+    except ValueError as exc:
+        logger.warning("uniprefill: layer kinds unknown: %s", exc)
+        return None
+
+
+def _target_name(node) -> str:
+    target = node.target
+    return getattr(target, "__name__", None) or str(target)
+
+
+def _vllm_backend_from_current_config() -> VllmTokenDropBackend:
+    try:
+        import vllm
+        from vllm.config import get_current_vllm_config
+    except ImportError as exc:
+        raise ImportError(f"{BACKEND_QUALNAME} is vLLM's backend and needs vllm installed") from exc
+    try:
+        from vllm import envs
+
+        aot_compile = bool(envs.VLLM_USE_AOT_COMPILE)
+    except (ImportError, AttributeError):  # a vLLM without AOT compile
+        aot_compile = None
+    return VllmTokenDropBackend.from_vllm_config(get_current_vllm_config(), getattr(vllm, "__version__", None),
+                                                 aot_compile)
+
+
+def __getattr__(name: str):
+    # vLLM resolves compilation_config.backend with getattr(module, "vllm_backend") while its
+    # config context is set; build a fresh backend bound to that config (no module state).
+    if name == "vllm_backend":
+        return _vllm_backend_from_current_config()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

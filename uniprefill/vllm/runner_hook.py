@@ -1,0 +1,282 @@
+"""Request identity for uniprefill inside vLLM: which request each batch row belongs to.
+
+vLLM 0.26 has two GPU model runners: V1 (`vllm.v1.worker.gpu_model_runner`, below) and V2
+(`vllm.v1.worker.gpu.model_runner`, the default for non-MoE, non-hybrid models): `install`
+wraps V1, `install_v2` wraps V2 (see its docstring); the plugin wraps both.
+
+vLLM 0.26's forward context has per-layer attention metadata but no request ids (the H200 dump,
+docs/vllm.md), and a drop history is per request. The model runner has them: while
+`GPUModelRunner._model_forward` runs, `self.input_batch.req_ids` lists the step's requests in
+batch order and `self.input_batch.num_prompt_tokens_cpu_tensor` their prompt lengths;
+`_update_states(scheduler_output)` sees `scheduler_output.finished_req_ids`. `install(cls)`
+wraps those two methods of a runner class (idempotent): the forward runs inside a
+`current_step()` context (a ContextVar, like vLLM's own forward context), and finished ids are
+handed to every registered `on_finished` listener (the runtimes free their histories).
+
+Requests that must not drop (`opted_out()`): those asking for prompt logprobs (vLLM reads
+the logits at every prompt position; `input_batch.num_prompt_logprobs`) and those whose
+sampling params say `extra_args={"uniprefill": False}` (recorded when the request arrives,
+`scheduler_output.scheduled_new_reqs`). `extra_args={"uniprefill": {"p": x}}` gives a request
+its own top-p (`request_p()`); see `RequestSettings`. When no live request has a setting,
+nothing is computed per step.
+
+[read] in vLLM 0.26.0's source and run there on the H200 (runner V2, and V1 in a debugging run;
+docs/vllm.md). Private methods can change between vLLM versions: the plugin uses the hook only
+where the option `vllm_drop` asks for the experimental vLLM rewrite, and refuses that on an
+unverified vLLM version (see `uniprefill.vllm.plugin`).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import logging
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+_STEP: contextvars.ContextVar[StepRequests | None] = contextvars.ContextVar("uniprefill_vllm_step", default=None)
+_MARK = "_uniprefill_wrapped"
+
+
+@dataclass(frozen=True)
+class StepRequests:
+    request_ids: tuple[str, ...]  # batch order
+    num_prompt_tokens: torch.Tensor  # host int64 [R]
+    opted_out: torch.Tensor | None = None  # host bool [R]; None: no request of the step opted out
+    p: torch.Tensor | None = None  # host float32 [R], a request's own p (NaN: the engine's); None: none has one
+
+
+def current_step() -> StepRequests | None:
+    """The requests of the forward running now (None outside a wrapped runner's forward)."""
+    return _STEP.get()
+
+
+class FinishedListeners:
+    """Callbacks for finished request ids; held weakly, so a dropped runtime unregisters itself."""
+
+    def __init__(self) -> None:
+        self._listeners: weakref.WeakSet = weakref.WeakSet()
+
+    def add(self, listener) -> None:
+        """`listener.free(request_id)` is called for every finished request."""
+        self._listeners.add(listener)
+
+    def totals(self) -> list[dict]:
+        """The running drop totals of every registered runtime (those that keep `totals`)."""
+        import dataclasses
+
+        return [dataclasses.asdict(listener.totals) for listener in list(self._listeners)
+                if dataclasses.is_dataclass(getattr(listener, "totals", None))]
+
+    def before_step(self, request_ids: tuple[str, ...]) -> None:
+        """Before a step's forward or graph replay: `listener.before_step(ids)` where defined (the
+        runtimes refill what their decode CUDA graphs read, `vllm.graph_decode`)."""
+        for listener in list(self._listeners):
+            before = getattr(listener, "before_step", None)
+            if before is not None:
+                before(request_ids)
+
+    def notify(self, request_ids) -> None:
+        for listener in list(self._listeners):
+            for request_id in request_ids:
+                listener.free(request_id)
+
+
+# Process-wide, like the runner class it wraps: the runtimes of this process's graphs.
+LISTENERS = FinishedListeners()
+
+logger = logging.getLogger(__name__)
+
+
+class RequestSettings:
+    """Per-request settings of the live requests, read when a request arrives.
+
+    `SamplingParams.extra_args["uniprefill"]`: False keeps every row of the request (opt-out);
+    `{"p": x}` with 0 < x <= 1 gives it its own top-p (ignored where a keep ratio is forced).
+    Anything else is logged and the request keeps every row: a bad setting never silently
+    changes an answer. Prompt logprobs opt out too (`logprobs_in_params`: V2 reads them from
+    the sampling params; V1 from its batch). Nothing per step is computed while no live request
+    has a setting."""
+
+    def __init__(self) -> None:
+        self.opted_out: set[str] = set()
+        self.p: dict[str, float] = {}
+
+    def arrive(self, new_requests, logprobs_in_params: bool) -> None:
+        for new in new_requests or ():
+            params = getattr(new, "sampling_params", None)
+            setting = (getattr(params, "extra_args", None) or {}).get("uniprefill")
+            if logprobs_in_params and getattr(params, "prompt_logprobs", None) is not None:
+                self.opted_out.add(new.req_id)
+            if setting is None or setting is True:
+                continue
+            if setting is False:
+                self.opted_out.add(new.req_id)
+                continue
+            p = setting.get("p") if isinstance(setting, dict) and set(setting) == {"p"} else None
+            if isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 < p <= 1.0:
+                self.p[new.req_id] = float(p)
+            else:
+                logger.warning("uniprefill: request %s: extra_args['uniprefill']=%r is not False or {'p': x} with "
+                               "0 < x <= 1; it keeps every row", new.req_id, setting)
+                self.opted_out.add(new.req_id)
+
+    def finish(self, request_ids) -> None:
+        self.opted_out.difference_update(request_ids)
+        for request_id in request_ids:
+            self.p.pop(request_id, None)
+
+    def of_step(self, ids: tuple[str, ...], also_opted_out=()) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(opted_out mask, per-request p) for the step's requests, each None when empty."""
+        mask = p = None
+        if self.opted_out or also_opted_out:
+            mask = torch.tensor([r in self.opted_out or r in also_opted_out for r in ids], dtype=torch.bool)
+        if self.p:
+            p = torch.tensor([self.p.get(r, math.nan) for r in ids], dtype=torch.float32)
+        return mask, p
+
+
+def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
+    """Wrap `runner_cls._model_forward` and `_update_states`; False if already wrapped."""
+    if getattr(runner_cls._model_forward, _MARK, False):
+        return False
+    forward, update = runner_cls._model_forward, runner_cls._update_states
+    settings = RequestSettings()
+
+    @functools.wraps(forward)
+    def _model_forward(self, *args, **kwargs):
+        batch = self.input_batch
+        ids = tuple(batch.req_ids)
+        logprobs = getattr(batch, "num_prompt_logprobs", None) or {}  # vLLM's {req_id: n}, usually empty
+        mask, p = settings.of_step(ids, logprobs)
+        step = StepRequests(ids, batch.num_prompt_tokens_cpu_tensor[:len(ids)].to(torch.long), mask, p)
+        listeners.before_step(ids)
+        token = _STEP.set(step)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _STEP.reset(token)
+
+    @functools.wraps(update)
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        finished = tuple(getattr(scheduler_output, "finished_req_ids", ()) or ())
+        settings.finish(finished)
+        settings.arrive(getattr(scheduler_output, "scheduled_new_reqs", ()), logprobs_in_params=False)
+        listeners.notify(finished)
+        return update(self, scheduler_output, *args, **kwargs)
+
+    for wrapped in (_model_forward, _update_states):
+        setattr(wrapped, _MARK, True)
+    runner_cls._model_forward = _model_forward
+    runner_cls._update_states = _update_states
+    return True
+
+
+def install_v2(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
+    """Wrap vLLM 0.26's model runner V2 (`vllm.v1.worker.gpu.model_runner.GPUModelRunner`, the
+    default there for non-MoE, non-hybrid generate models such as Llama and Gemma-3; the H200
+    run of 2026-12-01 found the rewrite idle because only V1 was wrapped). False if already wrapped.
+
+    `execute_model(scheduler_output, ..., dummy_run=False)` frees finished AND preempted
+    requests (V2 drops a preempted request's state; it is prefilled anew later) and records
+    opt-outs of arriving requests (`extra_args={"uniprefill": False}`, or prompt logprobs,
+    which V2 reads from the sampling params); its forward runs with no step until
+    `prepare_inputs(scheduler_output, batch_desc)` returns the batch: `req_ids` (batch order)
+    and `prefill_len_np` (tokens the request prefills: its prompt, plus earlier outputs
+    after a preemption). A dummy run never calls `prepare_inputs`: no step, nothing drops.
+    """
+    if getattr(runner_cls.execute_model, _MARK, False):
+        return False
+    execute, prepare = runner_cls.execute_model, runner_cls.prepare_inputs
+    settings = RequestSettings()
+
+    @functools.wraps(execute)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if not kwargs.get("dummy_run", args[1] if len(args) > 1 else False):
+            finished = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
+            finished |= set(getattr(scheduler_output, "preempted_req_ids", ()) or ())
+            settings.finish(finished)
+            settings.arrive(getattr(scheduler_output, "scheduled_new_reqs", ()), logprobs_in_params=True)
+            listeners.notify(finished)
+        token = _STEP.set(None)
+        try:
+            return execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            _STEP.reset(token)
+
+    @functools.wraps(prepare)
+    def prepare_inputs(self, scheduler_output, *args, **kwargs):
+        batch = prepare(self, scheduler_output, *args, **kwargs)
+        ids = tuple(batch.req_ids)
+        mask, p = settings.of_step(ids)
+        prefill = torch.as_tensor(batch.prefill_len_np[:len(ids)]).to(torch.long)
+        _STEP.set(StepRequests(ids, prefill, mask, p))  # seen by the forward execute_model runs next
+        listeners.before_step(ids)  # before the forward, or the replay of a decode graph
+        return batch
+
+    for wrapped in (execute_model, prepare_inputs):
+        setattr(wrapped, _MARK, True)
+    runner_cls.execute_model = execute_model
+    runner_cls.prepare_inputs = prepare_inputs
+    return True
+
+
+def drop_totals(worker=None) -> list[dict]:
+    """What the runtimes of this process dropped so far (one dict per compiled graph).
+
+    Shaped for vLLM's `LLM.collective_rpc(drop_totals)`, which calls it in every worker (the
+    EngineCore process, where the runtimes live) with the worker as argument; an empty list
+    there means the rewrite never ran in that process."""
+    return LISTENERS.totals()
+
+
+def step_request_ids() -> tuple[str, ...] | None:
+    """The step's request ids, or None outside a wrapped forward (vLLM's dummy and warm-up
+    runs call the model directly: no requests, nothing to drop)."""
+    step = current_step()
+    return None if step is None else step.request_ids
+
+
+def request_ids() -> tuple[str, ...]:
+    step = current_step()
+    if step is None:
+        raise RuntimeError("uniprefill: no request ids for this forward (vLLM's model runner is not wrapped)")
+    return step.request_ids
+
+
+def opted_out() -> torch.Tensor | None:
+    """Host bool [R]: the step's requests that must keep every row; None when none must."""
+    step = current_step()
+    if step is None:
+        raise RuntimeError("uniprefill: no requests for this forward (vLLM's model runner is not wrapped)")
+    return step.opted_out
+
+
+def collect_drop_totals(llm) -> list | str:
+    """`drop_totals` of every worker of a `vllm.LLM` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1:
+    collective_rpc sends a function), printed; what went wrong instead, as text, if it cannot."""
+    try:
+        totals = llm.collective_rpc(drop_totals, timeout=60)
+    except Exception as exc:  # noqa: BLE001 - evidence for a run's log, never a reason to fail it
+        totals = f"unavailable: {type(exc).__name__}: {str(exc)[:200]}"
+    print(f"drop totals: {totals}", flush=True)
+    return totals
+
+
+def request_p() -> torch.Tensor | None:
+    """Host float32 [R]: each request's own p (NaN: the engine's); None when none has one."""
+    step = current_step()
+    if step is None:
+        raise RuntimeError("uniprefill: no requests for this forward (vLLM's model runner is not wrapped)")
+    return step.p
+
+
+def num_prompt_tokens() -> torch.Tensor:
+    step = current_step()
+    if step is None:
+        raise RuntimeError("uniprefill: no prompt lengths for this forward (vLLM's model runner is not wrapped)")
+    return step.num_prompt_tokens
+
