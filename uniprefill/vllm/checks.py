@@ -3,7 +3,7 @@ the check of an engine's configuration (`check_vllm_config`) that decides whethe
 unaccelerated with a logged reason, or fails construction with a `ValueError` naming the setting.
 
 Nothing here imports vLLM: the configuration objects are read by attribute or key (`_get`), so
-the checks run in CI on plain namespaces (`tests/fake_vllm.py`).
+the checks run in CI on plain namespaces (`tests/vllm/fake_vllm.py`).
 """
 
 from __future__ import annotations

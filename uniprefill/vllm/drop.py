@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,95 +38,18 @@ from uniprefill.config import UniPrefillConfig
 
 from .layout import KVCacheGroup, TokenLayout, _offsets, _ranges, batch_layout, compact, install_layer_metadata
 from .metadata import DropHistoryStore, SkipReason, drop_eligibility
-from uniprefill.kernels.paged_window import paged_window_attention
 
-from .graph_decode import DecodeRemovedBuffer, segment_metadata
+from .graph_decode import _VLLM_BASE, DecodeRemovedBuffer, _capturing_full_graph, segment_metadata
 
-from .window import row_logical, window_counts
+from .window import paged_window_step, row_logical, window_counts
+from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
+    DropPointRecord, DropTotals, StepDrops, WindowLayer, WindowRows,
+)
 
 logger = logging.getLogger(__name__)
 # Forwards with metadata but no request ids that pass silently before a runtime that has seen
 # no real step warns (vLLM's profiling, warm-up and capture runs are a handful).
 _SILENT_DUMMY_RUNS = 64
-
-
-@dataclass(frozen=True)
-class WindowLayer:
-    """What `window_attention` needs of one vLLM sliding-window layer."""
-
-    key_cache: torch.Tensor  # [num_blocks, B, Hk, D] (a view of vLLM's FlashAttention cache)
-    value_cache: torch.Tensor
-    scale: float
-    softcap: float | None = None
-    window: int | None = None  # the layer's own window, when known: checked against the runtime's
-
-
-@dataclass(frozen=True)
-class WindowRows:
-    """A sliding layer's rows after a drop: request, own logical KV index and visible count."""
-
-    block_table: torch.Tensor
-    request: torch.Tensor
-    logical: torch.Tensor
-    count: torch.Tensor
-
-
-@dataclass(frozen=True)
-class DropPointRecord:
-    layer: int
-    entering: list[int]  # rows per request entering the drop point
-    kept: list[int]  # rows per request kept
-    source_rows: torch.Tensor  # device int64: the kept rows as rows of the step's original batch
-
-
-@dataclass
-class DropTotals:
-    """Running totals of one runtime (one compiled graph): what dropping did so far."""
-
-    forwards: int = 0  # forwards with attention metadata and requests (not vLLM's dummy runs)
-    forwards_without_requests: int = 0  # with attention metadata but no request ids (dummy runs, or an unwrapped runner)
-    dropping_forwards: int = 0  # ... in which at least one request dropped
-    requests_dropped: int = 0
-    rows_in: int = 0  # prompt rows of the dropping requests entering the first drop point
-    rows_kept: int = 0  # ... left after the last drop point
-    # KV entries the dropping requests' prompts put in the cache, summed over the attention
-    # layers: standard vLLM writes every prompt row at every layer (`kv_entries_prompt`); after a
-    # drop point a layer writes its kept rows only (`kv_entries_written`). The difference is the
-    # KV memory a cache sized by the kept tokens would save; vLLM 0.26 does not reclaim it (one
-    # block table per KV-cache group across the depth: docs/vllm.md "KV-cache memory inside vLLM").
-    # A sliding-window layer's cache is bounded by its window in either engine.
-    kv_entries_prompt: int = 0
-    kv_entries_written: int = 0
-    decode_graph_captures: int = 0  # forwards vLLM captured as decode CUDA graphs through `_graph_decode_point`
-    kernel_warm_ups: int = 0  # score-and-select warm-ups run at a dummy forward (`kernels/warm_up.py`); a count,
-    # not seconds, so that every rank's totals stay equal (`ranks_agree`); the seconds are logged
-
-    @property
-    def kv_written_share(self) -> float | None:
-        """kv_entries_written / kv_entries_prompt: the share of the prompts' KV still written."""
-        return self.kv_entries_written / self.kv_entries_prompt if self.kv_entries_prompt else None
-
-
-@dataclass
-class StepDrops:
-    """What one forward's drop points did (for reports and the drop history)."""
-
-    reasons: torch.Tensor | None = None  # host [R] SkipReason per request
-    groups: dict[str, int] = field(default_factory=dict)  # layer name -> KV-cache group, as vLLM built them
-    base: TokenLayout | None = None  # the batch as vLLM built it
-    request_ids: list[str] | None = None
-    history_rows: torch.Tensor | None = None  # host [R]: row in the drop-history store (0: none)
-    points: list[DropPointRecord] = field(default_factory=list)
-    layouts: list[TokenLayout] = field(default_factory=list)  # after each drop point
-    right_layout: TokenLayout | None = None  # after the last drop point, right-aligned (sliding layers)
-    window_rows: dict[str, WindowRows] = field(default_factory=dict)  # sliding layer name -> its rows
-    profiling: bool = False  # a forward without attention metadata (vLLM's dummy runs)
-    graph_base: dict = field(default_factory=dict)  # layer name -> (vLLM's metadata, slot mapping), in a capture
-
-    @property
-    def layout(self) -> TokenLayout | None:
-        """The layout the layers after the last drop point run on (None before the first)."""
-        return self.layouts[-1] if self.layouts else None
 
 
 class VllmDropRuntime:
@@ -418,13 +340,7 @@ class VllmDropRuntime:
         if cache.window is not None and cache.window != self.windows[name]:
             raise RuntimeError(f"{name}: the layer's sliding window is {cache.window}, the rewrite assumed "
                                f"{self.windows[name]}")
-        tokens = rows.request.numel()
-        dim = cache.key_cache.shape[-1]
-        result = paged_window_attention(query[:tokens].reshape(tokens, -1, dim), cache.key_cache, cache.value_cache,
-                                        rows.block_table, rows.request, rows.logical, rows.count,
-                                        window=self.windows[name], scale=cache.scale, softcap=cache.softcap,
-                                        impl=self.config.impl)
-        output[:tokens].copy_(result.reshape(output[:tokens].shape))
+        paged_window_step(query, output, rows, cache, self.windows[name], self.config.impl)
 
     def free(self, request_id: str) -> bool:
         """Forget a finished request's drop history (False if it had none)."""
@@ -499,17 +415,3 @@ class VllmDropRuntime:
             rest = _ranges(qsl[:-1][others], qlen[others]).to(device, non_blocking=True)
             kept = torch.sort(torch.cat([kept, rest])).values  # requests' rows are disjoint ranges
         return kept, counts
-
-
-_VLLM_BASE = "_uniprefill_vllm_base"  # on metadata a capture installed: (vLLM's metadata, slot mapping) it came from
-
-
-def _capturing_full_graph(context) -> bool:
-    """Whether this forward is being captured into a CUDA graph: the current CUDA stream is
-    capturing (vLLM 0.26's runner V2 captures its FULL graphs with the forward context's mode set
-    to NONE, read in `CudaGraphManager.capture`), or the forward context says FULL (runner V1;
-    an enum whose name is compared so that vLLM is not imported)."""
-    mode = getattr(context, "cudagraph_runtime_mode", None)
-    if getattr(mode, "name", mode) == "FULL":
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

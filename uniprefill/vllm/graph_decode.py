@@ -80,3 +80,17 @@ def segment_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_map
     base = slot_mapping[:num_reqs].long()
     slots = torch.where(base < 0, base, blocks * block_size + logical % block_size)
     return lens, slots
+
+
+_VLLM_BASE = "_uniprefill_vllm_base"  # on metadata a capture installed: (vLLM's metadata, slot mapping) it came from
+
+
+def _capturing_full_graph(context) -> bool:
+    """Whether this forward is being captured into a CUDA graph: the current CUDA stream is
+    capturing (vLLM 0.26's runner V2 captures its FULL graphs with the forward context's mode set
+    to NONE, read in `CudaGraphManager.capture`), or the forward context says FULL (runner V1;
+    an enum whose name is compared so that vLLM is not imported)."""
+    mode = getattr(context, "cudagraph_runtime_mode", None)
+    if getattr(mode, "name", mode) == "FULL":
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

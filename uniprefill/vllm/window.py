@@ -82,3 +82,17 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
             _, count = store.window_first_visible(store_rows, pos, layer, window)
             counts = counts.index_copy(0, rows.to(device, non_blocking=True), count.to(device, non_blocking=True))
     return counts
+
+
+def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, window: int, impl: str) -> None:
+    """One sliding layer's attention after a drop: the window over original positions, read from
+    the paged cache (`rows`: a `drop_records.WindowRows`, `cache`: a `drop_records.WindowLayer`);
+    writes the first rows of `output`, as vLLM's attention op would."""
+    from uniprefill.kernels.paged_window import paged_window_attention
+
+    tokens = rows.request.numel()
+    dim = cache.key_cache.shape[-1]
+    result = paged_window_attention(query[:tokens].reshape(tokens, -1, dim), cache.key_cache, cache.value_cache,
+                                    rows.block_table, rows.request, rows.logical, rows.count,
+                                    window=window, scale=cache.scale, softcap=cache.softcap, impl=impl)
+    output[:tokens].copy_(result.reshape(output[:tokens].shape))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM engine tests (tests/test_vllm_engine_gpu.py) on the GPU box, after box_install.sh,
+# The vLLM engine tests (tests/vllm/test_vllm_engine_gpu.py) on the GPU box, after box_install.sh,
 # from the repository root:   bash scripts/gpu/vllm/pytest_vllm.sh        (~2-3 min)
 # Log: $OUT/vllm-pytest-h200.log (default OUT=/tmp/stage1-out). `python3 -P` keeps the
 # repository root off sys.path, so `uniprefill` is the installed one in /tmp/usite (whose
@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 # shellcheck source=/dev/null
 source scripts/gpu/vllm/env.sh
 timeout --kill-after=10 "${PYTEST_TIMEOUT:-400}" python3 -P -m pytest -p no:cacheprovider -q -rA \
-    tests/test_vllm_engine_gpu.py > "$OUT/vllm-pytest-h200.log" 2>&1
+    tests/vllm/test_vllm_engine_gpu.py > "$OUT/vllm-pytest-h200.log" 2>&1
 rc=$?
 echo "pytest rc=$rc" >> "$OUT/vllm-pytest-h200.log"
 grep -E "passed|failed|error|PASSED|FAILED|SKIPPED" "$OUT/vllm-pytest-h200.log" | tail -8

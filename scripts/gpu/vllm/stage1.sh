@@ -20,7 +20,7 @@
 #   llama8bdrop    the same for the Llama-8B-shaped dummy, forced keep 0.3 at layer 7
 #   llama8btp2, llama8bdroptp2  llama8b / llama8bdrop with tensor_parallel_size=2 (the two-GPU kind):
 #            throughput, and `ranks_agree` in the JSON (every rank dropped the same rows)   ~5 min each
-#   pytest   tests/test_vllm_engine_gpu.py (scripts/gpu/vllm/pytest_vllm.sh): a mixed batch drops
+#   pytest   tests/vllm/test_vllm_engine_gpu.py (scripts/gpu/vllm/pytest_vllm.sh): a mixed batch drops
 #            and decodes, opt-out, prefix caching refused, graph decode = eager decode; log
 #            $OUT/vllm-pytest-h200.log                                                   ~3.5 min
 #   llama8b  standard vLLM on the 32-layer Llama-3.1-8B-shaped dummy: throughput

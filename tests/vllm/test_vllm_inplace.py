@@ -1,5 +1,5 @@
 """The vLLM rewrite on graphs whose data flow runs through IN-PLACE ops, as vLLM's Llama graph's
-does (CPU, the fake vLLM of `tests/fake_vllm_model.py`).
+does (CPU, the fake vLLM of `tests/vllm/fake_vllm_model.py`).
 
 vLLM's Llama layers call `_C.fused_add_rms_norm(x, residual, weight, eps)`, which overwrites
 `residual` with `x + residual` and `x` with its RMS norm, and `_C.silu_and_mul(out, gate_up)`

@@ -1,4 +1,4 @@
-"""The vLLM prefill rewrite on CPU, in a fake vLLM (`tests/fake_vllm_model.py`): paged KV caches
+"""The vLLM prefill rewrite on CPU, in a fake vLLM (`tests/vllm/fake_vllm_model.py`): paged KV caches
 written through slot mappings and attention read through block tables and `seq_lens`, driven
 by a forward context of per-layer metadata shaped like vLLM 0.26's (`FlashAttentionMetadata`
 field names), and a tiny token-major model traced by dynamo as vLLM's mode 2 traces its backbone.

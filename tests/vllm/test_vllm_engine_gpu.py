@@ -25,7 +25,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 vllm = pytest.importorskip("vllm")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vllm"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm"))
 from smoke_llm import prompts, write_model_folder  # noqa: E402  (the scripts are not a package)
 
 from uniprefill.vllm.runner_hook import collect_drop_totals  # noqa: E402

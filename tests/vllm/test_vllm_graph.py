@@ -21,7 +21,7 @@ from uniprefill.vllm.graph import (
 from uniprefill.models.layer_kinds import layer_kinds as layer_kinds_from_hf_config
 from uniprefill.vllm.plugin import VllmTokenDropBackend, config_from_compilation_config
 
-DUMP = Path(__file__).resolve().parent.parent / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
+DUMP = Path(__file__).resolve().parents[2] / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
 
 
 class LayerName:

@@ -35,7 +35,7 @@ from uniprefill.vllm.graph import analyze_vllm_graph
 from uniprefill.vllm.rewrite import rewrite_vllm_graph
 from uniprefill.vllm.drop import VllmDropRuntime, WindowLayer
 
-DUMP = Path(__file__).resolve().parents[1] / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
+DUMP = Path(__file__).resolve().parents[2] / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
 LAYERS, FULL, GROUPS, BLOCK, WINDOW, VOCAB = 18, (5, 11, 17), 6, 16, 96, 1024
 KV_HEADS, HEAD = 1, 256
 NS = "uniprefill_realgraph"

@@ -659,7 +659,7 @@ def test_register_is_idempotent_and_imports_nothing():
         "assert 'vllm' not in sys.modules and 'torch._dynamo' not in sys.modules, 'register imported too much'\n"
         "print('ok')\n"
     )
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
@@ -733,7 +733,7 @@ def _real_flash_metadata_class():
     import tarfile
     from pathlib import Path
 
-    dump = Path(__file__).resolve().parent.parent / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
+    dump = Path(__file__).resolve().parents[2] / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
     with tarfile.open(dump) as tar:
         call = json.load(tar.extractfile("vllm-dump/call-3.json"))
     group = call["forward_context"]["attn_metadata"]["distinct"][0]

@@ -2,7 +2,7 @@
 through slot mappings and attention read through block tables and `seq_lens` (custom ops with
 vLLM 0.26's names and signatures, namespace `uniprefill_fakevllm`), driven by `WORLD.context`,
 a forward context of per-layer metadata shaped like vLLM's (`FlashAttentionMetadata` field
-names; `tests/fake_vllm.py` builds it), and a tiny token-major model traced by dynamo as
+names; `tests/vllm/fake_vllm.py` builds it), and a tiny token-major model traced by dynamo as
 vLLM's mode 2 traces its backbone. One module, imported once: the custom ops are registered
 at import (test modules are imported under their own names, so they must not define them).
 """
@@ -173,7 +173,7 @@ def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, window
 
 
 def fake_context(query_lens: list[int], groups: int = 2, room: int = 8):
-    """A prefill-only step in the fake vLLM (tests/fake_vllm.py): layer i in KV-cache group i % groups."""
+    """A prefill-only step in the fake vLLM (tests/vllm/fake_vllm.py): layer i in KV-cache group i % groups."""
     return make_world(query_lens, layers=LAYERS, groups=groups, block=BLOCK, kv_heads=HEADS, head_size=DIM, room=room)
 
 

@@ -16,7 +16,7 @@ from uniprefill.eval.haystack import NOISE_SENTENCES
 from uniprefill.eval.tasks import make_sample
 from uniprefill.eval.toy import train_toy_tokenizer
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / "vllm"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm"
 
 
 def load_script(name: str) -> types.ModuleType:

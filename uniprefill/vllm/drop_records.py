@@ -1,0 +1,90 @@
+"""The records of the vLLM drop point's runtime (`uniprefill.vllm.drop`): what one step's drop
+points did (`StepDrops`, `DropPointRecord`), the running totals of a runtime (`DropTotals`), and
+what a sliding-window layer after a drop needs (`WindowLayer`, `WindowRows`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import TokenLayout
+
+
+@dataclass(frozen=True)
+class WindowLayer:
+    """What `window_attention` needs of one vLLM sliding-window layer."""
+
+    key_cache: torch.Tensor  # [num_blocks, B, Hk, D] (a view of vLLM's FlashAttention cache)
+    value_cache: torch.Tensor
+    scale: float
+    softcap: float | None = None
+    window: int | None = None  # the layer's own window, when known: checked against the runtime's
+
+
+@dataclass(frozen=True)
+class WindowRows:
+    """A sliding layer's rows after a drop: request, own logical KV index and visible count."""
+
+    block_table: torch.Tensor
+    request: torch.Tensor
+    logical: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DropPointRecord:
+    layer: int
+    entering: list[int]  # rows per request entering the drop point
+    kept: list[int]  # rows per request kept
+    source_rows: torch.Tensor  # device int64: the kept rows as rows of the step's original batch
+
+
+@dataclass
+class DropTotals:
+    """Running totals of one runtime (one compiled graph): what dropping did so far."""
+
+    forwards: int = 0  # forwards with attention metadata and requests (not vLLM's dummy runs)
+    forwards_without_requests: int = 0  # with attention metadata but no request ids (dummy runs, or an unwrapped runner)
+    dropping_forwards: int = 0  # ... in which at least one request dropped
+    requests_dropped: int = 0
+    rows_in: int = 0  # prompt rows of the dropping requests entering the first drop point
+    rows_kept: int = 0  # ... left after the last drop point
+    # KV entries the dropping requests' prompts put in the cache, summed over the attention
+    # layers: standard vLLM writes every prompt row at every layer (`kv_entries_prompt`); after a
+    # drop point a layer writes its kept rows only (`kv_entries_written`). The difference is the
+    # KV memory a cache sized by the kept tokens would save; vLLM 0.26 does not reclaim it (one
+    # block table per KV-cache group across the depth: docs/vllm.md "KV-cache memory inside vLLM").
+    # A sliding-window layer's cache is bounded by its window in either engine.
+    kv_entries_prompt: int = 0
+    kv_entries_written: int = 0
+    decode_graph_captures: int = 0  # forwards vLLM captured as decode CUDA graphs through `_graph_decode_point`
+    kernel_warm_ups: int = 0  # score-and-select warm-ups run at a dummy forward (`kernels/warm_up.py`); a count,
+    # not seconds, so that every rank's totals stay equal (`ranks_agree`); the seconds are logged
+
+    @property
+    def kv_written_share(self) -> float | None:
+        """kv_entries_written / kv_entries_prompt: the share of the prompts' KV still written."""
+        return self.kv_entries_written / self.kv_entries_prompt if self.kv_entries_prompt else None
+
+
+@dataclass
+class StepDrops:
+    """What one forward's drop points did (for reports and the drop history)."""
+
+    reasons: torch.Tensor | None = None  # host [R] SkipReason per request
+    groups: dict[str, int] = field(default_factory=dict)  # layer name -> KV-cache group, as vLLM built them
+    base: TokenLayout | None = None  # the batch as vLLM built it
+    request_ids: list[str] | None = None
+    history_rows: torch.Tensor | None = None  # host [R]: row in the drop-history store (0: none)
+    points: list[DropPointRecord] = field(default_factory=list)
+    layouts: list[TokenLayout] = field(default_factory=list)  # after each drop point
+    right_layout: TokenLayout | None = None  # after the last drop point, right-aligned (sliding layers)
+    window_rows: dict[str, WindowRows] = field(default_factory=dict)  # sliding layer name -> its rows
+    profiling: bool = False  # a forward without attention metadata (vLLM's dummy runs)
+    graph_base: dict = field(default_factory=dict)  # layer name -> (vLLM's metadata, slot mapping), in a capture
+
+    @property
+    def layout(self) -> TokenLayout | None:
+        """The layout the layers after the last drop point run on (None before the first)."""
+        return self.layouts[-1] if self.layouts else None
