@@ -232,10 +232,10 @@ def compile(model: torch.nn.Module, config: UniPrefillConfig | None = None, **op
     config = config or UniPrefillConfig.from_options(options)
     check_against_model(config, getattr(model, "config", None))
     from .compat import make_linear_attention_opaque
-    from .runtime.generation import UniPrefillModel, attention_interface_missing
+    from .runtime.generation import UniPrefillModel, decode_unsupported
 
     make_linear_attention_opaque(model)
-    why = attention_interface_missing(model)
+    why = decode_unsupported(model)
     backend = UniPrefillBackend(config, decodes_caches=not why, why_no_decode=why)
     return UniPrefillModel(model, backend)
 

@@ -144,12 +144,13 @@ class TokenAxes:
 
 # Not "to": Llama-4 embeds `input_ids.to(device)`, and following it accelerates its prefill
 # (equal at p = 1) while `generate` then fails the decode check on its chunked-attention cache.
-_SAME_SHAPE_METHODS = ("view", "reshape")
+_SAME_SHAPE_METHODS = ("view", "reshape", "to")  # `to`: Llama-4 moves the ids to the embedding's device
 
 
 def through_same_shape_views(node):
     """The tensor a chain of shape-preserving views reads: GPT-2 and OPT embed
-    `input_ids.view(-1, input_shape[-1])`, which is `input_ids` itself for [B, N] ids."""
+    `input_ids.view(-1, input_shape[-1])`, which is `input_ids` itself for [B, N] ids; Llama-4
+    embeds `input_ids.to(weight.device)`, the same ids on the embedding's device."""
     while (isinstance(node, fx.Node) and node.op == "call_method" and node.target in _SAME_SHAPE_METHODS
            and isinstance(node.args[0], fx.Node)):
         source = node.args[0]

@@ -320,9 +320,17 @@ def _cache_keyword_for(model, kwargs: dict) -> dict:
     return kwargs
 
 
-def attention_interface_missing(model) -> str:
-    """Why decode steps after a drop cannot run on this model ("" when they can): they replace the
-    attention through transformers' attention interface, which some attention classes bypass."""
+def decode_unsupported(model) -> str:
+    """Why decode steps after a drop cannot run on this model ("" when they can).
+
+    They replace the attention through transformers' attention interface, which some attention
+    classes bypass; and they model full and sliding-window layers, not chunked local attention
+    (Llama-4's `chunked_attention` layers see only the keys of their own chunk)."""
+    text = getattr(model.config, "text_config", None) or model.config
+    if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
+        return ("the model has chunked local-attention layers, whose decode steps see only their own chunk, which "
+                "decode after a drop does not model: a call that fills a cache runs unaccelerated "
+                "(use_cache=False prefills are accelerated)")
     classes = {type(m) for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__}
     for cls in classes:
         try:

@@ -204,8 +204,11 @@ def census_one(model_type: str) -> CensusRow:
             except Exception as exc:  # noqa: BLE001  (the tiny config cannot generate in the plain model)
                 ref_gen, row.generation = None, f"plain model cannot generate ({type(exc).__name__})"
             if ref_gen is not None:
+                exact.backend.last_unaccelerated = None
                 gen = exact.generate(input_ids=ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
                 row.generation = "equal" if torch.equal(gen, ref_gen) else "DIFFERS"
+                if exact.backend.last_unaccelerated and row.generation == "equal":
+                    row.generation = "equal (generation unaccelerated)"
             accelerated = history is not None and bool(history.points)
             if not accelerated:
                 row.status = "unaccelerated"
