@@ -309,3 +309,29 @@ def test_minference_keeps_the_nearest_diagonals_on_a_local_head():
     dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert density < 0.5
     assert (out.float() - dense.float()).abs().max() < 0.1
+
+
+def test_every_sub_config_is_switched_and_restored():
+    """A multimodal model: the text and vision configs both run the peer inside the block (the vision
+    tower's calls are not causal, so SDPA serves them) and get back exactly what they had."""
+    text = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, sliding_window=32,
+                layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model.set_attn_implementation("sdpa")
+    configs = (model.config, model.config.text_config, model.config.vision_config)
+    peer = PeerAttention(FULL)
+    ids = torch.randint(0, 290, (1, 200))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+        with peer.applied(model):
+            assert {c._attn_implementation for c in configs} == {peer.name}
+            out = model(input_ids=ids).logits
+    assert [c._attn_implementation for c in configs] == ["sdpa"] * 3
+    torch.testing.assert_close(out, plain, atol=2e-5, rtol=1e-4)
+    assert peer.counts.sparse_calls == 1  # the one full-attention layer of the text model
