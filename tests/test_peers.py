@@ -39,10 +39,14 @@ def test_parse_peer_settings_and_errors():
     assert spec.resolved["threshold"] == 0.8 and spec.resolved["stride"] == 16
     assert spec.resolved["block_size"] == 128  # the package's default
     assert parse_peer("flexprefill").label == "flexprefill (defaults)"
-    assert parse_peer("minference:vertical_size=none").resolved["vertical_size"] is None
+    assert parse_peer("flexprefill:max_budget=none").resolved["max_budget"] is None
     assert parse_peer("xattention:estimate=package").resolved["estimate"] == "package"
     with pytest.raises(ValueError, match="triton or package"):
         parse_peer("xattention:estimate=torch")
+    with pytest.raises(ValueError, match="cannot be none"):
+        parse_peer("flexprefill:gamma=none")
+    with pytest.raises(ValueError, match="expected a number"):
+        parse_peer("flexprefill:gamma=high")
     with pytest.raises(ValueError, match="not one of"):
         parse_peer("snapkv")
     with pytest.raises(ValueError, match="has no setting"):

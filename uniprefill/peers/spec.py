@@ -49,6 +49,13 @@ class PeerSpec:
         if self.method not in DEFAULTS:
             raise ValueError(f"peer method {self.method!r} is not one of {PEER_METHODS}")
         unknown = sorted({k for k, _ in self.settings} - set(DEFAULTS[self.method]))
+        for name, value in self.settings:
+            default = DEFAULTS[self.method][name]
+            if value is None and default is not None:
+                raise ValueError(f"{self.method} setting {name} cannot be none (default {default})")
+            if isinstance(default, str) != isinstance(value, str) and value is not None:
+                raise ValueError(f"{self.method} setting {name}={value!r}: expected "
+                                 f"{'a name' if isinstance(default, str) else 'a number'}")
         if dict(self.settings).get("estimate", "triton") not in ("triton", "package"):
             raise ValueError(f"xattention estimate={dict(self.settings)['estimate']!r}: use triton or package")
         if unknown:
