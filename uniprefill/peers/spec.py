@@ -49,6 +49,9 @@ class PeerSpec:
         if self.method not in DEFAULTS:
             raise ValueError(f"peer method {self.method!r} is not one of {PEER_METHODS}")
         unknown = sorted({k for k, _ in self.settings} - set(DEFAULTS[self.method]))
+        if unknown:
+            raise ValueError(f"peer {self.method!r} has no setting {unknown}; its settings are "
+                             f"{sorted(DEFAULTS[self.method])}")
         for name, value in self.settings:
             default = DEFAULTS[self.method][name]
             if value is None and default is not None:
@@ -58,9 +61,6 @@ class PeerSpec:
                                  f"{'a name' if isinstance(default, str) else 'a number'}")
         if dict(self.settings).get("estimate", "triton") not in ("triton", "package"):
             raise ValueError(f"xattention estimate={dict(self.settings)['estimate']!r}: use triton or package")
-        if unknown:
-            raise ValueError(f"peer {self.method!r} has no setting {unknown}; its settings are "
-                             f"{sorted(DEFAULTS[self.method])}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
         object.__setattr__(self, "settings", tuple(sorted(self.settings)))
