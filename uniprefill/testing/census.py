@@ -204,12 +204,13 @@ def census_one(model_type: str) -> CensusRow:
             except Exception as exc:  # noqa: BLE001  (the tiny config cannot generate in the plain model)
                 ref_gen, row.generation = None, f"plain model cannot generate ({type(exc).__name__})"
             if ref_gen is not None:
-                exact.backend.last_unaccelerated = None
+                exact.backend.last_unaccelerated, generation_fell_back = None, False
                 gen = exact.generate(input_ids=ids[:1], max_new_tokens=4, do_sample=False, pad_token_id=0)
                 row.generation = "equal" if torch.equal(gen, ref_gen) else "DIFFERS"
-                if exact.backend.last_unaccelerated and row.generation == "equal":
-                    row.generation = "equal (generation unaccelerated)"
+                generation_fell_back = bool(exact.backend.last_unaccelerated)
             accelerated = history is not None and bool(history.points)
+            if accelerated and ref_gen is not None and generation_fell_back and row.generation == "equal":
+                row.generation = "equal (generation unaccelerated)"  # the prefill dropped; generate() fell back
             if not accelerated:
                 row.status = "unaccelerated"
                 row.reason = (why_first or exact.backend.last_unaccelerated or (report.reason if report else "")
