@@ -135,3 +135,13 @@ def test_import_registers_the_backend_name_without_the_entry_point(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "registered" in result.stdout, result.stderr
+
+
+def test_the_test_folders_do_not_shadow_vllm():
+    """tests/vllm must not import as a namespace package named `vllm` (pytest's pythonpath): code that
+    asks whether vLLM is installed would then be told yes."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    locations = [str(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
+    assert spec is None or spec.origin is not None, f"vllm resolves to a namespace package: {locations}"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_vllm_metadata import make_batch, random_drop  # tests/ is on the path (pyproject.toml)
+from test_vllm_metadata import make_batch, random_drop  # tests/vllm is on the path (pyproject.toml)
 from uniprefill.vllm.metadata import DropHistoryStore, DropRecord, RequestDropHistory, compact
 from uniprefill.kernels.paged_window import paged_window_attention
 from uniprefill.vllm.window import row_logical, window_counts
