@@ -84,6 +84,16 @@ class UniPrefillConfig:
         vllm_allow_untested: inside vLLM only: let a dropping engine start on a vLLM version other
             than the verified ones (the rewrite reads vLLM internals that may change). Formerly
             UNIPREFILL_VLLM_ALLOW_UNTESTED=1.
+        early_sparse_p: None (default) or a float in (0, 1]: every full-attention layer before
+            the first drop point runs block-sparse attention instead of dense, over blocks of
+            128 tokens: per head, the sink blocks, a local band of `early_sparse_window` tokens
+            and the key blocks holding this share of the last `last_q` queries' attention to
+            the blocks outside those (`uniprefill.kernels.sparse_attention`). Hugging Face
+            backend only; padded batches and prompts shorter than `effective_min_tokens` run
+            dense. An experiment of docs/sparse-prefill.md, off by default.
+        early_sparse_keep: instead of `early_sparse_p`, a forced share in (0, 1] of those
+            blocks (for speed runs on random weights, where top-p selects nearly every block).
+        early_sparse_window: the local band of the sparse layers, in tokens (>= 0).
         The `vllm_*` fields travel in the same dict as the others
         (`compilation_config.inductor_compile_config["uniprefill"]`), so they enter vLLM's config
         hash and this config's digest; the Hugging Face backend ignores them.
@@ -108,6 +118,9 @@ class UniPrefillConfig:
     vllm_drop: bool = False
     vllm_decode_graphs: bool = False
     vllm_allow_untested: bool = False
+    early_sparse_p: float | None = None
+    early_sparse_keep: float | None = None
+    early_sparse_window: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("p", "block_size", "last_q", "sink", "drop_layers", "keep_ratio", "min_tokens"):
@@ -132,9 +145,22 @@ class UniPrefillConfig:
             raise ValueError(f"impl={self.impl!r} is not one of {IMPLS}")
         if self.window_positions not in WINDOW_POSITIONS:
             raise ValueError(f"window_positions={self.window_positions!r} is not one of {WINDOW_POSITIONS}")
+        for name in ("early_sparse_p", "early_sparse_keep"):
+            object.__setattr__(self, name, _plain(getattr(self, name)))
+            if getattr(self, name) is not None:
+                _check_number(name, getattr(self, name), low=0.0, low_open=True, high=1.0)
+        if self.early_sparse_p is not None and self.early_sparse_keep is not None:
+            raise ValueError(f"early_sparse_p={self.early_sparse_p} and early_sparse_keep={self.early_sparse_keep}: "
+                             "give one of them (top-p or a forced share)")
+        _check_int("early_sparse_window", self.early_sparse_window, low=0)
         for name in ("strict", "debug", "vllm_drop", "vllm_decode_graphs", "vllm_allow_untested"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+
+    @property
+    def early_sparse(self) -> bool:
+        """Whether the layers before the first drop point run block-sparse attention."""
+        return self.early_sparse_p is not None or self.early_sparse_keep is not None
 
     @property
     def effective_min_tokens(self) -> int:
@@ -191,7 +217,8 @@ class UniPrefillConfig:
 
 
 _ADDED_LATER = {"window_positions": "original", "selection": "paper", "vllm_drop": False,
-                "vllm_decode_graphs": False, "vllm_allow_untested": False}
+                "vllm_decode_graphs": False, "vllm_allow_untested": False, "early_sparse_p": None,
+                "early_sparse_keep": None, "early_sparse_window": 1024}
 
 
 def _plain(value):

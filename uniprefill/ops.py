@@ -385,3 +385,51 @@ def decode_attention(
 @decode_attention.register_fake
 def _(q, k, v, key_positions, query_position, window, scale, enable_gqa):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+# --------------------------------------------------------------------------------------
+# sparse_attention: block-sparse attention before the first drop point (config.early_sparse_*)
+# --------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::sparse_attention", mutates_args=())
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_valid: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    scale: float,
+    p: float,
+    keep: float,
+    window: int,
+    last_q: int,
+    sink: int,
+    min_tokens: int,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention on dense `[B, H, N, d]` tensors, block-sparse where it may be.
+
+    The pattern is `kernels.sparse_attention.select_key_blocks` (top-p `p` of the last
+    `last_q` queries' content attention per head, or the forced share `keep` when > 0; the
+    `sink` tokens and a local band of `window` tokens always). Returns (output, density), the
+    density a 0-d fp32 tensor (selected causal blocks / all; 1 when dense). Runs dense, exactly
+    as `dense_attention`, when the prompt is shorter than `min_tokens` or rows are padded
+    (`mask` is `dense_mask`'s output: empty when nothing is padded). `impl`: the config's;
+    "torch" runs the reference, otherwise flex_attention on CUDA and the reference elsewhere,
+    or flex_attention unfused on the CPU for "triton".
+    """
+    from .kernels import sparse_attention as sparse
+
+    n = q.shape[-2]
+    padded = key_valid is not None and (mask is None or mask.numel() > 0)
+    if padded or n < max(min_tokens, 2 * sparse.SPARSE_BLOCK):
+        out = dense_attention(q, k, v, key_valid, 0, scale, q.shape[1] != k.shape[1], mask)
+        return out, torch.ones((), dtype=torch.float32, device=q.device)
+    blocks, density = sparse.select_key_blocks(q, k, scale, last_q=last_q, sink=sink, window=window,
+                                               p=None if keep > 0 else p, keep=keep if keep > 0 else None)
+    run = "torch" if impl == "torch" or (impl == "auto" and not q.is_cuda) else "flex"
+    return sparse.block_sparse_attention(q, k, v, blocks, scale=scale, impl=run), density
+
+
+@sparse_attention.register_fake
+def _(q, k, v, key_valid, mask, scale, p, keep, window, last_q, sink, min_tokens, impl):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],)), q.new_empty((), dtype=torch.float32)

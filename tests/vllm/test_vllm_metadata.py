@@ -634,6 +634,8 @@ def test_vllm_config_checks():
     assert [e for e in check_vllm_config(pooling).errors if "runner_type='pooling'" in e and "generation only" in e]
     pooling.model_config.runner_type = "generate"
     assert check_vllm_config(pooling).errors == []
+    sparse = check_vllm_config(fake_vllm_config(settings={"early_sparse_keep": 0.1}))  # Hugging Face backend only
+    assert [e for e in sparse.errors if "early_sparse_p / early_sparse_keep" in e]
     # full decode graphs (kept by vLLM in mode 2) would replay decode steps without the drop histories
     graphs = fake_vllm_config(settings={})
     graphs.cache_config.enable_prefix_caching = False

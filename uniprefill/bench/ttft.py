@@ -193,14 +193,24 @@ def format_results(results: Sequence[dict[str, Any]]) -> str:
             f"{r['speedup']:.2f}x" if "speedup" in r else "",
             f"{ideal:.2f}x" if ideal is not None else "",
             f"{r['ideal_speedup']:.2f}x" if "ideal_speedup" in r else "",
-            f"{r['overall_retention']:.3f}" if r["overall_retention"] is not None else
-            (f"density {r['density']:.3f}" if r.get("density") is not None else ""),
+            _retention_cell(r),
         ))
     widths = [max(len(h), *(len(x[i]) for x in lines)) if lines else len(h)
               for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))]
                      + [fmt.format(*x) for x in lines])
+
+
+def _retention_cell(r: dict[str, Any]) -> str:
+    """Retention at the last drop point; a peer's attention density; the mean block density of
+    the sparse layers before the first drop (config.early_sparse_*) when there are some."""
+    cell = (f"{r['overall_retention']:.3f}" if r["overall_retention"] is not None else
+            (f"density {r['density']:.3f}" if r.get("density") is not None else ""))
+    sparse = (r.get("drop_report") or {}).get("sparse_density")
+    if sparse:
+        cell += f", sparse density {sum(sparse.values()) / len(sparse):.3f}"
+    return cell
 
 
 def plot_sweep(results: Sequence[dict[str, Any]], path: str) -> None:

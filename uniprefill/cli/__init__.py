@@ -39,6 +39,11 @@ def _method(p: argparse.ArgumentParser, *, p_default: str, many: bool) -> None:
     p.add_argument("--selection", default="content",
                    help=f"whose score p is a share of: content (blocks outside the sink and window) or paper (all blocks) {s}")
     p.add_argument("--drop-layers", default="auto", help="auto, all or indices like 7,11,15; several sets separated by ';'")
+    p.add_argument("--early-sparse", default="off",
+                   help="block-sparse attention in the full-attention layers before the first drop point: "
+                        f"off, p=X (top-p of the last queries' attention) or keep=X (a forced block share) {s} "
+                        "(docs/sparse-prefill.md)")
+    p.add_argument("--early-sparse-window", type=int, default=1024, help="local band of the sparse layers, in tokens")
     p.add_argument("--window-positions", default="original",
                    help=f"sliding windows after a drop over original positions or compacted indices {s}")
 

@@ -71,9 +71,25 @@ def _configs(args) -> list:
     drops = [parse_drop_layers(d.strip()) for d in args.drop_layers.split(";") if d.strip()]
     if not drops:
         raise UsageError(f"--drop-layers {args.drop_layers!r} names no drop set")
-    return [UniPrefillConfig(p=p, policy=policy, drop_layers=drop, window_positions=window, selection=rule)
-            for rule in _split(args.selection) for window in _split(args.window_positions) for drop in drops
-            for policy in _split(args.policy) for p in _floats(args.p, "--p")]
+    sparse = [_early_sparse(text) for text in _split(getattr(args, "early_sparse", "off"))]
+    window = getattr(args, "early_sparse_window", 1024)
+    return [UniPrefillConfig(p=p, policy=policy, drop_layers=drop, window_positions=positions, selection=rule,
+                             early_sparse_window=window, **extra)
+            for rule in _split(args.selection) for positions in _split(args.window_positions) for drop in drops
+            for policy in _split(args.policy) for p in _floats(args.p, "--p") for extra in sparse]
+
+
+def _early_sparse(text: str) -> dict:
+    """"off" -> {}; "p=0.9" -> {"early_sparse_p": 0.9}; "keep=0.1" -> {"early_sparse_keep": 0.1}."""
+    if text == "off":
+        return {}
+    name, _, value = text.partition("=")
+    if name not in ("p", "keep") or not value:
+        raise UsageError(f"--early-sparse {text!r}: give off, p=X or keep=X")
+    try:
+        return {f"early_sparse_{name}": float(value)}
+    except ValueError:
+        raise UsageError(f"--early-sparse {text!r}: {value!r} is not a number") from None
 
 
 def _peers(args) -> list:

@@ -71,6 +71,10 @@ def uniprefill_spec(config: UniPrefillConfig) -> SystemSpec:
         label += f" selection={config.selection}"
     if config.window_positions != "original":
         label += f" window={config.window_positions}"
+    if config.early_sparse:
+        rule = (f"p={config.early_sparse_p:g}" if config.early_sparse_p is not None
+                else f"keep={config.early_sparse_keep:g}")
+        label += f" + early sparse {rule} band={config.early_sparse_window}"
     return SystemSpec(f"uniprefill-{config.stable_hash()}", label, config, True)
 
 

@@ -10,12 +10,14 @@ window) after it. Mixed into `token_drop.TokenDropPass`, whose state it reads.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import torch.fx as fx
 
 from .classify import LayerInfo
 from .fx_utils import example_value
+from .graph_calls import record_sparse
 from .plan import RewriteSkipped
 
 U = torch.ops.uniprefill
@@ -47,9 +49,12 @@ class AttentionCopy:
                         U.dense_mask.default, (qn, key_valid, mask.window, self._live_counts(mask.padding)))
                     self.counts["dense_masks"] += 1
                 shared = self._dense_masks[key]
-            out = self.new.call_function(U.dense_attention.default,
-                                         (qn, kn, vn, key_valid, mask.window, scale, gqa, shared))
-            self.counts["dense_attention"] += 1
+            if self.config.early_sparse and info.kind == "full" and mask.window == 0:
+                out = self._sparse_attention(qn, kn, vn, key_valid, shared, scale, info.index)
+            else:
+                out = self.new.call_function(U.dense_attention.default,
+                                             (qn, kn, vn, key_valid, mask.window, scale, gqa, shared))
+                self.counts["dense_attention"] += 1
         else:
             lay = self.layouts[j]
             shared = None
@@ -67,6 +72,21 @@ class AttentionCopy:
         out.meta = dict(node.meta)
         self.env[node] = out
         self.layout_of[node] = j
+
+    def _sparse_attention(self, q, k, v, key_valid, shared, scale, layer: int) -> fx.Node:
+        """`uniprefill::sparse_attention` for a full-attention layer before the first drop
+        point (config.early_sparse_*); its density goes to the drop recorder."""
+        cfg = self.config
+        self._ensure_layout0()  # the recorder node
+        keep = -1.0 if cfg.early_sparse_keep is None else float(cfg.early_sparse_keep)
+        p = 1.0 if cfg.early_sparse_p is None else float(cfg.early_sparse_p)
+        both = self.new.call_function(U.sparse_attention.default, (
+            q, k, v, key_valid, shared, scale, p, keep, cfg.early_sparse_window, cfg.last_q, cfg.sink,
+            cfg.effective_min_tokens, cfg.impl))
+        density = self.new.call_function(operator.getitem, (both, 1))
+        self.new.call_function(record_sparse, (self.recorder_node, layer, density))
+        self.counts["sparse_attention"] = self.counts.get("sparse_attention", 0) + 1
+        return self.new.call_function(operator.getitem, (both, 0))
 
     def _live_counts(self, padding: fx.Node | None) -> fx.Node | None:
         """Host per-row real-token counts, when they come from this mask's padding input."""

@@ -42,6 +42,11 @@ def record_drop(recorder, layer: int, counts_in: torch.Tensor, counts_out: torch
         recorder.record(layer, counts_in, counts_out, kept_flat)
 
 
+def record_sparse(recorder, layer: int, density: torch.Tensor) -> None:
+    if recorder is not None:
+        recorder.record_sparse(layer, density)
+
+
 def begin_prefill(recorder, rows: int, seq: int) -> None:
     if recorder is not None:
         recorder.begin(rows, seq)
@@ -51,7 +56,7 @@ def keep_node(node: fx.Node) -> bool:
     """Nodes dead-code elimination must keep: our recorders, functorch's vmap-level bookkeeping,
     and in-place writes (dynamo records `state.copy_(new)` of a cache's recurrent or conv state
     as a `call_method` without users, which `Node.is_impure` does not count as impure)."""
-    if node.op == "call_function" and (node.target in (begin_prefill, record_drop) or "nesting" in target_name(node)):
+    if node.op == "call_function" and (node.target in (begin_prefill, record_drop, record_sparse) or "nesting" in target_name(node)):
         return True
     if writes_in_place(node):
         return True

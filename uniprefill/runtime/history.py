@@ -42,6 +42,13 @@ class DropHistory:
     # drop cache them, and decode steps must not attend to them
     pad_positions: torch.Tensor | None = None
     _positions: dict = field(default_factory=dict, repr=False, compare=False)  # memo of layer_positions
+    # config.early_sparse_*: layer -> block density of its sparse attention (0-d device tensor,
+    # read only when asked, so recording never synchronises the device)
+    sparse: dict = field(default_factory=dict)
+
+    def sparse_density(self) -> dict[int, float]:
+        """Block density of each sparse attention layer of this prefill (1.0: it ran dense)."""
+        return {layer: float(d) for layer, d in self.sparse.items()}
 
     def layer_positions(self, layer: int, row: int = 0) -> torch.Tensor:
         """ORIGINAL prompt positions whose key/value the cache of `layer` holds after the prefill.
@@ -91,6 +98,7 @@ class DropHistory:
             "rows": self.rows,
             "seq_len": self.seq_len,
             "overall_retention": self.overall_retention,
+            **({"sparse_density": self.sparse_density()} if self.sparse else {}),
             "drop_points": [
                 {"layer": p.layer, "entering": list(p.entering), "kept": list(p.kept), "retention": p.retention}
                 for p in self.points
@@ -115,6 +123,11 @@ class DropRecorder:
     def begin(self, rows: int, seq_len: int) -> None:
         self._current = DropHistory(int(rows), int(seq_len), policy=self.policy)
         self.last = self._current
+
+    def record_sparse(self, layer: int, density: torch.Tensor) -> None:
+        if self._current is None:
+            raise RuntimeError("DropRecorder.record_sparse called before begin")
+        self._current.sparse[layer] = density
 
     def record(self, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor, kept_flat=None) -> None:
         if self._current is None:

@@ -126,6 +126,9 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
     backend = _get(cc, "backend")
     if backend not in (BACKEND_QUALNAME, FORMER_BACKEND_QUALNAME):
         check.errors.append(f"compilation_config.backend={backend!r}: expected {BACKEND_QUALNAME!r}")
+    if settings.early_sparse:
+        check.errors.append("early_sparse_p / early_sparse_keep (block-sparse attention before the first drop point) "
+                            "is implemented for the Hugging Face backend only; remove it from the vLLM settings")
     parallel = _get(vllm_config, "parallel_config")
     if (_get(parallel, "pipeline_parallel_size", 1) or 1) > 1:
         check.errors.append("pipeline_parallel_size > 1 is not supported (drop layers may sit on another rank)")
