@@ -155,9 +155,9 @@ def test_uniprefill_system_on_the_tiny_model(model, tokenizer, tmp_path):
     assert any(r["system"] == spec.name and r["speedup"] is not None for r in rows)
 
 
-def _record(system, role, task, index, score, ttft, label=None, p=None, selection="paper"):
+def _record(system, role, task, index, score, ttft, label=None, p=None, selection="paper", **extra):
     spec = SystemSpec(system, label or system,
-                      UniPrefillConfig(p=p, selection=selection) if p is not None else None)
+                      UniPrefillConfig(p=p, selection=selection, **extra) if p is not None else None)
     return {
         "model": "m", "length": 4096, "task": task, "index": index, "seed": 0,
         "haystack": "noise", "system": system, "system_label": spec.label, "role": role,
@@ -197,7 +197,12 @@ def test_summary_rows_name_the_selection_rule_one_pareto_curve_each(tmp_path, mo
         for rule in ("paper", "content"):
             for p in (0.9, 0.99):
                 records.append(_record(f"u-{rule}-{p}", "method", "vt", i, 1.0, 0.5, p=p, selection=rule))
+        records.append(_record("u-sparse", "method", "vt", i, 1.0, 0.5, p=0.9, selection="content",
+                               early_sparse_keep=0.05))
+        records[-1]["drop_report"] = {"sparse_density": {0: 0.2, 1: 0.4}}
     rows = summarize(records, n_boot=100)
+    sparse = next(r for r in rows if r["system"] == "u-sparse" and r["task"] == "vt")
+    assert sparse["early_sparse"] == "keep=0.05" and sparse["sparse_density"] == pytest.approx(0.3)
     assert {(r["selection"], r["p"]) for r in rows if r["role"] == "method" and r["task"] == "vt"} == {
         ("paper", 0.9), ("paper", 0.99), ("content", 0.9), ("content", 0.99)}
     import matplotlib.axes
@@ -207,8 +212,9 @@ def test_summary_rows_name_the_selection_rule_one_pareto_curve_each(tmp_path, mo
     monkeypatch.setattr(matplotlib.axes.Axes, "plot",
                         lambda self, *a, **k: labels.append(k.get("label")) or real_plot(self, *a, **k))
     plot_pareto(rows, str(tmp_path / "pareto.png"))
-    assert sorted(x for x in labels if x and x != "baseline") == ["content, cumulative, drop auto",
-                                                                    "paper, cumulative, drop auto"]
+    assert sorted(x for x in labels if x and x != "baseline") == [
+        "content, cumulative, drop auto", "content, cumulative, drop auto, early sparse keep=0.05",
+        "paper, cumulative, drop auto"]
 
 
 def test_an_untimed_run_is_plotted_against_one_over_retention(tmp_path, monkeypatch):

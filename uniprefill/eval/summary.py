@@ -72,6 +72,19 @@ def _fastest_baseline(systems: dict[str, dict]) -> str | None:
     return min(baselines)[1] if baselines else None
 
 
+def _early_sparse_label(config: dict) -> str | None:
+    """"keep=0.05" / "p=0.9" for a config with sparse attention before the first drop, else None."""
+    if config.get("early_sparse_keep") is not None:
+        return f"keep={config['early_sparse_keep']:g}"
+    if config.get("early_sparse_p") is not None:
+        return f"p={config['early_sparse_p']:g}"
+    return None
+
+
+def _mean_of(per_layer: dict | None) -> float | None:
+    return sum(per_layer.values()) / len(per_layer) if per_layer else None
+
+
 def _row(model, length, task, name, recs, pairs, n_boot, seed, is_reference) -> dict[str, Any]:
     first = recs[0]
     scored = [r["score"] for r in recs if r["score"] is not None]
@@ -84,6 +97,8 @@ def _row(model, length, task, name, recs, pairs, n_boot, seed, is_reference) -> 
         "p": config.get("p"), "policy": config.get("policy"),
         "drop_layers": _drop_label(config.get("drop_layers")),
         "selection": config.get("selection", "paper") if config else None,  # records from before the field: paper
+        "early_sparse": _early_sparse_label(config),
+        "sparse_density": _mean([_mean_of((r.get("drop_report") or {}).get("sparse_density")) for r in recs]),
         "n": len(recs), "n_scored": len(scored),
         "score": 100 * statistics.fmean(scored) if scored else None,
         "generation_pending": sum(r["generation"] == "pending" for r in recs),
@@ -165,7 +180,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Accuracy vs TTFT speedup: one panel per length, one curve per (selection rule, policy, drop set).
+    """Accuracy vs TTFT speedup: one panel per length, one curve per (selection rule, policy, drop set,
+    sparse attention before the first drop).
 
     Accuracy is the paired difference to the baseline (points, average over tasks) with its
     bootstrap 95% CI, so a curve whose prompts are a subset of the baseline's (a matrix still
@@ -195,7 +211,7 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
         ax.axhline(0.0, color="grey", linewidth=0.8)
         ax.plot([1.0], [0.0], marker="s", color="black", linestyle="none", label="baseline")
         def curve(r):
-            return r.get("selection") or "paper", r["policy"], r.get("drop_layers")
+            return r.get("selection") or "paper", r["policy"], r.get("drop_layers"), r.get("early_sparse") or ""
 
         curves = sorted({curve(r) for r in at_length if r["policy"]}, key=str)
         rules = {rule for rule, *_ in curves}
@@ -206,9 +222,9 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
                 return r["speedup"]
             return 1.0 / r["retention"] if r.get("retention") else None
 
-        for rule, policy, drop in curves:
+        for rule, policy, drop, sparse in curves:
             points = sorted((x_of(r), r["delta"], r["ci_low"], r["ci_high"], r["p"], r["n"]) for r in at_length
-                            if curve(r) == (rule, policy, drop)
+                            if curve(r) == (rule, policy, drop, sparse)
                             and r["delta"] is not None and x_of(r) is not None)
             if not points:
                 continue
@@ -216,7 +232,7 @@ def plot_pareto(rows: Sequence[dict[str, Any]], path: str) -> None:
             partial = ns[0] < full_n
             n_text = f"n={ns[0]}" if len(ns) == 1 else f"n={ns[0]}-{ns[-1]}"
             label = (f"{rule}, " if len(rules) > 1 else "") + f"{policy}" + (f", drop {drop}" if drop else "") \
-                + (f" (partial, {n_text})" if partial else "")
+                + (f", early sparse {sparse}" if sparse else "") + (f" (partial, {n_text})" if partial else "")
             xs, ys = zip(*sorted([(1.0, 0.0)] + [(x, y) for x, y, *_ in points]))  # the baseline in x order
             line, = ax.plot(xs, ys, marker="o", linestyle="--" if partial else "-", label=label)
             ax.errorbar([x for x, *_ in points], [y for _, y, *_ in points],
