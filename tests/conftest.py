@@ -4,7 +4,7 @@
 * Every test starts with dynamo's caches reset: each compiled model adds cache entries to
   the same transformers code objects, so without a reset a test's outcome would depend on
   how many models earlier tests compiled (dynamo's recompile limits).
-* Without CUDA, the Triton kernels (tests/test_kernels.py) run in Triton's CPU interpreter.
+* Without CUDA, the Triton kernels (tests/kernels/test_kernels.py) run in Triton's CPU interpreter.
   Triton chooses interpreter or compiler when it is first imported (it decorates its own
   `triton.language` helpers then), and other test modules import it early through
   torch._dynamo, so the choice is made here, before any test module is imported. It only

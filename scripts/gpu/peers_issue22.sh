@@ -6,8 +6,8 @@
 # setup: minference's sdist unpacked to /tmp/peers (on PYTHONPATH as is), einops into
 #   /tmp/peersite, uniprefill copied to /tmp/pp in the installed layout; MInference's CUDA index
 #   builder compiled once (cached under ~/.cache/uniprefill/minference_cuda).
-# test: the GPU tests of tests/test_peers.py (each real peer at full density equals dense) and of
-#   tests/test_sparse_prefill.py (compiled flex_attention equals the reference).
+# test: the GPU tests of tests/peers/test_peers.py (each real peer at full density equals dense) and of
+#   tests/passes/test_sparse_prefill.py (compiled flex_attention equals the reference).
 # speed: `uniprefill bench` on the Llama-3.1-8B shape (random weights, bf16), one process per
 #   length: the eager baseline, uniprefill keep 0.3, each peer at its published defaults and at
 #   an attention density forced near 0.3 (FlexPrefill: gamma 1, tau 0, budget 0.0817 n tokens per
@@ -52,7 +52,7 @@ print(f'peers loaded (MInference index builder compiled or cached) in {time.time
 ") 2>&1 | tail -3
 fi
 if has test; then
-    (cd /tmp && python3 -m pytest -q -p no:cacheprovider "$REPO/tests/test_peers.py" "$REPO/tests/test_sparse_prefill.py" -m gpu \
+    (cd /tmp && python3 -m pytest -q -p no:cacheprovider "$REPO/tests/peers/test_peers.py" "$REPO/tests/passes/test_sparse_prefill.py" -m gpu \
         --rootdir "$REPO" 2>&1 | tail -15) | tee "$OUT_DIR/test-peers-gpu.log"
 fi
 if has speed; then

@@ -23,7 +23,7 @@ setsid nohup bash -c 'bash scripts/gpu/eval_issue5.sh; touch /tmp/eval-finished'
 # transformers (5.17): the oldest version the package supports.
 setsid nohup bash -c 'until grep -q "stage A rc" /tmp/eval-driver.log 2>/dev/null; do sleep 5; done
     cd /tmp/tests-copy && PYTHONPATH=/tmp/pp timeout 900 python3 -m pytest -q -p no:cacheprovider \
-        tests/test_kernels.py tests/vllm/test_vllm_window.py tests/test_backend.py tests/test_generation.py tests/test_hybrids.py \
+        tests/kernels/test_kernels.py tests/vllm/test_vllm_window.py tests/passes/test_backend.py tests/runtime/test_generation.py tests/passes/test_hybrids.py \
         > /tmp/gpu-pytest.log 2>&1; echo "pytest rc=$?" >> /tmp/gpu-pytest.log' \
     > /dev/null 2>&1 < /dev/null &
 sleep 15

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .classify import LayerInfo
-from .fx_utils import example_value
+from .fx_utils import example_value, is_sink_attention
 from .graph_calls import record_sparse
 from .plan import RewriteSkipped
 
@@ -39,16 +39,11 @@ class AttentionCopy:
             scale = self.env[scale]
         gqa = bool(node.kwargs.get("enable_gqa", False))
         qn, kn, vn = (self._value_at(x, j) for x in (q, k, v))
+        if is_sink_attention(node):  # passes/sink_attention.py
+            self._copy_sink_attention(node, j, mask, qn, kn, vn, scale)
+            return
         if j == 0:
-            key_valid = self.env[mask.padding] if mask.padding is not None else None
-            shared = None
-            if key_valid is not None or mask.window > 0:
-                key = (mask.window, mask.padding)
-                if key not in self._dense_masks:
-                    self._dense_masks[key] = self.new.call_function(
-                        U.dense_mask.default, (qn, key_valid, mask.window, self._live_counts(mask.padding)))
-                    self.counts["dense_masks"] += 1
-                shared = self._dense_masks[key]
+            key_valid, shared = self._dense_mask_for(qn, mask)
             if self.config.early_sparse and info.kind == "full" and mask.window == 0:
                 out = self._sparse_attention(qn, kn, vn, key_valid, shared, scale, info.index)
             else:
@@ -57,21 +52,39 @@ class AttentionCopy:
                 self.counts["dense_attention"] += 1
         else:
             lay = self.layouts[j]
-            shared = None
-            if mask.window > 0:
-                key = (j, mask.window)
-                if key not in self._packed_masks:
-                    self._packed_masks[key] = self.new.call_function(
-                        U.packed_masks.default,
-                        (qn, lay.positions, lay.counts, mask.window, self.config.window_positions == "compacted"))
-                    self.counts["packed_masks"] += 1
-                shared = self._packed_masks[key]
+            shared = self._packed_mask_for(qn, j, mask.window)
             out = self.new.call_function(U.packed_attention.default,
                                          (qn, kn, vn, lay.positions, lay.counts, mask.window, scale, gqa, shared))
             self.counts["packed_attention"] += 1
         out.meta = dict(node.meta)
         self.env[node] = out
         self.layout_of[node] = j
+
+    def _dense_mask_for(self, q, mask) -> tuple:
+        """(the padding input or None, the `dense_mask` node shared by every layer with this
+        (window, padding input), or None when causal attention needs no mask)."""
+        key_valid = self.env[mask.padding] if mask.padding is not None else None
+        if key_valid is None and mask.window <= 0:
+            return None, None
+        key = (mask.window, mask.padding)
+        if key not in self._dense_masks:
+            self._dense_masks[key] = self.new.call_function(
+                U.dense_mask.default, (q, key_valid, mask.window, self._live_counts(mask.padding)))
+            self.counts["dense_masks"] += 1
+        return key_valid, self._dense_masks[key]
+
+    def _packed_mask_for(self, q, j: int, window: int):
+        """The `packed_masks` node shared by every layer of layout j with this window, or None."""
+        if window <= 0:
+            return None
+        key = (j, window)
+        if key not in self._packed_masks:
+            lay = self.layouts[j]
+            self._packed_masks[key] = self.new.call_function(
+                U.packed_masks.default,
+                (q, lay.positions, lay.counts, window, self.config.window_positions == "compacted"))
+            self.counts["packed_masks"] += 1
+        return self._packed_masks[key]
 
     def _sparse_attention(self, q, k, v, key_valid, shared, scale, layer: int) -> fx.Node:
         """`uniprefill::sparse_attention` for a full-attention layer before the first drop

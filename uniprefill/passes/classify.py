@@ -57,6 +57,10 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
     from .mask_inputs import InputRole
 
     mask = sdpa_mask_node(sdpa)
+    if isinstance(mask, fx.Node):  # an eager model's additive mask is read through its boolean form
+        from .sink_attention import visible_of_additive
+
+        mask = visible_of_additive(mask) or mask
     is_causal = bool(sdpa.kwargs.get("is_causal", sdpa.args[5] if len(sdpa.args) > 5 else False))
     if mask is None:
         if is_causal:

@@ -22,7 +22,15 @@ def example_value(node):
 
 
 def is_sdpa(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in SDPA_TARGETS
+    """An SDPA call, or `uniprefill::sink_attention` (eager attention with sinks, put into the graph
+    by `passes.sink_attention` with SDPA's argument names)."""
+    return node.op == "call_function" and (node.target in SDPA_TARGETS or is_sink_attention(node))
+
+
+def is_sink_attention(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
+        target._schema.name == "uniprefill::sink_attention"  # noqa: SLF001
 
 
 def module_paths(node: fx.Node) -> list[tuple[str, type]]:

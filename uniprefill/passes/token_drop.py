@@ -11,6 +11,8 @@ nodes are rewritten symbolically (N -> T, B -> 1). Attention nodes are replaced 
 `uniprefill::dense_attention` / `packed_attention`, which rebuild causal, sliding-window
 and padding masks from ORIGINAL positions, so a sliding window after a drop is still a
 window over original positions, and the N x N mask of the traced graph is never built.
+Eager attention with learned sinks (GPT-OSS) is first made one SDPA-like node
+(`passes.sink_attention`) and is replaced by the `*_sink_attention` ops of `sink_ops`.
 
 At drop layer L the layer's own attention runs in full; right after its residual add the
 pass inserts `uniprefill::score_select` on that attention's (q, k) and gathers the residual
@@ -46,6 +48,7 @@ from .graph_calls import arange_like, begin_prefill, keep_node, live_tokens, rec
 from .plan import LengthSpecialized, NothingToDrop, RewriteSkipped, _expr, plan_rewrite  # noqa: F401  (re-exported)
 from .rewrite_result import LayerReport, RewriteResult
 from .shape_exprs import SymbolicShapes
+from .sink_attention import SinkAttentionCopy, canonicalize_sink_attention
 
 U = torch.ops.uniprefill
 # Ops that mix information along the token axis in ways that are right for one row of
@@ -69,7 +72,7 @@ class _Layout:
 
 
 @dataclass
-class TokenDropPass(SymbolicShapes, AttentionCopy):
+class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
     """Rewrites one dynamo graph; `run()` returns a `RewriteResult` or raises `RewriteSkipped`."""
 
     gm: fx.GraphModule
@@ -85,6 +88,13 @@ class TokenDropPass(SymbolicShapes, AttentionCopy):
 
     # ---------------------------------------------------------------- rewrite
     def run(self) -> RewriteResult:
+        # eager attention becomes one node first: with learned sinks (GPT-OSS) uniprefill::sink_attention,
+        # without them an SDPA call
+        self.gm, sink_sites, eager_sites = canonicalize_sink_attention(self.gm)
+        if sink_sites:
+            self.counts["sink_attention_sites"] = sink_sites
+        if eager_sites:
+            self.counts["eager_attention_sites"] = eager_sites
         self.plan = plan_rewrite(self.gm, self.config)
         old = self.gm.graph
         new = fx.Graph()

@@ -3,7 +3,8 @@
 `_decode_attention` is the attention-interface function "uniprefill_decode": it attends over
 exactly the keys each layer cached, at their ORIGINAL positions (`DropHistory.key_positions`):
 full layers see every cached key, sliding layers the keys whose original position lies inside
-the window. `UniPrefillModel` (`runtime.generation`) switches a model to it for decode steps
+the window; learned per-head sinks the model passes (`s_aux`, GPT-OSS) join the softmax
+(`sink_ops.decode_sink_attention`). `UniPrefillModel` (`runtime.generation`) switches a model to it for decode steps
 (`_attention_implementation`) and hands it the drop history through `_DECODE_STATE`.
 Registering into transformers' global `AttentionInterface` is the one global side effect; it is
 idempotent (`functools.cache`) and adds a name without replacing any.
@@ -32,6 +33,7 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
         raise RuntimeError("the uniprefill_decode attention needs the drop history (call through UniPrefillModel)")
     history, windows, compacted = state
     layer = module.layer_idx
+    sinks = _sinks(module, kwargs)
     cached = key.shape[-2]
     expected = history.layer_positions(layer).numel() + history.decoded
     window = windows.get(layer, 0)
@@ -53,7 +55,13 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
         # padding tokens the cache holds (layers before the first drop): place them after the
         # query, where the decode mask hides them
         positions = torch.where(torch.isin(positions, history.pad_positions), query_position + 1, positions)
-    if positions is None or (history.pad_positions is None and (window == 0 or compacted
+    if sinks is not None:
+        from ..ops import to_device
+
+        out = torch.ops.uniprefill.decode_sink_attention(
+            query, key, value, None if positions is None else to_device(positions, key.device), query_position,
+            0 if compacted else window, scale, sinks)
+    elif positions is None or (history.pad_positions is None and (window == 0 or compacted
                                                                  or query_position - int(positions[0]) < window)):
         # every cached key is visible (one query at the newest position; a full layer, or a
         # window that covers the oldest cached key): no mask, as the baseline's SDPA does
@@ -66,12 +74,24 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2).contiguous(), None
 
 
+def _sinks(module, kwargs) -> torch.Tensor | None:
+    """The learned per-head sinks the model hands its attention function (`s_aux`, GPT-OSS), or None.
+
+    A module that holds sinks but passes none would have its decode steps computed without them:
+    refused rather than answered wrongly."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None and isinstance(getattr(module, "sinks", None), torch.Tensor):
+        raise RuntimeError(f"{type(module).__name__} holds attention sinks but passed none (s_aux) to the attention "
+                           "function: decode steps after a drop cannot apply them")
+    return sinks
+
+
 @functools.cache
 def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    from .. import ops  # noqa: F401  (registers uniprefill::decode_attention)
+    from .. import ops, sink_ops  # noqa: F401  (registers uniprefill::decode_attention, decode_sink_attention)
 
     AttentionInterface.register(ATTENTION_NAME, _decode_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)

@@ -251,6 +251,10 @@ def table(rows: list[CensusRow], versions: str) -> str:
              "Every causal-LM model type of the installed transformers, tiny random weights, 300-token prompts "
              "(`uniprefill census`; what each check means: `uniprefill/testing/census.py`).", "",
              "Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f" (of {len(rows)})", "",
+             "Eager attention with learned per-head sinks (GPT-OSS, Flint: transformers runs them without SDPA) is "
+             "recognised in the graph as one attention site (`uniprefill/passes/sink_attention.py`) and runs as the "
+             "`*_sink_attention` ops of `uniprefill/sink_ops.py`, in the prefill and in decode steps after a drop; "
+             "other eager attention without an SDPA call is not matched (the reason says so).", "",
              "| model type | result | layer kinds | generation (p = 1) | retention at keep 0.5 | reason | s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

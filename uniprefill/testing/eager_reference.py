@@ -1,8 +1,9 @@
 """An independent, slow, obviously-correct eager reference of token dropping (tests and the fuzzer).
 
-It runs a Hugging Face Llama or Gemma-3 model sublayer by sublayer with plain calls to its
+It runs a Hugging Face Llama, Gemma-3 or GPT-OSS model sublayer by sublayer with plain calls to its
 modules: every layer runs on the current set of tokens, with RoPE at their ORIGINAL
-positions and a mask built from those positions (causal, and windowed for sliding layers);
+positions and a mask built from those positions (causal, and windowed for sliding layers;
+additive for GPT-OSS, whose eager attention adds it to the logits beside its sinks);
 at a drop layer the attention runs on all current tokens, then the residual stream is cut
 to the given kept positions before the MLP. Only the indices are shared with the rewrite.
 """
@@ -38,16 +39,19 @@ def reference_last_logits(model, ids: torch.Tensor, kept: dict[int, torch.Tensor
     assert ids.shape[0] == 1
     cfg = model.config
     gemma = cfg.model_type == "gemma3_text"
+    additive = cfg.model_type == "gpt_oss"
     h = model.model.embed_tokens(ids)
     pos = torch.arange(ids.shape[1])
     for idx, layer in enumerate(model.model.layers):
-        layer_type = cfg.layer_types[idx] if gemma else "full_attention"
+        layer_type = cfg.layer_types[idx] if (gemma or additive) else "full_attention"
         window = cfg.sliding_window if layer_type == "sliding_attention" else None
         cos_sin = _rotary(model, h, pos, layer_type)
         attn_in = layer.input_layernorm(h)
         mask_pos = torch.arange(pos.numel()) if window_positions == "compacted" else pos
-        attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=cos_sin,
-                                      attention_mask=_mask(mask_pos, window))
+        mask = _mask(mask_pos, window)
+        if additive:
+            mask = torch.zeros(mask.shape, dtype=h.dtype).masked_fill(~mask, torch.finfo(h.dtype).min)
+        attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=cos_sin, attention_mask=mask)
         if gemma:
             attn_out = layer.post_attention_layernorm(attn_out)
         h = h + attn_out
@@ -58,7 +62,8 @@ def reference_last_logits(model, ids: torch.Tensor, kept: dict[int, torch.Tensor
         if gemma:
             h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
         else:
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            mlp_out = layer.mlp(layer.post_attention_layernorm(h))
+            h = h + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)  # GPT-OSS: (out, router scores)
     h = model.model.norm(h)
     logits = model.lm_head(h[:, -1:])
     if getattr(cfg, "final_logit_softcapping", None):

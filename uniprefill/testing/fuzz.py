@@ -94,13 +94,30 @@ def _reason_class(reason: str) -> str:
 
 
 def build_model(arch: str, dtype: torch.dtype):
-    """A tiny random-weight model of `arch` (seeded), in eval mode, SDPA attention."""
+    """A tiny random-weight model of `arch` (seeded), in eval mode: SDPA attention, except GPT-OSS
+    (eager attention with learned sinks, the only form transformers runs it in) and "llama-eager"."""
     import transformers
 
     from ..models.presets import build_random_model
 
     torch.manual_seed(0)
-    if arch in _EXTRA_ARCHS:
+    if arch == "gpt-oss":  # eager attention with learned sinks (transformers' default for it)
+        cfg = transformers.GptOssConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=48,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            max_position_embeddings=4096, pad_token_id=0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+        with torch.no_grad():
+            for layer in model.model.layers:  # sinks that matter (the init leaves them near 0)
+                layer.self_attn.sinks.normal_(0, 2.0)
+    elif arch == "llama-eager":  # plain eager attention (attn_implementation="eager")
+        cfg = transformers.LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
+        cfg._attn_implementation = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    elif arch in _EXTRA_ARCHS:
         cfg = getattr(transformers, _EXTRA_ARCHS[arch])(
             vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0,

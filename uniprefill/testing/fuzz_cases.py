@@ -9,7 +9,7 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
   sequences, an explicit cache); a first differing token that the plain model scores as a tie
   counts as "tie" (`_tie_at_divergence`);
 * `_decode_case`: a prefill into a cache passed in, then one-token steps through forward;
-* `_reference_case`: forced retention against the eager reference (Llama, Gemma-3).
+* `_reference_case`: forced retention against the eager reference (Llama, Gemma-3, GPT-OSS).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ MIN_TOKENS = SETTINGS["sink"] + SETTINGS["last_q"]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # times max(1, |reference|max)
 _EXTRA_ARCHS = {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
 ARCHS = ("tiny-llama", "tiny-gemma3", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-lfm2", "tiny-granitemoehybrid",
-         "tiny-jamba", "tiny-olmo3", *_EXTRA_ARCHS)
-REFERENCE_ARCHS = ("tiny-llama", "tiny-gemma3")
+         "tiny-jamba", "tiny-olmo3", *_EXTRA_ARCHS, "gpt-oss", "llama-eager")
+REFERENCE_ARCHS = ("tiny-llama", "tiny-gemma3", "gpt-oss")
 
 
 @dataclass
@@ -124,11 +124,14 @@ def _accelerated(fast) -> bool:
 def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
     result = CaseResult(case, arch, "forward", "equal")
     archs = [arch] + ([rng.choice(ARCHS)] if rng.random() < 0.2 else [])
+    # a quarter of the cases also turn on block-sparse attention before the first drop point, at
+    # full density (every block kept: still equal; below 256 tokens or padded, the op runs dense)
+    sparse = {"early_sparse_p": 1.0, "early_sparse_window": 16} if rng.random() < 0.25 else {}
     for step in range(rng.randint(1, 3)):
-        model, fast = pool.get(archs[step % len(archs)], dtype, p=1.0)
+        model, fast = pool.get(archs[step % len(archs)], dtype, p=1.0, **sparse)
         call = _random_inputs(rng, model, dtype)
         kwargs, spec = call["kwargs"], call["spec"]
-        result.detail = f"call {step + 1} on {archs[step % len(archs)]}: {spec}"
+        result.detail = f"call {step + 1} on {archs[step % len(archs)]}{' (early sparse)' if sparse else ''}: {spec}"
         with torch.no_grad():
             try:
                 ref = _call(model, model, kwargs, spec["positional"]).logits

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AttentionInterface, LlamaConfig
 
 
 def _load_script():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention_mass.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_mass.py"
     spec = importlib.util.spec_from_file_location("attention_mass", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

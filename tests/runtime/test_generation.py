@@ -14,7 +14,7 @@ import uniprefill
 from uniprefill import UniPrefillConfig
 
 from uniprefill.testing.eager_reference import reference_last_logits
-from .test_backend import MODELS, SMALL, _ids
+from ..passes.test_backend import MODELS, SMALL, _ids
 
 NEW_TOKENS = 5
 

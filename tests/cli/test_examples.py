@@ -8,7 +8,7 @@ from types import SimpleNamespace as NS
 
 from uniprefill.vllm.plugin import BACKEND_QUALNAME, check_vllm_config, config_from_compilation_config
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "vllm_offline.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm_offline.py"
 
 
 def load_example():

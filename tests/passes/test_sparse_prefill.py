@@ -11,12 +11,13 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import uniprefill
 import uniprefill.ops  # noqa: F401  (registers torch.ops.uniprefill)
 from uniprefill import UniPrefillConfig
 from uniprefill.kernels import sparse_attention as S
+
+from .test_backend import _llama
 
 SMALL = dict(sink=16, last_q=16, block_size=16)
 
@@ -117,14 +118,6 @@ def test_op_runs_dense_for_padded_rows_and_short_prompts():
     assert float(density) == 1.0  # shorter than min_tokens
     out, density = torch.ops.uniprefill.sparse_attention(q, k, v, None, None, 0.2, 1.0, 0.1, 0, 16, 16, 0, "auto")
     assert float(density) < 1.0
-
-
-def _llama(layers=4):
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def test_at_full_density_the_model_is_unchanged_batch_and_padding():

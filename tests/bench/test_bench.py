@@ -148,7 +148,7 @@ def test_decode_benchmark_on_a_tiny_preset(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
     spec = importlib.util.spec_from_file_location("bench_decode", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -188,7 +188,7 @@ def test_compare_systems_pairs_prompts_both_ran(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps({"system_label": s, "length": 4096, "task": "vt", "index": i, "score": v}) + "\n"
                             for s, i, v in rows))
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compare_systems.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "compare_systems.py"
     out = subprocess.run([sys.executable, "-P", str(script), str(path), "A", "B"], capture_output=True, text=True,
                          check=True).stdout
     # prompts 0 and 1 are paired (2 only A, 3 only B): A 100, B 50, B - A = -50
@@ -206,7 +206,7 @@ def test_presets_table_reads_what_bench_writes(tmp_path):
     assert cli(["bench", "--model", "tiny-llama", "--device", "cpu", "--lengths", "512", "--keep-ratio", "0.5,0.25",
                 "--drop-layers", "0", "--measured-ideal", "--warmup", "0", "--repeats", "1", "--inputs", "random",
                 "--quiet", "--out", str(out)]) == 0
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "presets_table.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "presets_table.py"
     spec = importlib.util.spec_from_file_location("presets_table", path)
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)

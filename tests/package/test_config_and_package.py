@@ -11,7 +11,7 @@ import pytest
 
 from uniprefill import UniPrefillConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_stable_hash():

@@ -14,6 +14,7 @@ from uniprefill.testing.census import census_one, table
     # embeds input_ids.to(device); chunked local-attention layers: prefill accelerated, generation runs
     # unaccelerated (decode after a drop does not model chunks), equal to the plain model
     ("llama4_text", "accelerated"),
+    ("gpt_oss", "accelerated"),  # eager attention with learned sinks, recognised as one attention site
     ("gpt_neo", "unaccelerated"),  # eager attention only (no SDPA path in transformers)
     ("bert", "skipped"),
 ])

@@ -27,7 +27,7 @@ from uniprefill.models.presets import (
     preset_config,
 )
 
-HAYSTACK = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "PaulGrahamEssays.json"
+HAYSTACK = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "PaulGrahamEssays.json"
 
 F, S, L = "full", "sliding", "linear"
 EXPECTED_KINDS = {

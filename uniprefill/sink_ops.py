@@ -1,0 +1,173 @@
+"""Attention with learned per-head sinks (GPT-OSS and its kin), as `torch.library` ops.
+
+A sink is one extra logit per query head, `s_h`, that joins every query's softmax and is
+dropped after it (transformers' `eager_attention_forward` of GPT-OSS: `cat([logits, sinks])`,
+softmax, `[..., :-1]`). For query i with visible keys j:
+
+    p_ij = exp(l_ij - m_i) / (sum_j' exp(l_ij' - m_i) + exp(s_h - m_i)),  m_i = max(max_j l_ij, s_h)
+
+i.e. attention whose normaliser has one extra term; the weights of a row sum to less than one.
+A query that sees no key at all gets the zero vector (only the sink), not NaN.
+
+Ops (each with a fake; `sink_attention_reference` is the one PyTorch implementation they share):
+
+* `sink_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks)`: the
+  model's own pattern as one node, with SDPA's argument names (`passes.sink_attention` puts it
+  into the graph, so the passes read it as they read an SDPA call); `attn_mask` is any mask the
+  model built (boolean: True = visible, or additive).
+* `dense_sink_attention` / `packed_sink_attention`: `ops.dense_attention` / `packed_attention`
+  with sinks: causal, sliding-window and padding masks rebuilt from ORIGINAL positions, and the
+  shared masks of `ops.dense_mask` / `ops.packed_masks`.
+* `decode_sink_attention`: `ops.decode_attention` with sinks (decode steps after a drop).
+
+The logits are built a block of query rows at a time, as the model builds all of them at once:
+the same arithmetic (matmul, scale, mask, concatenated sink, max subtracted, softmax, sink
+column dropped, matmul with v) in the same order, so p = 1 reproduces the plain model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ops as _ops  # noqa: F401  (registers dense_mask / packed_masks, read below)
+from .ops import _position_mask
+
+LIB = "uniprefill"
+_BLOCK_ELEMENTS = 1 << 24  # logits of one block of query rows (B * H * rows * K)
+
+
+def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                             scale: float, sinks: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """`[B, H, Q, d]` queries against `[B, Hk, K, d]` keys/values (Hk divides H) with sinks `[H]`.
+
+    `mask` broadcasts to `[B, H, Q, K]`: boolean (True = visible) or additive; None: all visible.
+    `causal`: besides, query i sees keys j <= i only (built per block: no `[Q, K]` mask in memory).
+    """
+    b, h, rows, _ = q.shape
+    groups = h // k.shape[1]
+    if groups != 1:  # transformers' repeat_kv: each key/value head serves `groups` query heads in a row
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    keys = k.shape[-2]
+    step = max(1, _BLOCK_ELEMENTS // max(1, b * h * keys))
+    outs = []
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        logits = torch.matmul(q[:, :, start:stop], k.transpose(2, 3)) * scale
+        if causal:
+            hidden = _position_mask(torch.arange(start, stop, device=q.device), torch.arange(keys, device=q.device), 0)
+            logits = logits.masked_fill(hidden.logical_not_(), float("-inf"))
+        if mask is not None:
+            part = mask[..., start:stop, :] if mask.shape[-2] != 1 else mask
+            if part.dtype == torch.bool:
+                logits = logits.masked_fill(part.logical_not(), float("-inf"))
+            else:
+                logits = logits + part
+        sink = sinks.reshape(1, -1, 1, 1).expand(logits.shape[0], -1, logits.shape[2], -1)
+        combined = torch.cat([logits, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)
+        outs.append(torch.matmul(probs[..., :-1].to(v.dtype), v))
+    return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor) -> None:
+    if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"sinks must be [H] = [{q.shape[1]}] (one per query head), got {tuple(sinks.shape)}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
+
+
+def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],), dtype=v.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# the model's pattern as one node
+# --------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::sink_attention", mutates_args=())
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = False,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Eager attention with sinks, SDPA's arguments plus `sinks` `[H]` (`dropout_p` must be 0)."""
+    if dropout_p != 0.0:
+        raise ValueError(f"uniprefill::sink_attention runs inference only (dropout_p={dropout_p})")
+    _check(q, k, sinks)
+    return sink_attention_reference(q, k, v, attn_mask, scale, sinks, causal=is_causal)
+
+
+@sink_attention.register_fake
+def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=1.0, enable_gqa=False, sinks=None):
+    return _out_like(q, v)
+
+
+# --------------------------------------------------------------------------------------
+# dense and packed layouts, masks from ORIGINAL positions (ops.dense_attention / packed_attention)
+# --------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::dense_sink_attention", mutates_args=())
+def dense_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
+                         window: int, scale: float, sinks: torch.Tensor,
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`ops.dense_attention` with sinks `[H]`: causal attention on dense `[B, H, N, d]` tensors, key j
+    visible to query i when `0 <= i - j < window` (0: unbounded) and `key_valid[b, j]`. `mask` is
+    the shared `ops.dense_mask(q, key_valid, window, live_counts)`; an empty one: causal only."""
+    _check(q, k, sinks)
+    n = q.shape[-2]
+    if mask is None and not (key_valid is None and (window <= 0 or window >= n)):
+        mask = torch.ops.uniprefill.dense_mask(q, key_valid, window)
+    if mask is None or mask.numel() == 0:  # causal, nothing padded
+        return sink_attention_reference(q, k, v, None, scale, sinks, causal=True)
+    return sink_attention_reference(q, k, v, mask, scale, sinks)
+
+
+@dense_sink_attention.register_fake
+def _(q, k, v, key_valid, window, scale, sinks, mask=None):
+    return _out_like(q, v)
+
+
+@torch.library.custom_op(f"{LIB}::packed_sink_attention", mutates_args=())
+def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                          counts: torch.Tensor, window: int, scale: float, sinks: torch.Tensor,
+                          masks: torch.Tensor | None = None) -> torch.Tensor:
+    """`ops.packed_attention` with sinks `[H]`: block-diagonal causal attention on packed
+    `[1, H, T, d]` tensors (row r owns `counts[r]` tokens), windows over ORIGINAL `positions`;
+    `masks` is the shared `ops.packed_masks(q, positions, counts, window, compacted)`."""
+    _check(q, k, sinks)
+    if window > 0 and masks is None:
+        masks = torch.ops.uniprefill.packed_masks(q, positions, counts, window)
+    outs = []
+    start = offset = 0
+    for count in counts.tolist():
+        end = start + count
+        # window 0: positions increase along a row, so causal in positions == causal in index
+        mask = masks[offset:offset + count * count].view(1, 1, count, count) if window > 0 else None
+        outs.append(sink_attention_reference(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], mask,
+                                             scale, sinks, causal=window <= 0))
+        start, offset = end, offset + count * count
+    return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
+
+
+@packed_sink_attention.register_fake
+def _(q, k, v, positions, counts, window, scale, sinks, masks=None):
+    return _out_like(q, v)
+
+
+@torch.library.custom_op(f"{LIB}::decode_sink_attention", mutates_args=())
+def decode_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: torch.Tensor | None,
+                          query_position: int, window: int, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """`ops.decode_attention` with sinks `[H]`: one query `[1, H, 1, d]` against a (possibly
+    compacted) cache `[1, Hk, K, d]`; key j visible when `0 <= query_position - key_positions[j] <
+    window` (0: unbounded). `key_positions` None: every cached key is visible."""
+    _check(q, k, sinks)
+    mask = None
+    if key_positions is not None:
+        visible = key_positions <= query_position
+        if window > 0:
+            visible = visible & (key_positions > query_position - window)
+        mask = visible.to(q.device)[None, None, None, :]
+    return sink_attention_reference(q, k, v, mask, scale, sinks)
+
+
+@decode_sink_attention.register_fake
+def _(q, k, v, key_positions, query_position, window, scale, sinks):
+    return _out_like(q, v)
