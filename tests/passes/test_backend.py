@@ -317,9 +317,28 @@ def test_drop_layer_that_is_not_full_attention_raises():
         compiled(input_ids=_ids(1, 300), use_cache=False)
 
 
-def test_eager_attention_is_left_unchanged_with_a_reason():
+def _softcapped_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention with tanh logit soft-capping (as Gemma-2 computes it): not SDPA's function,
+    so the eager-attention matcher must leave it alone."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    scores = 30.0 * torch.tanh(query @ key.transpose(2, 3) * scaling / 30.0)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+def test_an_attention_form_the_pass_does_not_know_is_left_unchanged_with_a_reason():
+    """Plain eager attention is rewritten to SDPA (tests/passes/test_sinks.py); an eager form that is
+    not SDPA's function (here soft-capped logits) runs unaccelerated with a reason, and strict mode
+    refuses it."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("uniprefill_test_softcapped", _softcapped_eager_attention)
     model = _llama()
-    model.config._attn_implementation = "eager"
+    model.config._attn_implementation = "uniprefill_test_softcapped"
     compiled = uniprefill.compile(model, UniPrefillConfig(p=0.5, **SMALL))
     ids = _ids(1, 300)
     with pytest.warns(UserWarning, match="unaccelerated"), torch.no_grad():
@@ -332,6 +351,7 @@ def test_eager_attention_is_left_unchanged_with_a_reason():
     strict = uniprefill.compile(model, UniPrefillConfig(strict=True, **SMALL))
     with pytest.raises(Exception, match="cannot rewrite"), torch.no_grad():
         strict(input_ids=ids, use_cache=False)
+    torch._dynamo.reset()
 
 
 @torch.library.custom_op("uniprefill_test::opaque_linear", mutates_args=())
