@@ -9,6 +9,10 @@ softmax, `[..., :-1]`). For query i with visible keys j:
 i.e. attention whose normaliser has one extra term; the weights of a row sum to less than one.
 A query that sees no key at all gets the zero vector (only the sink), not NaN.
 
+The same ops compute the other eager forms SDPA cannot: logits soft-capped as
+`softcap * tanh(logits / softcap)` (Gemma-2, `softcap` > 0), with or without sinks (`sinks` None),
+and a softmax taken in float32 on half-precision logits (`upcast`).
+
 Ops (each with a fake; `sink_attention_reference` is the one PyTorch implementation they share):
 
 * `sink_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, sinks)`: the
@@ -37,11 +41,17 @@ _BLOCK_ELEMENTS = 1 << 24  # logits of one block of query rows (B * H * rows * K
 
 
 def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                             scale: float, sinks: torch.Tensor, causal: bool = False) -> torch.Tensor:
+                             scale: float, sinks: torch.Tensor | None, causal: bool = False,
+                             softcap: float = 0.0, upcast: bool = False) -> torch.Tensor:
     """`[B, H, Q, d]` queries against `[B, Hk, K, d]` keys/values (Hk divides H) with sinks `[H]`.
 
     `mask` broadcasts to `[B, H, Q, K]`: boolean (True = visible) or additive; None: all visible.
     `causal`: besides, query i sees keys j <= i only (built per block: no `[Q, K]` mask in memory).
+    `softcap` > 0: the scaled logits become `softcap * tanh(logits / softcap)` before the mask
+    (Gemma-2's eager attention). `sinks` None: no sink column; hidden keys then get the most
+    negative finite logit, as transformers' additive masks give them, so a query that sees no key
+    gets finite weights (a padding row) instead of NaN. `upcast`: the softmax runs in float32 and its
+    weights are cast back (transformers' `softmax(..., dtype=torch.float32).to(query.dtype)`).
     """
     b, h, rows, _ = q.shape
     groups = h // k.shape[1]
@@ -54,25 +64,32 @@ def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         logits = torch.matmul(q[:, :, start:stop], k.transpose(2, 3)) * scale
+        if softcap > 0:
+            logits = torch.tanh(logits / softcap) * softcap
+        hidden_logit = float("-inf") if sinks is not None else torch.finfo(logits.dtype).min
         if causal:
             hidden = _position_mask(torch.arange(start, stop, device=q.device), torch.arange(keys, device=q.device), 0)
-            logits = logits.masked_fill(hidden.logical_not_(), float("-inf"))
+            logits = logits.masked_fill(hidden.logical_not_(), hidden_logit)
         if mask is not None:
             part = mask[..., start:stop, :] if mask.shape[-2] != 1 else mask
             if part.dtype == torch.bool:
-                logits = logits.masked_fill(part.logical_not(), float("-inf"))
+                logits = logits.masked_fill(part.logical_not(), hidden_logit)
             else:
                 logits = logits + part
+        if sinks is None:
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32 if upcast else logits.dtype)
+            outs.append(torch.matmul(probs.to(v.dtype), v))
+            continue
         sink = sinks.reshape(1, -1, 1, 1).expand(logits.shape[0], -1, logits.shape[2], -1)
         combined = torch.cat([logits, sink], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)
+        probs = torch.softmax(combined, dim=-1, dtype=torch.float32 if upcast else combined.dtype)
         outs.append(torch.matmul(probs[..., :-1].to(v.dtype), v))
     return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor) -> None:
-    if sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+def _check(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
         raise ValueError(f"sinks must be [H] = [{q.shape[1]}] (one per query head), got {tuple(sinks.shape)}")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads")
@@ -88,16 +105,18 @@ def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op(f"{LIB}::sink_attention", mutates_args=())
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = False,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Eager attention with sinks, SDPA's arguments plus `sinks` `[H]` (`dropout_p` must be 0)."""
+                   sinks: torch.Tensor | None = None, softcap: float = 0.0, upcast: bool = False) -> torch.Tensor:
+    """Eager attention with sinks `[H]` and / or logit soft-capping, SDPA's arguments plus `sinks`
+    and `softcap` (`dropout_p` must be 0)."""
     if dropout_p != 0.0:
         raise ValueError(f"uniprefill::sink_attention runs inference only (dropout_p={dropout_p})")
     _check(q, k, sinks)
-    return sink_attention_reference(q, k, v, attn_mask, scale, sinks, causal=is_causal)
+    return sink_attention_reference(q, k, v, attn_mask, scale, sinks, causal=is_causal, softcap=softcap, upcast=upcast)
 
 
 @sink_attention.register_fake
-def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=1.0, enable_gqa=False, sinks=None):
+def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=1.0, enable_gqa=False, sinks=None, softcap=0.0,
+      upcast=False):
     return _out_like(q, v)
 
 
@@ -106,8 +125,8 @@ def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=1.0, enable
 # --------------------------------------------------------------------------------------
 @torch.library.custom_op(f"{LIB}::dense_sink_attention", mutates_args=())
 def dense_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
-                         window: int, scale: float, sinks: torch.Tensor,
-                         mask: torch.Tensor | None = None) -> torch.Tensor:
+                         window: int, scale: float, sinks: torch.Tensor | None,
+                         mask: torch.Tensor | None = None, softcap: float = 0.0, upcast: bool = False) -> torch.Tensor:
     """`ops.dense_attention` with sinks `[H]`: causal attention on dense `[B, H, N, d]` tensors, key j
     visible to query i when `0 <= i - j < window` (0: unbounded) and `key_valid[b, j]`. `mask` is
     the shared `ops.dense_mask(q, key_valid, window, live_counts)`; an empty one: causal only."""
@@ -116,19 +135,20 @@ def dense_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_
     if mask is None and not (key_valid is None and (window <= 0 or window >= n)):
         mask = torch.ops.uniprefill.dense_mask(q, key_valid, window)
     if mask is None or mask.numel() == 0:  # causal, nothing padded
-        return sink_attention_reference(q, k, v, None, scale, sinks, causal=True)
-    return sink_attention_reference(q, k, v, mask, scale, sinks)
+        return sink_attention_reference(q, k, v, None, scale, sinks, causal=True, softcap=softcap, upcast=upcast)
+    return sink_attention_reference(q, k, v, mask, scale, sinks, softcap=softcap, upcast=upcast)
 
 
 @dense_sink_attention.register_fake
-def _(q, k, v, key_valid, window, scale, sinks, mask=None):
+def _(q, k, v, key_valid, window, scale, sinks, mask=None, softcap=0.0, upcast=False):
     return _out_like(q, v)
 
 
 @torch.library.custom_op(f"{LIB}::packed_sink_attention", mutates_args=())
 def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                          counts: torch.Tensor, window: int, scale: float, sinks: torch.Tensor,
-                          masks: torch.Tensor | None = None) -> torch.Tensor:
+                          counts: torch.Tensor, window: int, scale: float, sinks: torch.Tensor | None,
+                          masks: torch.Tensor | None = None, softcap: float = 0.0,
+                          upcast: bool = False) -> torch.Tensor:
     """`ops.packed_attention` with sinks `[H]`: block-diagonal causal attention on packed
     `[1, H, T, d]` tensors (row r owns `counts[r]` tokens), windows over ORIGINAL `positions`;
     `masks` is the shared `ops.packed_masks(q, positions, counts, window, compacted)`."""
@@ -142,19 +162,20 @@ def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
         # window 0: positions increase along a row, so causal in positions == causal in index
         mask = masks[offset:offset + count * count].view(1, 1, count, count) if window > 0 else None
         outs.append(sink_attention_reference(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], mask,
-                                             scale, sinks, causal=window <= 0))
+                                             scale, sinks, causal=window <= 0, softcap=softcap, upcast=upcast))
         start, offset = end, offset + count * count
     return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
 
 
 @packed_sink_attention.register_fake
-def _(q, k, v, positions, counts, window, scale, sinks, masks=None):
+def _(q, k, v, positions, counts, window, scale, sinks, masks=None, softcap=0.0, upcast=False):
     return _out_like(q, v)
 
 
 @torch.library.custom_op(f"{LIB}::decode_sink_attention", mutates_args=())
 def decode_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: torch.Tensor | None,
-                          query_position: int, window: int, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+                          query_position: int, window: int, scale: float, sinks: torch.Tensor | None,
+                          softcap: float = 0.0, upcast: bool = False) -> torch.Tensor:
     """`ops.decode_attention` with sinks `[H]`: one query `[1, H, 1, d]` against a (possibly
     compacted) cache `[1, Hk, K, d]`; key j visible when `0 <= query_position - key_positions[j] <
     window` (0: unbounded). `key_positions` None: every cached key is visible."""
@@ -165,9 +186,9 @@ def decode_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key
         if window > 0:
             visible = visible & (key_positions > query_position - window)
         mask = visible.to(q.device)[None, None, None, :]
-    return sink_attention_reference(q, k, v, mask, scale, sinks)
+    return sink_attention_reference(q, k, v, mask, scale, sinks, softcap=softcap, upcast=upcast)
 
 
 @decode_sink_attention.register_fake
-def _(q, k, v, key_positions, query_position, window, scale, sinks):
+def _(q, k, v, key_positions, query_position, window, scale, sinks, softcap=0.0, upcast=False):
     return _out_like(q, v)

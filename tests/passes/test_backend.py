@@ -317,13 +317,16 @@ def test_drop_layer_that_is_not_full_attention_raises():
         compiled(input_ids=_ids(1, 300), use_cache=False)
 
 
-def _softcapped_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Eager attention with tanh logit soft-capping (as Gemma-2 computes it): not SDPA's function,
-    so the eager-attention matcher must leave it alone."""
+def _alibi_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention with an ALiBi bias (-slope_h * distance, as Bloom and MPT add): not SDPA's
+    function of q, k and the mask, so the eager-attention matcher must leave it alone."""
     from transformers.models.llama.modeling_llama import repeat_kv
 
     key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
-    scores = 30.0 * torch.tanh(query @ key.transpose(2, 3) * scaling / 30.0)
+    n = query.shape[-2]
+    slopes = 2.0 ** -torch.arange(1, query.shape[1] + 1, dtype=query.dtype, device=query.device)
+    distance = torch.arange(n, device=query.device)[:, None] - torch.arange(key.shape[-2], device=query.device)
+    scores = (query @ key.transpose(2, 3)) * scaling - slopes[:, None, None] * distance.abs().to(query.dtype)
     if attention_mask is not None:
         scores = scores + attention_mask
     weights = torch.softmax(scores.float(), dim=-1).to(query.dtype)
@@ -331,14 +334,14 @@ def _softcapped_eager_attention(module, query, key, value, attention_mask, scali
 
 
 def test_an_attention_form_the_pass_does_not_know_is_left_unchanged_with_a_reason():
-    """Plain eager attention is rewritten to SDPA (tests/passes/test_sinks.py); an eager form that is
-    not SDPA's function (here soft-capped logits) runs unaccelerated with a reason, and strict mode
-    refuses it."""
+    """Plain eager attention is rewritten to SDPA, soft-capped or with sinks to uniprefill ops
+    (tests/passes/test_sinks.py); an eager form the pass does not know (here an ALiBi bias) runs
+    unaccelerated with a reason, and strict mode refuses it."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register("uniprefill_test_softcapped", _softcapped_eager_attention)
+    AttentionInterface.register("uniprefill_test_alibi", _alibi_eager_attention)
     model = _llama()
-    model.config._attn_implementation = "uniprefill_test_softcapped"
+    model.config._attn_implementation = "uniprefill_test_alibi"
     compiled = uniprefill.compile(model, UniPrefillConfig(p=0.5, **SMALL))
     ids = _ids(1, 300)
     with pytest.warns(UserWarning, match="unaccelerated"), torch.no_grad():
@@ -456,3 +459,34 @@ def test_debug_dumps_the_graph_before_and_after_the_rewrite_to_the_logger(caplog
     messages = [r.getMessage() for r in caplog.records if r.name == "uniprefill.passes"]
     assert any("graph before rewrite" in m for m in messages)
     assert any("graph after rewrite" in m and "score_select" in m for m in messages)
+
+
+def test_differential_attention_two_calls_sharing_one_map_is_accelerated():
+    """DiffLlama applies one softmax map to two halves of the values (two SDPA calls with the same
+    queries, mask and scale): the drop point scores with the first call, both run on the kept
+    tokens; at p = 1 prefill (padded batch) and greedy generation equal the plain model."""
+    import warnings
+
+    from uniprefill.testing.census import _build
+
+    model, _ = _build("diffllama")
+    ids = _ids(2, 240)
+    mask = torch.ones_like(ids)
+    mask[1, :41] = 0
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers="all", **SMALL))
+        out = exact(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        report = uniprefill.graph_reports(exact)[-1]
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        gen = exact.generate(input_ids=ids[:1], max_new_tokens=5, do_sample=False, pad_token_id=0)
+        want = model.generate(input_ids=ids[:1], max_new_tokens=5, do_sample=False, pad_token_id=0)
+        assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
+    layers = len(report.layers)
+    assert report.rewritten and report.counts["drop_points"] == layers, report
+    assert report.counts["dense_attention"] + report.counts["packed_attention"] == 2 * layers
+    torch.testing.assert_close(out[0], ref[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1, 41:], ref[1, 41:], atol=ATOL, rtol=0)
+    assert torch.equal(gen, want)
+    torch._dynamo.reset()

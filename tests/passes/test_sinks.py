@@ -300,3 +300,147 @@ def test_plain_eager_attention_becomes_sdpa_and_equals_the_plain_model():
     assert torch.isfinite(logits).all()
     history = uniprefill.last_drop_report(dropping)
     assert history is not None and history.overall_retention < 0.5
+
+
+def _naive_capped(q, k, v, visible, scale, cap):
+    """Gemma-2's eager attention: softcap * tanh(logits / softcap), additive mask, softmax."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    logits = torch.tanh((q @ k.transpose(-1, -2)) * scale / cap) * cap
+    logits = logits + torch.zeros_like(logits).masked_fill(~visible, torch.finfo(logits.dtype).min)
+    return torch.softmax(logits, -1) @ v
+
+
+@pytest.mark.parametrize("window", [0, 7], ids=["full", "window7"])
+def test_softcapped_ops_without_sinks_match_naive(window):
+    q, k, v, _ = _qkv(2, 4, 2, 40, seed=6)
+    q = 3 * q  # logits large enough for the cap to matter
+    key_valid = torch.ones(2, 40, dtype=torch.long)
+    key_valid[1, :9] = 0
+    want = _naive_capped(q, k, v, _visible(40, window, key_valid), 0.35, 0.8)
+    got = U.dense_sink_attention(q, k, v, key_valid, window, 0.35, None, softcap=0.8)
+    torch.testing.assert_close(got[0], want[0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[1, :, 9:], want[1, :, 9:], atol=ATOL, rtol=0)
+    assert torch.isfinite(got).all(), "padding rows (no visible key) stay finite without a sink"
+    uncapped = U.dense_sink_attention(q, k, v, key_valid, window, 0.35, None)
+    assert (uncapped - got).abs().max() > 1e-2, "the cap changes the answer here"
+    # one packed row and one decode step compute the same as the dense op
+    packed = U.packed_sink_attention(q[:1], k[:1], v[:1], torch.arange(40), torch.tensor([40]), window, 0.35, None,
+                                     softcap=0.8)
+    torch.testing.assert_close(packed, got[:1], atol=ATOL, rtol=0)
+    step = U.decode_sink_attention(q[:1, :, -1:], k[:1], v[:1], torch.arange(40), 39, window, 0.35, None, 0.8)
+    torch.testing.assert_close(step, got[:1, :, -1:], atol=ATOL, rtol=0)
+
+
+def test_gemma2_softcapped_eager_attention_is_accelerated_and_equals_the_plain_model():
+    """Gemma-2 (soft-capped logits, eager only in transformers): one uniprefill::sink_attention per
+    layer without sinks; at p = 1 prefill (padded batch), a decode step after the dropped prefill
+    and greedy generation equal the plain model, in float32 and bfloat16 (softmax in float32)."""
+    from uniprefill.testing.census import _build
+
+    model, _ = _build("gemma2")
+    for module in model.modules():
+        if hasattr(module, "attn_logit_softcapping"):
+            module.attn_logit_softcapping = 0.5  # binds: the tiny model's logits are far below 50
+    ids = _ids(2, 240, seed=5)
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        model = model.to(dtype)
+        torch._dynamo.reset()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers="all", **SMALL))
+            out = exact(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            report = uniprefill.graph_reports(exact)[-1]
+            assert report.rewritten, report.reason
+            assert report.counts["sink_attention_sites"] == 4 and report.counts["drop_points"] == 2
+            ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(out[1, 37:], ref[1, 37:], atol=1e-5, rtol=0)
+            filled = exact(input_ids=ids[:1], use_cache=True)
+            step = exact(input_ids=torch.tensor([[5]]), past_key_values=filled.past_key_values, use_cache=True)
+            plain = model(input_ids=ids[:1], use_cache=True)
+            want = model(input_ids=torch.tensor([[5]]), past_key_values=plain.past_key_values, use_cache=True)
+            torch.testing.assert_close(step.logits, want.logits, atol=1e-5, rtol=0)
+            assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
+            if dtype == torch.float32:
+                gen = exact.generate(input_ids=ids[:1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+                assert torch.equal(gen, model.generate(input_ids=ids[:1], max_new_tokens=6, do_sample=False,
+                                                       pad_token_id=0))
+                torch._dynamo.reset()
+                dropping = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers="all", **SMALL))
+                logits = dropping(input_ids=ids[:1], use_cache=False).logits
+                assert torch.isfinite(logits).all()
+                assert uniprefill.last_drop_report(dropping).overall_retention < 0.5
+    torch._dynamo.reset()
+
+
+def test_eager_attention_with_a_max_subtracted_and_without_sinks():
+    """MiMo-V2-Flash's full layer: eager attention with the row max subtracted and no sink column
+    (its sliding layers have sinks): an SDPA call, and p = 1 equals the plain model."""
+    from uniprefill.testing.census import _build
+
+    model, _ = _build("mimo_v2_flash")
+    ids = _ids(1, 220, seed=7)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers="all", **SMALL))
+        out = exact(input_ids=ids, use_cache=False).logits
+        report = uniprefill.graph_reports(exact)[-1]
+        ref = model(input_ids=ids, use_cache=False).logits
+    assert report.rewritten, report.reason
+    assert report.counts["eager_attention_sites"] == 1 and report.counts["sink_attention_sites"] == 3
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_plain_eager_attention_in_bfloat16_keeps_its_float32_softmax():
+    """transformers' eager attention takes the softmax in float32 on bfloat16 logits, which SDPA does
+    not reproduce: that site becomes uniprefill::sink_attention(upcast=True), exactly the model's."""
+    model = _eager_llama().to(torch.bfloat16)
+    ids = _ids(1, 200, seed=8)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1, 2), **SMALL))
+        out = exact(input_ids=ids, use_cache=False).logits
+        report = uniprefill.graph_reports(exact)[-1]
+        ref = model(input_ids=ids, use_cache=False).logits
+    assert report.rewritten and report.counts["sink_attention_sites"] == 4, report
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_sinks_applied_after_the_attention_granite_swa():
+    """Granite-SWA scales the plain attention by sigmoid(lse(logits) - sink), the sink softmax in
+    another form: one uniprefill::sink_attention per layer; at p = 1 prefill (padded batch) and a
+    decode step after the dropped prefill equal the plain model, with sinks drawn from N(0, 2)."""
+    from uniprefill.testing.census import _build
+
+    model, _ = _build("granite_swa")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.normal_(0, 2.0)
+    ids = _ids(2, 230, seed=9)
+    mask = torch.ones_like(ids)
+    mask[1, :29] = 0
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers="all", **SMALL))
+        out = exact(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        report = uniprefill.graph_reports(exact)[-1]
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        filled = exact(input_ids=ids[:1], use_cache=True)
+        step = exact(input_ids=torch.tensor([[5]]), past_key_values=filled.past_key_values, use_cache=True)
+        plain = model(input_ids=ids[:1], use_cache=True)
+        want = model(input_ids=torch.tensor([[5]]), past_key_values=plain.past_key_values, use_cache=True)
+        assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
+    assert report.rewritten and report.counts["sink_attention_sites"] == 4, report
+    torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[1, 29:], ref[1, 29:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(step.logits, want.logits, atol=1e-5, rtol=0)
+    torch._dynamo.reset()

@@ -168,14 +168,14 @@ class _Analysis:
 
     def _residual_add(self, layer: int) -> fx.Node:
         info = self.layers[layer]
-        if len(info.sdpa) != 1:
-            raise RewriteSkipped(f"layer {layer} has {len(info.sdpa)} attention calls; expected one")
-        sdpa = info.sdpa[0]
+        if len(info.sdpa) > 1 and not _one_attention_map(info.sdpa):
+            raise RewriteSkipped(f"layer {layer} has {len(info.sdpa)} attention calls with different queries or masks "
+                                 "(e.g. a layer run twice in a loop); expected one attention map per layer")
         nodes = list(self.gm.graph.nodes)
         after = False
-        downstream = {sdpa}
+        downstream = set(info.sdpa)
         for node in nodes:
-            if node is sdpa:
+            if node in downstream:
                 after = True
                 continue
             if not after:
@@ -206,6 +206,20 @@ class _Analysis:
         if len(producers) != 1:
             raise RewriteSkipped(f"suspend policy: cannot identify the residual stream entering layer {layer}")
         return producers.pop()
+
+
+def _one_attention_map(calls: list) -> bool:
+    """Attention calls of one layer that share the queries, the mask and the scale (differential
+    attention: one softmax map applied to two halves of the values): the drop point scores with the
+    first, every call runs on the kept tokens."""
+    from .classify import sdpa_mask_node
+
+    def scale(n):
+        return n.kwargs.get("scale", n.args[6] if len(n.args) > 6 else None)
+
+    first = calls[0]
+    return all(c.args[0] is first.args[0] and sdpa_mask_node(c) is sdpa_mask_node(first) and scale(c) is scale(first)
+               for c in calls[1:])
 
 
 def _check_length_guards(seq) -> None:

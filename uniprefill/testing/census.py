@@ -251,10 +251,13 @@ def table(rows: list[CensusRow], versions: str) -> str:
              "Every causal-LM model type of the installed transformers, tiny random weights, 300-token prompts "
              "(`uniprefill census`; what each check means: `uniprefill/testing/census.py`).", "",
              "Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f" (of {len(rows)})", "",
-             "Eager attention with learned per-head sinks (GPT-OSS, Flint: transformers runs them without SDPA) is "
-             "recognised in the graph as one attention site (`uniprefill/passes/sink_attention.py`) and runs as the "
+             "Eager attention (transformers runs these models without SDPA) is recognised in the graph as one "
+             "attention site (`uniprefill/passes/sink_attention.py`): with learned per-head sinks (GPT-OSS, Flint, "
+             "MiMo-V2-Flash's sliding layers; Granite-SWA's sinks applied after the attention), with soft-capped "
+             "logits (Gemma-2, VaultGemma) or with a float32 softmax on half-precision logits, it runs as the "
              "`*_sink_attention` ops of `uniprefill/sink_ops.py`, in the prefill and in decode steps after a drop; "
-             "other eager attention without an SDPA call is not matched (the reason says so).", "",
+             "plain eager attention (a max subtracted or not) becomes an SDPA call. Other eager forms (ALiBi, "
+             "attention written out by hand with its own masking) are not matched, and the reason says so.", "",
              "| model type | result | layer kinds | generation (p = 1) | retention at keep 0.5 | reason | s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -95,7 +95,8 @@ def _reason_class(reason: str) -> str:
 
 def build_model(arch: str, dtype: torch.dtype):
     """A tiny random-weight model of `arch` (seeded), in eval mode: SDPA attention, except GPT-OSS
-    (eager attention with learned sinks, the only form transformers runs it in) and "llama-eager"."""
+    (eager attention with learned sinks, the only form transformers runs it in), Gemma-2 (eager with
+    soft-capped logits, likewise) and "llama-eager"."""
     import transformers
 
     from ..models.presets import build_random_model
@@ -115,6 +116,14 @@ def build_model(arch: str, dtype: torch.dtype):
         cfg = transformers.LlamaConfig(
             vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
+        cfg._attn_implementation = "eager"
+        model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    elif arch == "gemma2":  # eager attention with soft-capped logits (transformers runs Gemma-2 eager only)
+        cfg = transformers.Gemma2Config(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, sliding_window=48, attn_logit_softcapping=1.0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            max_position_embeddings=4096, pad_token_id=0)  # a cap of 1.0 binds on these logits (50 would not)
         cfg._attn_implementation = "eager"
         model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
     elif arch in _EXTRA_ARCHS:

@@ -27,7 +27,7 @@ MIN_TOKENS = SETTINGS["sink"] + SETTINGS["last_q"]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # times max(1, |reference|max)
 _EXTRA_ARCHS = {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
 ARCHS = ("tiny-llama", "tiny-gemma3", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-lfm2", "tiny-granitemoehybrid",
-         "tiny-jamba", "tiny-olmo3", *_EXTRA_ARCHS, "gpt-oss", "llama-eager")
+         "tiny-jamba", "tiny-olmo3", *_EXTRA_ARCHS, "gpt-oss", "llama-eager", "gemma2")
 REFERENCE_ARCHS = ("tiny-llama", "tiny-gemma3", "gpt-oss")
 
 

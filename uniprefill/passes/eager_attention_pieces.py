@@ -1,0 +1,225 @@
+"""The pieces of the eager-attention patterns of `passes.sink_attention`: each reads one step of
+the pattern backwards from a node, checks it against the traced values (`example_value`), appends
+the nodes it consumed to `chain` and returns what the step was applied to (or None / the node
+itself when the step is not there). Pure functions of the graph; nothing here changes it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from .fx_utils import example_value
+
+_NEGATIVE_FILL = -1e30  # an additive mask value at most this: "not visible"
+
+
+# ------------------------------------------------------------------ pattern pieces
+def without_max(combined, chain):
+    """`combined - combined.max(dim=-1, keepdim=True).values` -> combined (the softmax ignores it)."""
+    if not (is_call(combined, "sub") and len(combined.args) == 2):
+        return combined
+    base, top = combined.args
+    if not (is_call(top, "getitem") and top.args[1] == 0 and is_call(top.args[0], "max", "amax")):
+        return combined
+    reduce = top.args[0]
+    if reduce.args[0] is not base or not is_last_dim(base, arg_of(reduce, 1, "dim")) or not arg_of(reduce, 2, "keepdim"):
+        return combined
+    if set(base.users) != {combined, reduce}:
+        return combined
+    chain += [combined, top, reduce]
+    return base
+
+
+def sinks_of(column, chain):
+    """`sinks.reshape(1, H, 1, 1).expand(B, H, Q, 1)` -> sinks `[H]`, else None."""
+    if not is_call(column, "expand"):
+        return None
+    shaped = column.args[0]
+    if not is_call(shaped, "reshape", "view"):
+        return None
+    sinks = shaped.args[0]
+    s, r, e = (example_value(n) for n in (sinks, shaped, column))
+    if not all(isinstance(t, torch.Tensor) for t in (s, r, e)) or s.dim() != 1 or e.dim() != 4:
+        return None
+    if list(r.shape) != [1, s.shape[0], 1, 1] or e.shape[1] != s.shape[0] or e.shape[3] != 1:
+        return None
+    chain += [column, shaped]
+    return sinks
+
+
+def scores_of(logits, chain):
+    """`matmul(q, k.transpose(2, 3)) * scale [soft-capped] (+ mask)` -> (q, k, scale, mask, softcap),
+    else None (softcap None: not capped)."""
+    mask = None
+    if is_call(logits, "add") and len(logits.args) == 2:
+        scaled, mask = logits.args if is_call(logits.args[0], "mul") else logits.args[::-1]
+        if not (is_call(scaled, "mul") and isinstance(mask, fx.Node)):
+            return None
+        m = example_value(mask)
+        if not (isinstance(m, torch.Tensor) and m.is_floating_point() and m.dim() == 4):
+            return None
+        chain.append(logits)
+    else:
+        scaled = logits
+    scaled, softcap = _without_softcap(scaled, chain)
+    if not (is_call(scaled, "mul") and len(scaled.args) == 2):
+        return None
+    a, b = scaled.args
+    product, scale = (a, b) if is_call(a, "matmul") else (b, a)
+    if not is_call(product, "matmul") or isinstance(example_value(scale), torch.Tensor) or isinstance(scale, (bool, str)):
+        return None
+    q, kt = product.args
+    if not (is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}):
+        return None
+    chain += [scaled, product, kt]
+    return q, kt.args[0], scale, mask, softcap
+
+
+def _without_softcap(node, chain):
+    """`tanh(x / c) * c` (Gemma-2's logit soft-capping) -> (x, c), else (node, None); c a positive
+    number, or one SymFloat node (a float attribute dynamo made an input) read at both places."""
+    if not (is_call(node, "mul") and len(node.args) == 2):
+        return node, None
+    tanh, cap = node.args if is_call(node.args[0], "tanh") else node.args[::-1]
+    if not (is_call(tanh, "tanh") and len(tanh.args) == 1 and is_call(tanh.args[0], "truediv", "div")):
+        return node, None
+    divided = tanh.args[0]
+    if len(divided.args) != 2 or divided.kwargs or not isinstance(divided.args[0], fx.Node):
+        return node, None
+    inner, cap_in = divided.args
+    if isinstance(cap, fx.Node):
+        value = example_value(cap)
+        same = cap is cap_in and isinstance(value, torch.SymFloat)
+    else:
+        same = (isinstance(cap, (int, float)) and not isinstance(cap, bool) and isinstance(cap_in, (int, float))
+                and cap == cap_in and cap > 0)
+    if not same or len(tanh.users) != 1 or len(divided.users) != 1:
+        return node, None
+    chain += [node, tanh, divided]
+    return inner, cap
+
+
+def before_repeat(rep):
+    """repeat_kv's `x[:, :, None].expand(B, Hk, n, N, d).reshape(B, Hk * n, N, d)` -> (x, its nodes);
+    any other 4-D value is read as it is (keys or values with one head per query head)."""
+    val = example_value(rep)
+    if not (isinstance(val, torch.Tensor) and val.dim() == 4):
+        return None, []
+    grown = rep.args[0] if is_call(rep, "reshape", "view") else None
+    if not (is_call(grown, "expand") and is_call(grown.args[0], "getitem")):
+        return rep, []
+    lifted = grown.args[0]
+    full = slice(None, None, None)
+    if lifted.args[1] != (full, full, None, full, full):
+        return rep, []
+    x = lifted.args[0]
+    xv, gv = example_value(x), example_value(grown)
+    if not (isinstance(xv, torch.Tensor) and isinstance(gv, torch.Tensor) and xv.dim() == 4 and gv.dim() == 5):
+        return rep, []
+    xs, gs = list(xv.shape), list(gv.shape)
+    if gs[:2] != xs[:2] or gs[3:] != xs[2:] or list(val.shape) != [xs[0], xs[1] * gs[2], xs[2], xs[3]]:
+        return rep, []
+    single = len(rep.users) == 1 and len(grown.users) == 1 and len(lifted.users) == 1
+    return x, ([rep, grown, lifted] if single else [])
+
+
+def shapes_fit(q, k, v, sinks, out) -> bool:
+    qv, kv, vv, ov = (example_value(n) for n in (q, k, v, out))
+    sv = example_value(sinks) if sinks is not None else None
+    if not all(isinstance(t, torch.Tensor) for t in (qv, kv, vv, ov)):
+        return False
+    if sinks is not None and not (isinstance(sv, torch.Tensor) and list(sv.shape) == [qv.shape[1]]):
+        return False
+    if qv.dim() != 4 or kv.dim() != 4 or vv.dim() != 4:
+        return False
+    heads, kv_heads = qv.shape[1], kv.shape[1]
+    return (qv.shape[0] == kv.shape[0] == vv.shape[0] and vv.shape[1] == kv_heads and heads % kv_heads == 0
+            and kv.shape[2] == vv.shape[2] and qv.shape[3] == kv.shape[3] and ov.dtype == vv.dtype
+            and qv.dtype == kv.dtype == vv.dtype and list(ov.shape) == [qv.shape[0], heads, qv.shape[2], vv.shape[3]])
+
+
+def visible_of_additive(mask):
+    """`where(visible, 0, most negative)` -> `visible` (a 4-D boolean node), else None.
+
+    `classify.analyse_mask` reads an additive mask of this form through its boolean `visible`
+    (the form of transformers' SDPA masks); eager attention computes with the additive one."""
+    if not (is_call(mask, "where") and len(mask.args) == 3):
+        return None
+    visible, zero, fill = mask.args
+    vv = example_value(visible)
+    if not (isinstance(vv, torch.Tensor) and vv.dtype == torch.bool and vv.dim() == 4):
+        return None
+    zero_ok = zero == 0 if isinstance(zero, (int, float)) and not isinstance(zero, bool) else (
+        is_call(zero, "zeros") and isinstance(example_value(zero), torch.Tensor) and example_value(zero).dim() == 0)
+    if not zero_ok or not isinstance(fill, (int, float)) or isinstance(fill, bool) or not fill <= _NEGATIVE_FILL:
+        return None
+    return visible
+
+
+def boolean_form(mask, logits, scores_dtype):
+    """`where(visible, 0, most negative)` -> `visible`, when adding it changed no dtype."""
+    visible = visible_of_additive(mask)
+    if visible is None or any(example_value(a).dtype != scores_dtype for a in logits.args):  # the add promoted nothing
+        return mask
+    return visible
+
+
+# ------------------------------------------------------------------ small predicates
+def _name(node) -> str:
+    if not isinstance(node, fx.Node):
+        return ""
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        target = node.target
+        if target is operator.matmul:
+            return "matmul"
+        return getattr(target, "__name__", "")
+    return ""
+
+
+def is_call(node, *names: str) -> bool:
+    return _name(node) in names
+
+
+def arg_of(node: fx.Node, index: int, name: str, default=None):
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[index] if len(node.args) > index else default
+
+
+def _dim(node: fx.Node, dim) -> int | None:
+    val = example_value(node.args[0])
+    if not isinstance(dim, int) or not isinstance(val, torch.Tensor):
+        return None
+    return dim % val.dim()
+
+
+def is_last_dim(node: fx.Node, dim) -> bool:
+    val = example_value(node)
+    if isinstance(val, (tuple, list)):
+        val = val[0]
+    return isinstance(dim, int) and isinstance(val, torch.Tensor) and dim % val.dim() == val.dim() - 1
+
+
+def drops_last_column(node: fx.Node) -> bool:
+    index = node.args[1]
+    full = slice(None, None, None)
+    last = slice(None, -1, None)
+    return index in ((Ellipsis, last), (full, full, full, last))
+
+
+def dropout_off(node: fx.Node) -> bool:
+    p = arg_of(node, 1, "p", 0.5)
+    training = arg_of(node, 2, "training", True)
+    return isinstance(p, (int, float)) and isinstance(training, bool) and (p == 0 or not training)
+
+
+def casts_to(node: fx.Node, value) -> bool:
+    """`x.to(dtype)` with value's dtype (a cast to anything else, or to a device, is not matched)."""
+    args = node.args[1:]
+    return (len(args) == 1 and not node.kwargs and isinstance(args[0], torch.dtype)
+            and isinstance(value, torch.Tensor) and args[0] == value.dtype)
