@@ -257,7 +257,9 @@ def table(rows: list[CensusRow], versions: str) -> str:
              "logits (Gemma-2, VaultGemma) or with a float32 softmax on half-precision logits, it runs as the "
              "`*_sink_attention` ops of `uniprefill/sink_ops.py`, in the prefill and in decode steps after a drop; "
              "plain eager attention (a max subtracted or not) becomes an SDPA call. Other eager forms (ALiBi, "
-             "attention written out by hand with its own masking) are not matched, and the reason says so.", "",
+             "attention written out by hand with its own masking) are not matched, and the reason says so. Several "
+             "attention calls in one layer that share the queries, mask and scale (DiffLlama's differential "
+             "attention) make one drop point scored with the first call.", "",
              "| model type | result | layer kinds | generation (p = 1) | retention at keep 0.5 | reason | s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
