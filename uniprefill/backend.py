@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import UniPrefillConfig
-from .runtime.history import DropHistory, DropRecorder
+from .runtime.history import DropHistory, DropRecorder, recording_into
 
 logger = logging.getLogger("uniprefill.passes")
 REWRITE_FAILED = "the rewritten graph failed"
@@ -96,7 +96,7 @@ class UniPrefillBackend:
             logger.info("uniprefill: graph before rewrite\n%s", gm.print_readable(print_output=False))
         restart_with_dynamic_length(gm, example_inputs)  # a static first trace: retrace with a symbolic length
         try:
-            result = TokenDropPass(gm, self.config, self.recorder).run()
+            result = TokenDropPass(gm, self.config).run()
         except RewriteSkipped as exc:
             reason = str(exc)
             self.graphs.append(GraphReport(False, reason))
@@ -140,7 +140,8 @@ class UniPrefillBackend:
             self.last_unaccelerated = why
             if why is None:
                 try:
-                    return rewritten(*args)
+                    with recording_into(self.recorder):  # the graph's recorder ops write here
+                        return rewritten(*args)
                 except Exception as exc:  # noqa: BLE001
                     # a bug of the rewrite (a graph it should have refused): never the user's
                     # problem. The rewritten graph writes caches only through ops that

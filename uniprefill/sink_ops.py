@@ -10,7 +10,7 @@ i.e. attention whose normaliser has one extra term; the weights of a row sum to 
 A query that sees no key at all gets the zero vector (only the sink), not NaN.
 
 The same ops compute the other eager forms SDPA cannot: logits soft-capped as
-`softcap * tanh(logits / softcap)` (Gemma-2, `softcap` > 0), with or without sinks (`sinks` None),
+`softcap * tanh(logits / softcap)` (Gemma-2, `softcap` != 0), with or without sinks (`sinks` None),
 and a softmax taken in float32 on half-precision logits (`upcast`).
 
 Ops (each with a fake; `sink_attention_reference` is the one PyTorch implementation they share):
@@ -47,7 +47,7 @@ def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     `mask` broadcasts to `[B, H, Q, K]`: boolean (True = visible) or additive; None: all visible.
     `causal`: besides, query i sees keys j <= i only (built per block: no `[Q, K]` mask in memory).
-    `softcap` > 0: the scaled logits become `softcap * tanh(logits / softcap)` before the mask
+    `softcap` != 0: the scaled logits become `softcap * tanh(logits / softcap)` before the mask
     (Gemma-2's eager attention). `sinks` None: no sink column; hidden keys then get the most
     negative finite logit, as transformers' additive masks give them, so a query that sees no key
     gets finite weights (a padding row) instead of NaN. `upcast`: the softmax runs in float32 and its
@@ -64,7 +64,7 @@ def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     for start in range(0, rows, step):
         stop = min(rows, start + step)
         logits = torch.matmul(q[:, :, start:stop], k.transpose(2, 3)) * scale
-        if softcap > 0:
+        if softcap != 0:  # c * tanh(x / c) is the same function for c and -c
             logits = torch.tanh(logits / softcap) * softcap
         hidden_logit = float("-inf") if sinks is not None else torch.finfo(logits.dtype).min
         if causal:

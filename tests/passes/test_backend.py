@@ -196,6 +196,16 @@ def test_the_models_own_mask_building_is_dead_code_after_the_rewrite(monkeypatch
     assert not graph_calls.writes_in_place(_call_node(operator.and_))
     assert graph_calls.writes_in_place(_call_node(operator.iand))
     assert graph_calls.writes_in_place(_call_node(operator.setitem))
+    # everything the rewrite inserts is a torch.library op: no Python helper of ours, no object attribute
+    ours = [n.name for n in result.graph_module.graph.nodes
+            if n.op == "call_function" and getattr(n.target, "__module__", "").startswith("uniprefill")]
+    assert ours == [], ours
+    assert not any(n.op == "get_attr" and "uniprefill" in str(n.target) for n in result.graph_module.graph.nodes)
+    inserted = {str(n.target) for n in result.graph_module.graph.nodes if str(n.target).startswith("uniprefill.")}
+    assert {"uniprefill.begin_prefill.default", "uniprefill.live_tokens.default", "uniprefill.score_select.default",
+            "uniprefill.record_drop.default"} <= inserted, inserted
+    history = uniprefill.last_drop_report(compiled)
+    assert history is not None and [p.layer for p in history.points] == [3], "the recorder ops wrote the history"
 
 
 def _call_node(target):

@@ -444,3 +444,79 @@ def test_sinks_applied_after_the_attention_granite_swa():
     torch.testing.assert_close(out[1, 29:], ref[1, 29:], atol=1e-5, rtol=0)
     torch.testing.assert_close(step.logits, want.logits, atol=1e-5, rtol=0)
     torch._dynamo.reset()
+
+
+def _llama_with_attention(name, fn, dtype=torch.float32):
+    """The eager Llama with `fn` as its attention function (and transformers' eager masks)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, eager_mask)
+    model = _eager_llama().to(dtype)
+    model.config._attn_implementation = name
+    return model
+
+
+def _capped_by_attribute(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Gemma-2's pattern with the cap read from the module (a negative one: the same function) and
+    not passed as `softcap`: decode steps must take the form from the prefill, not from kwargs."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    weights = torch.tanh(weights / module.cap) * module.cap
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _mask_added_with_alpha(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    weights = torch.add(weights, attention_mask, alpha=1e-37)  # the mask all but switched off
+    weights = torch.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_decode_after_an_eager_prefill_computes_the_prefills_form(dtype):
+    """A soft-cap the attention function reads from its module (never passed as `softcap`), negative,
+    with a float32 softmax: prefill and a decode step after the dropped prefill equal the plain model."""
+    model = _llama_with_attention("uniprefill_test_capped", _capped_by_attribute, dtype)
+    for layer in model.model.layers:
+        layer.self_attn.cap = -0.05
+    ids = _ids(1, 200, seed=10)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1, 2), **SMALL))
+        filled = exact(input_ids=ids, use_cache=True)
+        report = uniprefill.graph_reports(exact)[-1]
+        step = exact(input_ids=torch.tensor([[5]]), past_key_values=filled.past_key_values, use_cache=True)
+        plain = model(input_ids=ids, use_cache=True)
+        want = model(input_ids=torch.tensor([[5]]), past_key_values=plain.past_key_values, use_cache=True)
+        assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
+    assert report.rewritten and report.counts["sink_attention_sites"] == 4, report
+    assert uniprefill.last_drop_report(exact).attention[1] == (-0.05, dtype == torch.bfloat16, False)
+    torch.testing.assert_close(filled.logits, plain.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(step.logits, want.logits, atol=1e-5, rtol=0)
+    torch._dynamo.reset()
+
+
+def test_a_mask_added_with_alpha_is_not_the_pattern():
+    model = _llama_with_attention("uniprefill_test_alpha", _mask_added_with_alpha)
+    ids = _ids(1, 200, seed=11)
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1, 2), **SMALL))
+        out = exact(input_ids=ids, use_cache=False).logits
+        report = uniprefill.graph_reports(exact)[-1]
+        ref = model(input_ids=ids, use_cache=False).logits
+    assert not report.rewritten and "no full-attention" in report.reason, report
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    torch._dynamo.reset()

@@ -17,7 +17,6 @@ import torch.fx as fx
 
 from .classify import LayerInfo
 from .fx_utils import example_value, is_sink_attention
-from .graph_calls import record_sparse
 from .plan import RewriteSkipped
 
 U = torch.ops.uniprefill
@@ -40,7 +39,7 @@ class AttentionCopy:
         gqa = bool(node.kwargs.get("enable_gqa", False))
         qn, kn, vn = (self._value_at(x, j) for x in (q, k, v))
         if is_sink_attention(node):  # passes/sink_attention.py
-            self._copy_sink_attention(node, j, mask, qn, kn, vn, scale)
+            self._copy_sink_attention(node, info.index, j, mask, qn, kn, vn, scale)
             return
         if j == 0:
             key_valid, shared = self._dense_mask_for(qn, mask)
@@ -90,14 +89,14 @@ class AttentionCopy:
         """`uniprefill::sparse_attention` for a full-attention layer before the first drop
         point (config.early_sparse_*); its density goes to the drop recorder."""
         cfg = self.config
-        self._ensure_layout0()  # the recorder node
+        self._ensure_layout0()  # the recorder's begin_prefill comes first
         keep = -1.0 if cfg.early_sparse_keep is None else float(cfg.early_sparse_keep)
         p = 1.0 if cfg.early_sparse_p is None else float(cfg.early_sparse_p)
         both = self.new.call_function(U.sparse_attention.default, (
             q, k, v, key_valid, shared, scale, p, keep, cfg.early_sparse_window, cfg.last_q, cfg.sink,
             cfg.effective_min_tokens, cfg.impl))
         density = self.new.call_function(operator.getitem, (both, 1))
-        self.new.call_function(record_sparse, (self.recorder_node, layer, density))
+        self.new.call_function(U.record_sparse.default, (layer, density))
         self.counts["sparse_attention"] = self.counts.get("sparse_attention", 0) + 1
         return self.new.call_function(operator.getitem, (both, 0))
 

@@ -54,7 +54,9 @@ def scores_of(logits, chain):
     """`matmul(q, k.transpose(2, 3)) * scale [soft-capped] (+ mask)` -> (q, k, scale, mask, softcap),
     else None (softcap None: not capped)."""
     mask = None
-    if is_call(logits, "add") and len(logits.args) == 2:
+    if is_call(logits, "add") and (len(logits.args) != 2 or logits.kwargs):  # torch.add(x, m, alpha=...)
+        return None
+    if is_call(logits, "add"):
         scaled, mask = logits.args if is_call(logits.args[0], "mul") else logits.args[::-1]
         if not (is_call(scaled, "mul") and isinstance(mask, fx.Node)):
             return None

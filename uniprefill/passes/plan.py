@@ -213,12 +213,17 @@ def _one_attention_map(calls: list) -> bool:
     attention: one softmax map applied to two halves of the values): the drop point scores with the
     first, every call runs on the kept tokens."""
     from .classify import sdpa_mask_node
+    from .eager_attention_pieces import before_repeat
 
-    def scale(n):
-        return n.kwargs.get("scale", n.args[6] if len(n.args) > 6 else None)
+    def form(n):  # everything but the values: queries, keys before repeat_kv, mask, scale, flags
+        extra = {k: v for k, v in n.kwargs.items() if k not in ("attn_mask", "scale")}
+        extra.update({f"arg{i}": a for i, a in enumerate(n.args[3:], 3) if i not in (3, 6)})
+        scale = n.kwargs.get("scale", n.args[6] if len(n.args) > 6 else None)
+        return n.args[0], before_repeat(n.args[1])[0], sdpa_mask_node(n), scale, extra
 
-    first = calls[0]
-    return all(c.args[0] is first.args[0] and sdpa_mask_node(c) is sdpa_mask_node(first) and scale(c) is scale(first)
+    first = form(calls[0])
+    same = lambda a, b: a is b if isinstance(a, fx.Node) else a == b  # noqa: E731
+    return all(all(same(x, y) for x, y in zip(form(c)[:4], first[:4])) and form(c)[4] == first[4]
                for c in calls[1:])
 
 

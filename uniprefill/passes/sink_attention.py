@@ -127,7 +127,12 @@ def match_lse_sink_attention(node: fx.Node) -> SinkSite | None:
         return None
     out, factor = node.args if is_call(node.args[0], "matmul") else node.args[::-1]
     chain = [node]
+    ov, vv = example_value(node), example_value(out)
+    if not (isinstance(ov, torch.Tensor) and isinstance(vv, torch.Tensor) and ov.dtype == vv.dtype):
+        return None
     while is_call(factor, "to"):
+        if not _casts_to_float(factor):
+            return None
         chain.append(factor)
         factor = factor.args[0]
     if not (is_call(factor, "unsqueeze") and arg_of(factor, 1, "dim") in (-1, 3)):
@@ -138,9 +143,11 @@ def match_lse_sink_attention(node: fx.Node) -> SinkSite | None:
         return None
     diff = sigmoid.args[0]
     while is_call(diff, "to"):
+        if not _casts_to_float(diff):
+            return None
         chain.append(diff)
         diff = diff.args[0]
-    if not (is_call(diff, "sub") and len(diff.args) == 2):
+    if not (is_call(diff, "sub") and len(diff.args) == 2 and not diff.kwargs):  # torch.sub(a, b, alpha=...)
         return None
     lse, shaped = diff.args
     if not (is_call(lse, "logsumexp") and is_last_dim(lse.args[0], arg_of(lse, 1, "dim")) and is_call(shaped, "view", "reshape")):
@@ -158,6 +165,13 @@ def match_lse_sink_attention(node: fx.Node) -> SinkSite | None:
         return None
     return SinkSite(inner.q, inner.k, inner.v, inner.mask, inner.scale, sinks, node, tuple(chain) + inner.internal,
                     inner.softcap, inner.upcast, inner.logits)
+
+
+def _casts_to_float(node: fx.Node) -> bool:
+    """`x.to(dtype)` to a floating dtype, nothing else (no device, no kwargs)."""
+    args = node.args[1:]
+    return (len(args) == 1 and not node.kwargs and isinstance(args[0], torch.dtype)
+            and args[0].is_floating_point)
 
 
 def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) -> SinkSite | None:
@@ -233,7 +247,7 @@ class SinkAttentionCopy:
     `dense_sink_attention` (before the first drop point) or `packed_sink_attention` (after it),
     with the masks `attention_copy` shares between layers (`_dense_mask_for`, `_packed_mask_for`). Mixed into `token_drop.TokenDropPass`."""
 
-    def _copy_sink_attention(self, node: fx.Node, j: int, mask, qn, kn, vn, scale) -> None:
+    def _copy_sink_attention(self, node: fx.Node, layer: int, j: int, mask, qn, kn, vn, scale) -> None:
         ops = torch.ops.uniprefill
         sinks = node.kwargs.get("sinks")
         sinks = self._value_at(sinks, 0) if sinks is not None else None
@@ -241,6 +255,10 @@ class SinkAttentionCopy:
         softcap = {} if cap is None else {"softcap": self.env[cap] if isinstance(cap, fx.Node) else cap}
         if node.kwargs.get("upcast"):
             softcap["upcast"] = True
+        self._ensure_layout0()  # the recorder's begin_prefill comes first
+        # decode steps after this prefill compute the same form (runtime.decode_attention)
+        self.new.call_function(ops.record_attention.default, (
+            layer, softcap.get("softcap", 0.0), bool(softcap.get("upcast", False)), sinks is not None))
         if j == 0:
             key_valid, shared = self._dense_mask_for(qn, mask)
             out = self.new.call_function(ops.dense_sink_attention.default,

@@ -40,11 +40,11 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
-from .. import ops  # noqa: F401  (registers the custom ops)
+from .. import ops, record_ops  # noqa: F401  (register the custom ops)
 from ..config import UniPrefillConfig
 from .attention_copy import AttentionCopy
 from .fx_utils import example_value, layer_index, target_name
-from .graph_calls import arange_like, begin_prefill, keep_node, live_tokens, record_drop, size_of
+from .graph_calls import keep_node
 from .plan import LengthSpecialized, NothingToDrop, RewriteSkipped, _expr, plan_rewrite  # noqa: F401  (re-exported)
 from .rewrite_result import LayerReport, RewriteResult
 from .shape_exprs import SymbolicShapes
@@ -77,7 +77,6 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
 
     gm: fx.GraphModule
     config: UniPrefillConfig
-    recorder: object = None
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("drop_points", "gathers", "scatters", "dense_attention", "dense_masks", "packed_attention",
          "packed_masks", "shape_rewrites"), 0))
@@ -128,7 +127,6 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
             if node in self.plan.reentry:
                 self._reenter(node)
         new.eliminate_dead_code(is_impure_node=keep_node)
-        self.gm._uniprefill_recorder = self.recorder
         gm = fx.GraphModule(self.gm, new)
         gm.recompile()
         reports = [
@@ -306,12 +304,11 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
             return
         new = self.new
         tokens = self.env[self.plan.tokens]
-        rows = new.call_function(size_of, (tokens, 0))
-        seq = new.call_function(size_of, (tokens, 1))
-        self.recorder_node = new.get_attr("_uniprefill_recorder")
-        new.call_function(begin_prefill, (self.recorder_node, rows, seq))
+        rows = new.call_function(torch.ops.aten.sym_size.int, (tokens, 0))
+        seq = new.call_function(torch.ops.aten.sym_size.int, (tokens, 1))
+        new.call_function(U.begin_prefill.default, (rows, seq))
         padding = self.env[next(iter(self.plan.padding))] if len(self.plan.padding) == 1 else None
-        live = new.call_function(live_tokens, (padding, rows, seq, tokens))
+        live = new.call_function(U.live_tokens.default, (padding, rows, seq, tokens))
         lay.src_flat = new.call_function(operator.getitem, (live, 0))
         lay.counts = new.call_function(operator.getitem, (live, 1))
         lay.orig_flat = lay.src_flat
@@ -341,10 +338,10 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         lay.rel = rel
         lay.counts = counts
         lay.orig_flat = new.call_function(torch.index_select, (parent.orig_flat, 0, rel))
-        new.call_function(record_drop, (self.recorder_node, layer, parent.counts, counts, lay.orig_flat))
+        new.call_function(U.record_drop.default, (layer, parent.counts, counts, lay.orig_flat))
         lay.positions = new.call_function(operator.mod, (lay.orig_flat, self.seq_node))
-        lay.size = new.call_function(size_of, (rel, 0))
-        lay.src_flat = new.call_function(arange_like, (lay.size, rel))
+        lay.size = new.call_function(torch.ops.aten.sym_size.int, (rel, 0))
+        lay.src_flat = new.call_function(U.arange_like.default, (lay.size, rel))
         cur = self.env[residual]
         if i == 0:
             lay.canvas = cur

@@ -3,8 +3,9 @@
 `_decode_attention` is the attention-interface function "uniprefill_decode": it attends over
 exactly the keys each layer cached, at their ORIGINAL positions (`DropHistory.key_positions`):
 full layers see every cached key, sliding layers the keys whose original position lies inside
-the window; learned per-head sinks the model passes (`s_aux`, GPT-OSS) join the softmax and a
-logit soft-capping it passes (`softcap`, Gemma-2) caps the logits (`sink_ops.decode_sink_attention`).
+the window. A layer whose prefill ran eager attention (`sink_ops`: learned per-head sinks, logit
+soft-capping, a float32 softmax; the form is in `DropHistory.attention`) decodes in the same form
+(`sink_ops.decode_sink_attention`, the sinks from the model's `s_aux`); any other layer as SDPA.
 `UniPrefillModel` (`runtime.generation`) switches a model to it for decode steps
 (`_attention_implementation`) and hands it the drop history through `_DECODE_STATE`.
 Registering into transformers' global `AttentionInterface` is the one global side effect; it is
@@ -34,8 +35,13 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
         raise RuntimeError("the uniprefill_decode attention needs the drop history (call through UniPrefillModel)")
     history, windows, compacted = state
     layer = module.layer_idx
-    sinks = _sinks(module, kwargs)
-    softcap = float(kwargs.get("softcap") or 0.0)  # Gemma-2 passes its logit soft-capping
+    # the form the prefill graph ran this layer's attention in (passes.sink_attention), not what the
+    # keyword arguments suggest: an SDPA prefill ignored any softcap or s_aux the model passes
+    softcap, upcast, has_sinks = history.attention.get(layer, (0.0, False, False))
+    sinks = _sinks(module, kwargs) if has_sinks else None
+    if has_sinks and sinks is None:
+        raise RuntimeError(f"layer {layer}'s prefill applied learned sinks, and this decode step was passed none "
+                           "(s_aux): it cannot compute the same attention")
     cached = key.shape[-2]
     expected = history.layer_positions(layer).numel() + history.decoded
     window = windows.get(layer, 0)
@@ -57,14 +63,12 @@ def _decode_attention(module, query, key, value, attention_mask, scaling=None, d
         # padding tokens the cache holds (layers before the first drop): place them after the
         # query, where the decode mask hides them
         positions = torch.where(torch.isin(positions, history.pad_positions), query_position + 1, positions)
-    if sinks is not None or softcap:
+    if sinks is not None or softcap or upcast:
         from ..ops import to_device
 
         out = torch.ops.uniprefill.decode_sink_attention(
             query, key, value, None if positions is None else to_device(positions, key.device), query_position,
-            0 if compacted else window, scale, sinks, softcap,
-            # transformers' eager functions without sinks take the softmax in float32 (Gemma-2)
-            sinks is None and query.dtype in (torch.float16, torch.bfloat16))
+            0 if compacted else window, scale, sinks, softcap, upcast)
     elif positions is None or (history.pad_positions is None and (window == 0 or compacted
                                                                  or query_position - int(positions[0]) < window)):
         # every cached key is visible (one query at the newest position; a full layer, or a

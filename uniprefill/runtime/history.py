@@ -2,12 +2,16 @@
 
 Plain Python and tensors only (no Hugging Face types), so the vLLM integration can use the
 same structures. A `DropRecorder` belongs to one compiled model (no global state); the
-rewritten graph calls `begin` once per forward and `record` at every drop point with the
-per-row token counts (host tensors, so recording never synchronises the device).
+rewritten graph's recorder ops (`record_ops`) call `begin` once per forward and `record` at
+every drop point with the per-row token counts (host tensors, so recording never synchronises
+the device), on the recorder `recording_into` made current for that call (a context variable,
+set and reset around each call: the ops take no Python object).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +49,9 @@ class DropHistory:
     # config.early_sparse_*: layer -> block density of its sparse attention (0-d device tensor,
     # read only when asked, so recording never synchronises the device)
     sparse: dict = field(default_factory=dict)
+    # layer -> (softcap, upcast, has sinks) of the eager attention (`sink_ops`) the prefill ran
+    # there; a layer not in it ran SDPA. Decode steps after the prefill compute the same form.
+    attention: dict = field(default_factory=dict)
 
     def sparse_density(self) -> dict[int, float]:
         """Block density of each sparse attention layer of this prefill (1.0: it ran dense)."""
@@ -129,8 +136,30 @@ class DropRecorder:
             raise RuntimeError("DropRecorder.record_sparse called before begin")
         self._current.sparse[layer] = density
 
+    def record_attention(self, layer: int, softcap: float, upcast: bool, sinks: bool) -> None:
+        if self._current is None:
+            raise RuntimeError("DropRecorder.record_attention called before begin")
+        self._current.attention[layer] = (float(softcap), bool(upcast), bool(sinks))
+
     def record(self, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor, kept_flat=None) -> None:
         if self._current is None:
             raise RuntimeError("DropRecorder.record called before begin")
         self._current.points.append(DropPoint(
             layer, tuple(int(c) for c in counts_in.tolist()), tuple(int(c) for c in counts_out.tolist()), kept_flat))
+
+
+_RECORDING: contextvars.ContextVar = contextvars.ContextVar("uniprefill_drop_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording_into(recorder: DropRecorder | None):
+    """Make `recorder` the one the rewritten graph's recorder ops write into, for this block."""
+    token = _RECORDING.set(recorder)
+    try:
+        yield recorder
+    finally:
+        _RECORDING.reset(token)
+
+
+def active_recorder() -> DropRecorder | None:
+    return _RECORDING.get()
