@@ -21,10 +21,11 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from ..config import UniPrefillConfig
-from .classify import classify_layers, sdpa_mask_node
+from .classify import MaskInfo, classify_layers, sdpa_mask_node
 from .drop_points import resolve_drop_layers
 from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name, through_same_shape_views
 from .mask_inputs import InputCheck, InputRole, mask_input_roles, size_aliases
+from .mask_meaning import mask_mismatch
 
 _ADDS = {operator.add, torch.add, operator.iadd}
 
@@ -103,6 +104,7 @@ class _Analysis:
         self.container, self.layers = classify_layers(graph, self.input_roles)
         if not self.layers:
             raise RewriteSkipped("no decoder layers found (no module list of attention layers in the graph)")
+        self._check_mask_meanings()
         present = sorted(self.layers)
         if present != list(range(present[-1] + 1)):
             raise RewriteSkipped(f"graph break inside the decoder stack: this graph holds layers {present}")
@@ -165,6 +167,23 @@ class _Analysis:
             raise RewriteSkipped("output_hidden_states was requested: every layer's hidden states need every position")
         if any(len(self.axes.token_dims(example_value(n))) >= 2 for n in flat):
             raise RewriteSkipped("output_attentions was requested: attention maps need every position")
+
+    def _check_mask_meanings(self) -> None:
+        """A layer whose mask, run on small inputs, is not the mask its structure was read as
+        becomes "other" (passes/mask_meaning.py): never rewritten as full or sliding."""
+        verdicts: dict = {}
+        for info in self.layers.values():
+            for k, (sdpa, mask) in enumerate(zip(info.sdpa, info.masks)):
+                node = sdpa_mask_node(sdpa)
+                if not mask.recognized or not isinstance(node, fx.Node):
+                    continue
+                key = (node, mask.window, mask.padding is not None)
+                if key not in verdicts:
+                    verdicts[key] = mask_mismatch(self.gm, node, mask.window, mask.padding is not None,
+                                                  self.input_roles, self.axes, self.tokens)
+                if verdicts[key]:
+                    info.masks[k] = MaskInfo(False, reason=verdicts[key])
+                    info.kind, info.window, info.detail = "other", 0, verdicts[key]
 
     def _residual_add(self, layer: int) -> fx.Node:
         info = self.layers[layer]
