@@ -119,6 +119,16 @@ def _gpt_oss(layers=("sliding_attention", "full_attention", "sliding_attention",
     return model
 
 
+def _prefill_then_one_step(exact, model, ids):
+    """The compiled model's and the plain model's outputs of a cache-filling prefill of `ids` and of
+    one decode step on that cache: (filled, step, plain, want)."""
+    filled = exact(input_ids=ids, use_cache=True)
+    step = exact(input_ids=torch.tensor([[5]]), past_key_values=filled.past_key_values, use_cache=True)
+    plain = model(input_ids=ids, use_cache=True)
+    want = model(input_ids=torch.tensor([[5]]), past_key_values=plain.past_key_values, use_cache=True)
+    return filled, step, plain, want
+
+
 def _ids(rows, n, seed=1):
     return torch.randint(3, 128, (rows, n), generator=torch.Generator().manual_seed(seed))
 
@@ -239,12 +249,9 @@ def test_flint_same_pattern_without_the_max_and_with_upcast_scores():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers="all", **SMALL))
-        filled = exact(input_ids=ids, use_cache=True)
+        filled, step, plain, ref = _prefill_then_one_step(exact, model, ids)
         report = uniprefill.graph_reports(exact)[-1]
         assert report.rewritten and report.counts["sink_attention_sites"] == 4, report
-        step = exact(input_ids=torch.tensor([[5]]), past_key_values=filled.past_key_values, use_cache=True)
-        plain = model(input_ids=ids, use_cache=True)
-        ref = model(input_ids=torch.tensor([[5]]), past_key_values=plain.past_key_values, use_cache=True)
     torch.testing.assert_close(filled.logits, plain.logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(step.logits, ref.logits, atol=1e-5, rtol=0)
     torch._dynamo.reset()
@@ -358,10 +365,7 @@ def test_gemma2_softcapped_eager_attention_is_accelerated_and_equals_the_plain_m
             ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
             torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=0)
             torch.testing.assert_close(out[1, 37:], ref[1, 37:], atol=1e-5, rtol=0)
-            filled = exact(input_ids=ids[:1], use_cache=True)
-            step = exact(input_ids=torch.tensor([[5]]), past_key_values=filled.past_key_values, use_cache=True)
-            plain = model(input_ids=ids[:1], use_cache=True)
-            want = model(input_ids=torch.tensor([[5]]), past_key_values=plain.past_key_values, use_cache=True)
+            _, step, _, want = _prefill_then_one_step(exact, model, ids[:1])
             torch.testing.assert_close(step.logits, want.logits, atol=1e-5, rtol=0)
             assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
             if dtype == torch.float32:
@@ -434,10 +438,7 @@ def test_sinks_applied_after_the_attention_granite_swa():
         out = exact(input_ids=ids, attention_mask=mask, use_cache=False).logits
         report = uniprefill.graph_reports(exact)[-1]
         ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        filled = exact(input_ids=ids[:1], use_cache=True)
-        step = exact(input_ids=torch.tensor([[5]]), past_key_values=filled.past_key_values, use_cache=True)
-        plain = model(input_ids=ids[:1], use_cache=True)
-        want = model(input_ids=torch.tensor([[5]]), past_key_values=plain.past_key_values, use_cache=True)
+        _, step, _, want = _prefill_then_one_step(exact, model, ids[:1])
         assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
     assert report.rewritten and report.counts["sink_attention_sites"] == 4, report
     torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=0)
@@ -494,11 +495,8 @@ def test_decode_after_an_eager_prefill_computes_the_prefills_form(dtype):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1, 2), **SMALL))
-        filled = exact(input_ids=ids, use_cache=True)
+        filled, step, plain, want = _prefill_then_one_step(exact, model, ids)
         report = uniprefill.graph_reports(exact)[-1]
-        step = exact(input_ids=torch.tensor([[5]]), past_key_values=filled.past_key_values, use_cache=True)
-        plain = model(input_ids=ids, use_cache=True)
-        want = model(input_ids=torch.tensor([[5]]), past_key_values=plain.past_key_values, use_cache=True)
         assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
     assert report.rewritten and report.counts["sink_attention_sites"] == 4, report
     assert uniprefill.last_drop_report(exact).attention[1] == (-0.05, dtype == torch.bfloat16, False)
