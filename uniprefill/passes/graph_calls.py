@@ -2,7 +2,7 @@
 
 Everything the token-drop rewrite inserts is a `torch.library` op: the tensor work in `ops.py`,
 the host bookkeeping of the prompt's real tokens and the drop recorder's hooks in `record_ops.py`
-(`begin_prefill`, `record_drop`, `record_sparse`: they return nothing, so `keep_node` keeps them),
+(`record_ops.RECORDER_OPS`: they return nothing, so `keep_node` keeps them),
 sizes as `aten.sym_size.int`. `keep_node` also keeps in-place writes that dynamo records without
 users.
 """

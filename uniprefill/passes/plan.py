@@ -231,19 +231,17 @@ def _one_attention_map(calls: list) -> bool:
     """Attention calls of one layer that share the queries, the mask and the scale (differential
     attention: one softmax map applied to two halves of the values): the drop point scores with the
     first, every call runs on the kept tokens."""
-    from .classify import sdpa_mask_node
     from .eager_attention_pieces import before_repeat
 
     def form(n):  # everything but the values: queries, keys before repeat_kv, mask, scale, flags
-        extra = {k: v for k, v in n.kwargs.items() if k not in ("attn_mask", "scale")}
-        extra.update({f"arg{i}": a for i, a in enumerate(n.args[3:], 3) if i not in (3, 6)})
+        flags = {k: v for k, v in n.kwargs.items() if k not in ("attn_mask", "scale")}
+        flags.update({f"arg{i}": a for i, a in enumerate(n.args[3:], 3) if i not in (3, 6)})
         scale = n.kwargs.get("scale", n.args[6] if len(n.args) > 6 else None)
-        return n.args[0], before_repeat(n.args[1])[0], sdpa_mask_node(n), scale, extra
+        return (n.args[0], before_repeat(n.args[1])[0], sdpa_mask_node(n), scale), flags
 
-    first = form(calls[0])
+    (nodes, flags), rest = form(calls[0]), [form(c) for c in calls[1:]]
     same = lambda a, b: a is b if isinstance(a, fx.Node) else a == b  # noqa: E731
-    return all(all(same(x, y) for x, y in zip(form(c)[:4], first[:4])) and form(c)[4] == first[4]
-               for c in calls[1:])
+    return all(all(map(same, other, nodes)) and other_flags == flags for other, other_flags in rest)
 
 
 def _check_length_guards(seq) -> None:
