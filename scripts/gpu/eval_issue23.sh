@@ -14,7 +14,11 @@
 #       prompts: the record keys name model, system hash, task, length, sample, seed, haystack).
 # Usage (repo root on the box; the box has no .git, so pass the commit):
 #   UNIPREFILL_GIT_COMMIT=<hash> OUT_DIR=/tmp/eval23out BUDGET=1100 bash scripts/gpu/eval_issue23.sh
-# STAGES=S1,S2,S3 picks stages; COLLECT_ONLY=1 only merges and summarises.
+#   S4  more samples at the short lengths (SAMPLES_SHORT per task, default 100), 4K then 8K, untimed:
+#       baseline and the defaults (content p = 0.95; SmolLM2's drops named 14,18,22,26, which is what
+#       "auto" gives it, so its S1 records keep their key) on SmolLM2 (PROCS_S) and Gemma (PROCS_G) at
+#       once; samples 0-24 come from the committed records of S1 / S3 (same prompts, same keys).
+# STAGES=S1,S2,S3 picks stages (S4 only when named); COLLECT_ONLY=1 only merges and summarises.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT_DIR=${OUT_DIR:-/tmp/eval23out} BUDGET=${BUDGET:-1100} STAGES=${STAGES:-S1,S2,S3}
@@ -87,8 +91,61 @@ if has S3 && [ "$(left)" -gt 60 ]; then
     done
     echo "S3 done at $(date -u +%T)"
 fi
+if has S4; then
+    R=$OLDPWD/docs/results
+    SEED_S=$R/eval-issue23-h200-2026-12-02/eval-smollm2-issue23-h200.jsonl.gz
+    SEED_G=(--also-done "$R/eval-issue23-h200-2026-12-02/eval-gemma-4k8k-issue23-h200.new.jsonl.gz"
+            --also-done "$R/eval-gemma-issue5-h200.jsonl.gz")
+    cp -f "$SEED_S" "$W/s4-seed-smol.jsonl.gz"; cp -f "${SEED_G[1]}" "$W/s4-seed-gemma-a.jsonl.gz"; cp -f "${SEED_G[3]}" "$W/s4-seed-gemma-b.jsonl.gz"
+    for length in 4096 8192; do
+        [ "$(left)" -gt 40 ] || break
+        echo "S4 length $length from $(date -u +%T), $(left) s left"
+        for i in $(seq 0 $((PROCS_S - 1))); do
+            OMP_NUM_THREADS=1 timeout "$(left)" python3 -P -m uniprefill eval "${SMOL[@]}" --selection content --p 0.95 \
+                --drop-layers 14,18,22,26 --lengths "$length" --samples "${SAMPLES_SHORT:-100}" --timed-samples 0 \
+                --part untimed --shard "$i/$PROCS_S" --also-done "$W/s4-seed-smol.jsonl.gz" \
+                --out "$W/s4-smol-$i.jsonl" >> "$W/s4-smol-$i.log" 2>&1 &
+        done
+        for i in $(seq 0 $((PROCS_G - 1))); do
+            OMP_NUM_THREADS=1 timeout "$(left)" python3 -P -m uniprefill eval "${GEMMA[@]}" --selection content --p 0.95 \
+                --drop-layers auto --lengths "$length" --samples "${SAMPLES_SHORT:-100}" --timed-samples 0 \
+                --part untimed --shard "$i/$PROCS_G" --also-done "$W/s4-seed-gemma-a.jsonl.gz" \
+                --also-done "$W/s4-seed-gemma-b.jsonl.gz" --out "$W/s4-gemma-$i.jsonl" >> "$W/s4-gemma-$i.log" 2>&1 &
+        done
+        wait
+    done
+    echo "S4 done at $(date -u +%T): $(cat "$W"/s4-smol-*.jsonl | wc -l) SmolLM2 and $(cat "$W"/s4-gemma-*.jsonl | wc -l) Gemma records"
+fi
 fi
 # merge and summarise (whatever ran)
+if has S4; then  # the short-length tables: baseline and the defaults only, the seed's records included
+    python3 - "$W" <<'PY'
+import glob, gzip, json, sys
+w = sys.argv[1]
+keep = {"baseline", "uniprefill-c743f65c01a3813e", "uniprefill-921108ae5010ef23"}  # content p = 0.95 (SmolLM2 drops named / auto)
+for name, seeds in (("smol", ["s4-seed-smol.jsonl.gz"]), ("gemma", ["s4-seed-gemma-a.jsonl.gz", "s4-seed-gemma-b.jsonl.gz"])):
+    seen, rows = set(), []
+    lines = [l for s in seeds for l in gzip.open(f"{w}/{s}", "rt")]
+    lines += [l for f in sorted(glob.glob(f"{w}/s4-{name}-[0-9]*.jsonl")) for l in open(f)]
+    for line in lines:
+        r = json.loads(line) if line.strip() else None
+        if r is None or r["system"] not in keep or r["length"] not in (4096, 8192) or r["index"] >= 100:
+            continue
+        key = (r["system"], r["task"], r["length"], r["index"], r["haystack"])
+        if key not in seen:
+            seen.add(key); rows.append(line if line.endswith("\n") else line + "\n")
+    open(f"{w}/s4-{name}-all.jsonl", "w").writelines(rows)
+PY
+    for name in smol gemma; do
+        args=("${SMOL[@]}"); [ $name = gemma ] && args=("${GEMMA[@]}")
+        python3 -P -m uniprefill eval "${args[@]}" --summary-only --out "$W/s4-$name-all.jsonl" \
+            --summary "$OUT_DIR/s4-$name.summary.json" > "$OUT_DIR/s4-$name-table.txt" 2>&1
+        cat "$W"/s4-$name-[0-9]*.jsonl 2>/dev/null | gzip -c > "$OUT_DIR/s4-$name-new.jsonl.gz"
+        grep -E "average" "$OUT_DIR/s4-$name-table.txt"
+    done
+    tail -n 3 "$W"/s4-*.log > "$OUT_DIR/s4-logs-tail.txt" 2>/dev/null
+    exit 0
+fi
 cat "$W"/smol-*.jsonl > "$W/smollm2-all.jsonl" 2>/dev/null
 { zcat "$W/seed-gemma.jsonl.gz"; cat "$W"/gemma-timed.jsonl "$W"/gemma-[0-9]*.jsonl 2>/dev/null; } > "$W/gemma-all.jsonl"
 python3 -P -m uniprefill eval "${SMOL[@]}" --summary-only --out "$W/smollm2-all.jsonl" \

@@ -39,7 +39,7 @@ from uniprefill.config import UniPrefillConfig
 from .layout import KVCacheGroup, TokenLayout, _offsets, _ranges, batch_layout, compact, install_layer_metadata
 from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
-from .graph_decode import _VLLM_BASE, DecodeRemovedBuffer, _capturing_full_graph, segment_metadata
+from .graph_decode import DecodeRemovedBuffer, _capturing_full_graph, graph_decode_point
 
 from .window import paged_window_step, row_logical, window_counts
 from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
@@ -184,53 +184,14 @@ class VllmDropRuntime:
         if drop_index == len(self.drop_layers) - 1 and self.step.request_ids is not None and bool(eligible.any()):
             self.store.record_step(self.step.request_ids, self.step.base, self.step.layouts, eligible)
         if drop_index == len(self.drop_layers) - 1:
-            self._count(eligible)
+            if self.totals.add_forward(self.step, eligible, len(self.layer_names), self.segment_layers):
+                logger.warning("uniprefill: first token drop in this engine: %d of %d requests dropped, their %d "
+                               "prompt rows -> %d after drop layers %s", int(eligible.sum()), self.step.base.num_reqs,
+                               self.totals.rows_in, self.totals.rows_kept, self.drop_layers)
         return kept
 
     def _graph_decode_point(self, context, q: torch.Tensor, layer: int) -> torch.Tensor:
-        """The drop point while vLLM captures a decode CUDA graph: nothing drops (decode); the
-        later layers get seq_lens and slots computed on the device from vLLM's persistent inputs
-        and the removed-KV table (`vllm.graph_decode`), so that replays follow each
-        step's requests. Every row is kept.
-
-        vLLM may run one capture batch's forward more than once over the same metadata dicts
-        (warm-up, then capture): what an earlier run installed is traced back to vLLM's own
-        metadata (`_VLLM_BASE`), never computed from again, since it is not refilled at replay."""
-        import dataclasses
-
-        metadata, slot_mapping = context.attn_metadata, context.slot_mapping
-        if not self.step.graph_base:  # the forward's first drop point
-            self.totals.decode_graph_captures += 1
-            self.step.graph_base = {name: getattr(metadata[name], _VLLM_BASE, None) or (metadata[name], slot_mapping[name])
-                                    for name in self.layer_names if name in metadata}
-        column = self.drop_layers.index(layer) + 1
-        table = self.graph_decode.table
-        if table is None:
-            raise RuntimeError("uniprefill: a decode CUDA graph is being captured before any eager forward allocated "
-                               "the removed-KV table (vLLM runs a profiling forward first; this one did not)")
-        installed = {}  # id(vLLM's metadata object): one per KV-cache group
-        for name in self.layer_names[layer + 1:]:
-            if name not in self.step.graph_base:
-                continue
-            meta, slots = self.step.graph_base[name]
-            if id(meta) not in installed:
-                if getattr(meta, "use_cascade", False):
-                    raise NotImplementedError(f"{name}: cascade attention in a captured decode graph after a drop")
-                if meta.seq_lens.shape[0] != q.shape[0]:
-                    raise RuntimeError(f"uniprefill: vLLM captures a decode graph of {q.shape[0]} tokens for "
-                                       f"{meta.seq_lens.shape[0]} requests; decoding under CUDA graphs after a drop "
-                                       "needs one token per request (no speculative decoding)")
-                lens, new_slots = segment_metadata(meta.seq_lens, meta.block_table, slots, table[column - 1],
-                                                   self.block_size_fn(name))
-                fields = {"seq_lens": lens, "slot_mapping": new_slots}
-                if getattr(meta, "scheduler_metadata", None) is not None:
-                    fields["scheduler_metadata"] = None  # planned for vLLM's lengths: FA3 plans these itself
-                ours = dataclasses.replace(meta, **fields)
-                object.__setattr__(ours, _VLLM_BASE, (meta, slots))
-                installed[id(meta)] = ours
-            metadata[name] = installed[id(meta)]
-            slot_mapping[name] = installed[id(meta)].slot_mapping
-        return torch.arange(q.shape[0], device=q.device)
+        return graph_decode_point(self, context, q, layer)  # `vllm.graph_decode`; a method, for tests to watch
 
     def _live_history_rows(self, request_ids: list[str], layout: TokenLayout) -> torch.Tensor:
         """Store rows of the step's requests; a request that prefills from position 0 although
@@ -281,28 +242,6 @@ class VllmDropRuntime:
             logger.warning("uniprefill: %d forwards carried attention metadata but no request ids and none had "
                            "them: vLLM's model runner is not one uniprefill wraps (uniprefill.vllm.runner_hook), so nothing "
                            "drops", totals.forwards_without_requests)
-
-    def _count(self, eligible: torch.Tensor) -> None:
-        """Running totals of the forwards that reached the last drop point; the first forward
-        that drops is logged (a run can then tell that dropping happened inside the engine)."""
-        totals = self.totals
-        totals.forwards += 1
-        if not bool(eligible.any()):
-            return
-        base, last = self.step.base, self.step.layouts[-1]
-        rows_in = int(base.query_lens_cpu[eligible].sum())
-        rows_kept = int(last.query_lens_cpu[eligible].sum())
-        totals.dropping_forwards += 1
-        totals.requests_dropped += int(eligible.sum())
-        totals.rows_in += rows_in
-        totals.rows_kept += rows_kept
-        segment_rows = [rows_in] + [int(lay.query_lens_cpu[eligible].sum()) for lay in self.step.layouts]
-        totals.kv_entries_prompt += rows_in * len(self.layer_names)
-        totals.kv_entries_written += sum(rows * layers for rows, layers in zip(segment_rows, self.segment_layers))
-        if totals.dropping_forwards == 1:
-            logger.warning("uniprefill: first token drop in this engine: %d of %d requests dropped, their %d prompt "
-                           "rows -> %d after drop layers %s", int(eligible.sum()), base.num_reqs, rows_in, rows_kept,
-                           self.drop_layers)
 
     def _install_windows(self, context, kept: torch.Tensor, counts: torch.Tensor, eligible: torch.Tensor,
                          layer: int, names: list[str]) -> None:

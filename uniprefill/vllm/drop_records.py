@@ -58,9 +58,27 @@ class DropTotals:
     # A sliding-window layer's cache is bounded by its window in either engine.
     kv_entries_prompt: int = 0
     kv_entries_written: int = 0
-    decode_graph_captures: int = 0  # forwards vLLM captured as decode CUDA graphs through `_graph_decode_point`
+    decode_graph_captures: int = 0  # forwards vLLM captured as decode CUDA graphs (`graph_decode_point`)
     kernel_warm_ups: int = 0  # score-and-select warm-ups run at a dummy forward (`kernels/warm_up.py`); a count,
     # not seconds, so that every rank's totals stay equal (`ranks_agree`); the seconds are logged
+
+    def add_forward(self, step: "StepDrops", eligible: torch.Tensor, num_layers: int,
+                    segment_layers: list[int]) -> bool:
+        """Count a forward that reached the last drop point (`eligible`: host bool [R], the
+        requests that dropped). True when it is the first forward that dropped anything, which
+        the runtime logs (a run can then tell that dropping happened inside the engine)."""
+        self.forwards += 1
+        if not bool(eligible.any()):
+            return False
+        rows_in = int(step.base.query_lens_cpu[eligible].sum())
+        segment_rows = [rows_in] + [int(lay.query_lens_cpu[eligible].sum()) for lay in step.layouts]
+        self.dropping_forwards += 1
+        self.requests_dropped += int(eligible.sum())
+        self.rows_in += rows_in
+        self.rows_kept += segment_rows[-1]
+        self.kv_entries_prompt += rows_in * num_layers
+        self.kv_entries_written += sum(rows * layers for rows, layers in zip(segment_rows, segment_layers))
+        return self.dropping_forwards == 1
 
     @property
     def kv_written_share(self) -> float | None:

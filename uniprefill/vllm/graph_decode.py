@@ -22,6 +22,8 @@ vLLM backend refuses graph decoding for such models.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .metadata import DropHistoryStore
@@ -94,3 +96,47 @@ def _capturing_full_graph(context) -> bool:
     if getattr(mode, "name", mode) == "FULL":
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.Tensor:
+    """The drop point of `runtime` (a `VllmDropRuntime`) while vLLM captures a decode CUDA graph: nothing drops (decode); the
+    later layers get seq_lens and slots computed on the device from vLLM's persistent inputs
+    and the removed-KV table (`vllm.graph_decode`), so that replays follow each
+    step's requests. Every row is kept.
+
+    vLLM may run one capture batch's forward more than once over the same metadata dicts
+    (warm-up, then capture): what an earlier run installed is traced back to vLLM's own
+    metadata (`_VLLM_BASE`), never computed from again, since it is not refilled at replay."""
+    metadata, slot_mapping = context.attn_metadata, context.slot_mapping
+    if not runtime.step.graph_base:  # the forward's first drop point
+        runtime.totals.decode_graph_captures += 1
+        runtime.step.graph_base = {name: getattr(metadata[name], _VLLM_BASE, None) or (metadata[name], slot_mapping[name])
+                                for name in runtime.layer_names if name in metadata}
+    column = runtime.drop_layers.index(layer) + 1
+    table = runtime.graph_decode.table
+    if table is None:
+        raise RuntimeError("uniprefill: a decode CUDA graph is being captured before any eager forward allocated "
+                           "the removed-KV table (vLLM runs a profiling forward first; this one did not)")
+    installed = {}  # id(vLLM's metadata object): one per KV-cache group
+    for name in runtime.layer_names[layer + 1:]:
+        if name not in runtime.step.graph_base:
+            continue
+        meta, slots = runtime.step.graph_base[name]
+        if id(meta) not in installed:
+            if getattr(meta, "use_cascade", False):
+                raise NotImplementedError(f"{name}: cascade attention in a captured decode graph after a drop")
+            if meta.seq_lens.shape[0] != q.shape[0]:
+                raise RuntimeError(f"uniprefill: vLLM captures a decode graph of {q.shape[0]} tokens for "
+                                   f"{meta.seq_lens.shape[0]} requests; decoding under CUDA graphs after a drop "
+                                   "needs one token per request (no speculative decoding)")
+            lens, new_slots = segment_metadata(meta.seq_lens, meta.block_table, slots, table[column - 1],
+                                               runtime.block_size_fn(name))
+            fields = {"seq_lens": lens, "slot_mapping": new_slots}
+            if getattr(meta, "scheduler_metadata", None) is not None:
+                fields["scheduler_metadata"] = None  # planned for vLLM's lengths: FA3 plans these itself
+            ours = dataclasses.replace(meta, **fields)
+            object.__setattr__(ours, _VLLM_BASE, (meta, slots))
+            installed[id(meta)] = ours
+        metadata[name] = installed[id(meta)]
+        slot_mapping[name] = installed[id(meta)].slot_mapping
+    return torch.arange(q.shape[0], device=q.device)
