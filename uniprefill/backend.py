@@ -86,6 +86,12 @@ class UniPrefillBackend:
         # own the model (UniPrefillModel) then run it eagerly instead of recompiling per length
         self.stop_compiling: str | None = None
 
+    def uuid(self) -> str:
+        """The rewrite's code and this backend's settings (`passes.pass_uuid`), for compile caches."""
+        from .passes import pass_uuid
+
+        return pass_uuid(self.config)
+
     def __call__(self, gm: fx.GraphModule, example_inputs):
         from .passes.token_drop import LengthSpecialized, NothingToDrop, RewriteSkipped, TokenDropPass
 
@@ -111,7 +117,10 @@ class UniPrefillBackend:
         report = GraphReport(True, "", result.layers, result.drop_layers, result.counts,
                              result.single_row_only, result.single_row_reason)
         self.graphs.append(report)
-        if dump:
+        if dump:  # with every node's fake value, so the dump shows the kept-token sizes (u0, ...)
+            from .passes.fake_values import propagate_fake_values
+
+            propagate_fake_values(result.graph_module)
             logger.info("uniprefill: graph after rewrite\n%s", result.graph_module.print_readable(print_output=False))
         return self._guarded(gm, result)
 

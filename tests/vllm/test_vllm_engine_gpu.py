@@ -16,7 +16,6 @@ parity run (`scripts/gpu/vllm/needle_parity.py`), not this file.
 from __future__ import annotations
 
 import gc
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 vllm = pytest.importorskip("vllm")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm"))
-from smoke_llm import prompts, write_model_folder  # noqa: E402  (the scripts are not a package)
+from uniprefill.testing.word_llama import prompts, write_model_folder  # noqa: E402
 
 from uniprefill.vllm.runner_hook import collect_drop_totals  # noqa: E402
 

@@ -142,6 +142,24 @@ class TokenAxes:
         flat = self.batch * self.seq
         return [i for i, s in enumerate(value.shape) if self.size_expr(s) == flat]
 
+    def is_token_count(self, value) -> bool:
+        """A symbolic size equal to N (e.g. `x.size(0)` of a token-major value)."""
+        return isinstance(value, torch.SymInt) and self.size_expr(value) == self.seq
+
+    def depends_on_tokens(self, value) -> bool:
+        """A symbolic size, or a tensor with an axis, whose expression involves N."""
+        if isinstance(self.seq, int):
+            return False
+        sizes = [value] if isinstance(value, torch.SymInt) else list(value.shape) if isinstance(value, torch.Tensor) else []
+        return any(isinstance(s, torch.SymInt) and self.seq in sympy.sympify(self.size_expr(s)).free_symbols
+                   for s in sizes)
+
+    def token_major(self, value) -> bool:
+        """A tensor whose FIRST axis is the token axis and whose other axes do not involve N:
+        the flat token-major layout of vLLM's graphs (`[s, hidden]`), one row per token."""
+        return (isinstance(value, torch.Tensor) and value.dim() >= 1 and self.size_expr(value.shape[0]) == self.seq
+                and not any(self.depends_on_tokens(s) for s in value.shape[1:] if isinstance(s, torch.SymInt)))
+
     def batch_dim(self, value, token_dim: int) -> int:
         """0 when axis 0 is the batch axis (size B, or 1 broadcast) ahead of the token axis, else -1."""
         if token_dim == 0 or value.dim() < 2:

@@ -216,6 +216,12 @@ class VllmTokenDropBackend:
                    sliding_window=_get(_hf_text_config(vllm_config), "sliding_window"),
                    graph_decode_max_reqs=max_reqs, warm_up_max_seqlen=_warm_up_max_seqlen(vllm_config, config))
 
+    def uuid(self) -> str:
+        """The rewrite's code and this backend's settings (`passes.pass_uuid`), for compile caches."""
+        from ..passes import pass_uuid
+
+        return pass_uuid(self.config)
+
     def __call__(self, gm, example_inputs):
         from .graph import attach_example_inputs
 

@@ -34,13 +34,14 @@ tokens: it would change with the drop and cannot be scattered back).
 from __future__ import annotations
 
 import operator
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
+
+from uniprefill.passes.fx_utils import TokenAxes
 
 from .graph import VllmGraphInfo
 
@@ -85,33 +86,25 @@ def _example(node) -> object:
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
-def _token_symbols(gm: fx.GraphModule, info: VllmGraphInfo) -> set[str]:
-    """The symbols of the token count: dynamo gives `input_ids` and `positions` a symbol each
-    (s72 and s80 in the H200 dump), both the step's number of tokens."""
+def _token_axes(gm: fx.GraphModule, info: VllmGraphInfo) -> TokenAxes:
+    """The token axis of vLLM's flat token-major values: dynamo gives `input_ids` and `positions`
+    a symbol each (s72 and s80 in the H200 dump), both the step's number of tokens; the second
+    becomes an alias of the first (the same `TokenAxes` the Hugging Face pass uses, no batch axis)."""
     value = _example(info.positions)
     if not isinstance(value, torch.Tensor) or value.dim() != 1:
         raise ValueError("the positions placeholder has no 1-D example value: the token count is unknown")
-    symbols = {str(value.shape[0])}
+    size = value.shape[0]
+    if not isinstance(size, torch.SymInt):
+        raise ValueError(f"the positions placeholder has a static length {size}: the token count is not symbolic")
+    seq = size.node.expr
+    aliases = []
     for node in gm.graph.nodes:
         ids = _example(node)
         if node.op == "placeholder" and "input_ids" in node.name and isinstance(ids, torch.Tensor) and ids.dim() == 1:
-            symbols.add(str(ids.shape[0]))
-    return symbols
-
-
-def _is_token_count(value, symbols: set[str]) -> bool:
-    return isinstance(value, torch.SymInt) and str(value) in symbols
-
-
-def _depends_on_tokens(value, symbols: set[str]) -> bool:
-    text = str(value) if isinstance(value, torch.SymInt) else (
-        " ".join(map(str, value.shape)) if isinstance(value, torch.Tensor) else "")
-    return any(re.search(rf"\b{re.escape(s)}\b", text) for s in symbols)
-
-
-def _token_aligned(value, symbols: set[str]) -> bool:
-    return (isinstance(value, torch.Tensor) and value.dim() >= 1 and str(value.shape[0]) in symbols
-            and not any(_depends_on_tokens(size, symbols) for size in value.shape[1:] if isinstance(size, torch.SymInt)))
+            other = ids.shape[0]
+            if isinstance(other, torch.SymInt) and other.node.expr != seq:
+                aliases.append((other.node.expr, seq))
+    return TokenAxes(batch=1, seq=seq, static=False, aliases=tuple(aliases))
 
 
 def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Sequence[int],
@@ -132,7 +125,7 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     if unknown:
         raise ValueError(f"sliding-window layers {unknown} run after drop layer {first} and the runtime has no "
                          "window for them (their window over original positions needs one)")
-    symbols = _token_symbols(gm, info)
+    axes = _token_axes(gm, info)
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
@@ -161,16 +154,16 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
             if not later_users:
                 continue
             value = _example(node)
-            if node in aligned or _token_aligned(value, symbols):
+            if node in aligned or axes.token_major(value):
                 with graph.inserting_after(cursor):
                     replacement = graph.call_function(torch.index_select, (node, 0, keep))
                 cursor = replacement
                 aligned.add(replacement)
                 gathered += 1
-            elif node in counts or _is_token_count(value, symbols):
+            elif node in counts or axes.is_token_count(value):
                 replacement = kept_count
                 sizes += 1
-            elif _depends_on_tokens(value, symbols):
+            elif axes.depends_on_tokens(value):
                 raise ValueError(f"{node.name} ({value!r}) depends on the token count in a way the rewrite "
                                  f"cannot follow, and is used after drop layer {layer}")
             else:
@@ -200,11 +193,11 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
         if not isinstance(arg, fx.Node):
             return arg
         if not (arg in aligned or _descends_from(arg, aligned | counts)):
-            if not _token_aligned(_example(arg), symbols):
+            if not axes.token_major(_example(arg)):
                 return arg
             with graph.inserting_before(output):  # computed before the drop, as far as FX shows: checked
                 return graph.call_function(check_rows, (arg, num_tokens, arg.name))
-        if arg not in aligned and not _token_aligned(_example(arg), symbols):
+        if arg not in aligned and not axes.token_major(_example(arg)):
             raise ValueError(f"the graph output {arg.name} ({_example(arg)!r}) is computed after a drop point "
                              "but is not one row per token: it cannot be scattered back, and would differ")
         with graph.inserting_before(output):

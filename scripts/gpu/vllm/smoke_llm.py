@@ -51,29 +51,9 @@ import sys
 import time
 from pathlib import Path
 
+from uniprefill.testing.word_llama import LLAMA_8B, WORDS, prompts, write_model_folder  # noqa: F401
+
 HERE = Path(__file__).resolve().parent
-LLAMA_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "vocab_size": 128256,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-WORDS = 2000
 TEXT_PROMPTS = ["The Eiffel Tower is located in the city of", "The capital of France is"]
 TEXT_MAX_TOKENS = 16
 # Throughput prompts use token ids in [ID_LOW, ID_LOW + ID_SPAN): clear of the special and
@@ -81,25 +61,6 @@ TEXT_MAX_TOKENS = 16
 ID_LOW = 1000
 ID_SPAN = 20000
 GIB = 1 << 30
-
-
-def write_model_folder(folder: Path, layers: int) -> None:
-    """config.json plus a word-level tokenizer (ids 0-2 special, then "w0".."w1999")."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config = dict(LLAMA_8B, num_hidden_layers=layers)
-    (folder / "config.json").write_text(json.dumps(config, indent=1))
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(WORDS)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(folder)
-
-
-def prompts(count: int, words: int) -> list[str]:
-    return [" ".join(f"w{(i * 7919 + j * 104729) % WORDS}" for j in range(words)) for i in range(count)]
 
 
 def ranks_agree(totals) -> bool | None:
