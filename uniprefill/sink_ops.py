@@ -19,10 +19,10 @@ Ops (each with a fake; `sink_attention_reference` is the one PyTorch implementat
   model's own pattern as one node, with SDPA's argument names (`passes.sink_attention` puts it
   into the graph, so the passes read it as they read an SDPA call); `attn_mask` is any mask the
   model built (boolean: True = visible, or additive).
-* `dense_sink_attention` / `packed_sink_attention`: `ops.dense_attention` / `packed_attention`
+* `dense_sink_attention` / `packed_sink_attention`: `attention_ops.dense_attention` / `packed_attention`
   with sinks: causal, sliding-window and padding masks rebuilt from ORIGINAL positions, and the
-  shared masks of `ops.dense_mask` / `ops.packed_masks`.
-* `decode_sink_attention`: `ops.decode_attention` with sinks (decode steps after a drop).
+  shared masks of `attention_ops.dense_mask` / `attention_ops.packed_masks`.
+* `decode_sink_attention`: `attention_ops.decode_attention` with sinks (decode steps after a drop).
 
 The logits are built a block of query rows at a time, as the model builds all of them at once:
 the same arithmetic (matmul, scale, mask, concatenated sink, max subtracted, softmax, sink
@@ -121,15 +121,15 @@ def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=1.0, enable
 
 
 # --------------------------------------------------------------------------------------
-# dense and packed layouts, masks from ORIGINAL positions (ops.dense_attention / packed_attention)
+# dense and packed layouts, masks from ORIGINAL positions (attention_ops.dense_attention / packed_attention)
 # --------------------------------------------------------------------------------------
 @torch.library.custom_op(f"{LIB}::dense_sink_attention", mutates_args=())
 def dense_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                          window: int, scale: float, sinks: torch.Tensor | None,
                          mask: torch.Tensor | None = None, softcap: float = 0.0, upcast: bool = False) -> torch.Tensor:
-    """`ops.dense_attention` with sinks `[H]`: causal attention on dense `[B, H, N, d]` tensors, key j
+    """`attention_ops.dense_attention` with sinks `[H]`: causal attention on dense `[B, H, N, d]` tensors, key j
     visible to query i when `0 <= i - j < window` (0: unbounded) and `key_valid[b, j]`. `mask` is
-    the shared `ops.dense_mask(q, key_valid, window, live_counts)`; an empty one: causal only."""
+    the shared `attention_ops.dense_mask(q, key_valid, window, live_counts)`; an empty one: causal only."""
     _check(q, k, sinks)
     n = q.shape[-2]
     if mask is None and not (key_valid is None and (window <= 0 or window >= n)):
@@ -149,7 +149,7 @@ def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
                           counts: torch.Tensor, window: int, scale: float, sinks: torch.Tensor | None,
                           masks: torch.Tensor | None = None, softcap: float = 0.0,
                           upcast: bool = False) -> torch.Tensor:
-    """`ops.packed_attention` with sinks `[H]`: block-diagonal causal attention on packed
+    """`attention_ops.packed_attention` with sinks `[H]`: block-diagonal causal attention on packed
     `[1, H, T, d]` tensors (row r owns `counts[r]` tokens), windows over ORIGINAL `positions`;
     `masks` is the shared `ops.packed_masks(q, positions, counts, window, compacted)`."""
     _check(q, k, sinks)
@@ -176,7 +176,7 @@ def _(q, k, v, positions, counts, window, scale, sinks, masks=None, softcap=0.0,
 def decode_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_positions: torch.Tensor | None,
                           query_position: int, window: int, scale: float, sinks: torch.Tensor | None,
                           softcap: float = 0.0, upcast: bool = False) -> torch.Tensor:
-    """`ops.decode_attention` with sinks `[H]`: one query `[1, H, 1, d]` against a (possibly
+    """`attention_ops.decode_attention` with sinks `[H]`: one query `[1, H, 1, d]` against a (possibly
     compacted) cache `[1, Hk, K, d]`; key j visible when `0 <= query_position - key_positions[j] <
     window` (0: unbounded). `key_positions` None: every cached key is visible."""
     _check(q, k, sinks)

@@ -247,9 +247,9 @@ def test_masks_built_block_by_block_equal_the_whole_mask(monkeypatch, block):
     (the boolean temporaries stay one block's size); every block size gives the mask built from
     whole-matrix comparisons: causal, windowed, left padding (pad queries see themselves), and
     packed rows over original positions."""
-    from uniprefill import ops
+    from uniprefill import attention_ops
 
-    monkeypatch.setattr(ops, "_MASK_BLOCK_ELEMENTS", block * 23)
+    monkeypatch.setattr(attention_ops, "_MASK_BLOCK_ELEMENTS", block * 23)
     n, window = 23, 6
     q = torch.zeros(2, 1, n, 4, dtype=torch.bfloat16)
     valid = torch.ones(2, n, dtype=torch.long)
