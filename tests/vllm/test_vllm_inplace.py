@@ -193,4 +193,4 @@ def test_an_output_the_analysis_missed_fails_with_a_clear_error(monkeypatch):
         compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
     torch._dynamo.reset()
     assert state["result"].scattered == 0
-    assert sum(node.target is vllm_rewrite.check_rows for node in state["gm"].graph.nodes) == 1
+    assert sum(node.target is torch.ops.uniprefill.check_rows.default for node in state["gm"].graph.nodes) == 1

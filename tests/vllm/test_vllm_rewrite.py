@@ -849,3 +849,34 @@ def test_score_and_select_kernels_are_warmed_up_once_at_the_first_dummy_forward(
     in_capture.begin_step()
     in_capture.drop(q, k, 1)  # the next dummy run outside a capture warms up, with the forced ratio
     assert len(captured) == 1 and captured[0]["keep_ratio"] == 0.3
+
+
+def test_everything_the_rewrite_inserts_is_an_op_and_every_node_gets_a_fake_value(model):
+    """No Python callable of uniprefill enters vLLM's graph (the drop point, the step start, the
+    scatter and the row check are `torch.library` ops found by `graph_ops.running`), and the
+    rewritten graph propagates on fake inputs: each drop point's kept rows are an unbacked size."""
+    import inspect
+
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from uniprefill.passes.fake_values import propagate_fake_values
+    from uniprefill.vllm import graph_ops
+
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, (1, 2))
+    query_lens = [200, 120]
+    ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(3))
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
+    torch._dynamo.reset()
+    gm = state["gm"]
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert not [t for t in targets if inspect.ismethod(t) or getattr(t, "__module__", "").startswith("uniprefill")]
+    ours = {str(t) for t in targets if str(t).startswith("uniprefill.")}
+    assert ours == {"uniprefill.vllm_begin_step.default", "uniprefill.vllm_drop.default", "uniprefill.scatter_rows.default"}
+    propagate_fake_values(gm)
+    drops = [n for n in gm.graph.nodes if n.target is torch.ops.uniprefill.vllm_drop.default]
+    assert len(drops) == 2 and all(free_unbacked_symbols(n.meta["val"].shape) for n in drops)
+    with pytest.raises(RuntimeError, match="outside its forward"):  # the ops need the graph's own forward
+        graph_ops.vllm_begin_step(torch.zeros(1))

@@ -5,7 +5,7 @@ token-major values, `positions`, attention as `unified_kv_cache_update` +
 `unified_attention_with_output` per layer; `uniprefill.vllm.graph` reads it). For each
 drop layer L, right after L's attention op the rewrite inserts
 
-    keep_L = runtime.drop(q_L, k_L, L)          # uniprefill.vllm.drop: select, compact, install metadata
+    keep_L = uniprefill::vllm_drop(q_L, k_L, L)   # runtime.drop (uniprefill.vllm.drop): select, compact, install metadata
 
 and then gathers, with `keep_L`, every token-aligned value that is used after that point (the
 residual stream, the attention output, `positions`: a value is token-aligned when its traced
@@ -18,8 +18,12 @@ kept. Other token-aligned outputs (computed before the drop, as far as FX shows)
 `check_rows`, so that one the analysis missed fails with a clear error instead of reaching vLLM
 with the kept rows only. The rewritten graph runs eagerly (no Inductor), as vLLM's mode 2 with this backend does.
 
+Everything inserted is a `torch.library` op with a fake (`uniprefill.vllm.graph_ops`); the ops
+that act on the runtime find it through `graph_ops.running`, which the rewritten GraphModule's
+`forward` enters on every call.
+
 A sliding-window layer after a drop point keeps its KV-cache update (the runtime gave it
-right-aligned slots) and its attention becomes `runtime.window_attention(args, kwargs, L)`:
+right-aligned slots) and its attention becomes `uniprefill::vllm_window_attention` (`runtime.window_attention`):
 a window over ORIGINAL positions (`uniprefill.vllm.window`), not FlashAttention's
 window over cache entries.
 
@@ -43,6 +47,7 @@ from torch.fx.node import map_aggregate
 
 from uniprefill.passes.fx_utils import TokenAxes
 
+from . import graph_ops
 from .graph import VllmGraphInfo
 
 
@@ -52,7 +57,7 @@ class VllmRewriteResult:
     gathered: int  # gather nodes inserted
     sizes_replaced: int  # uses of the token count replaced by a kept count
     scattered: int  # outputs scattered back to all rows
-    windowed: int = 0  # sliding-window attentions after a drop replaced by `runtime.window_attention`
+    windowed: int = 0  # sliding-window attentions after a drop replaced by `uniprefill::vllm_window_attention`
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
@@ -62,24 +67,6 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     return fx.GraphModule(gm, graph)
-
-
-def scatter_rows(value: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """`value` ([len(rows), ...]) placed at `rows` of a zero tensor of `num_rows` rows."""
-    out = value.new_zeros((num_rows, *value.shape[1:]))
-    return out.index_copy_(0, rows, value)
-
-
-def check_rows(value: torch.Tensor, num_rows: int, name: str) -> torch.Tensor:
-    """`value` unchanged if it has one row per token of the step; otherwise a clear error (a shape
-    check, no device sync): a token-aligned output the rewrite did not scatter back must never
-    reach vLLM with the kept rows only (its `hidden_states[logits_indices]` would read wrong rows,
-    or past the end)."""
-    if value.shape[0] != num_rows:
-        raise RuntimeError(f"uniprefill: the rewritten vLLM graph's output {name} has {value.shape[0]} rows for a "
-                           f"step of {num_rows} tokens (a bug in the rewrite: please report it with the graph, "
-                           "UNIPREFILL_VLLM_REWRITE_DUMP)")
-    return value
 
 
 def _example(node) -> object:
@@ -129,9 +116,9 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]):
-        begin = graph.call_function(runtime.begin_step, ())
+        begin = graph.call_function(torch.ops.uniprefill.vllm_begin_step.default, (info.positions,))
     with graph.inserting_after(begin):
-        num_tokens = graph.call_method("size", (info.positions, 0))
+        num_tokens = graph.call_function(torch.ops.aten.sym_size.int, (info.positions, 0))
     aligned: set[fx.Node] = set()  # nodes this rewrite made that are token-aligned (no example value)
     counts: set[fx.Node] = set()  # nodes this rewrite made that hold the current token count
     gathered = sizes = 0
@@ -139,12 +126,12 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     for layer in drop_layers:
         site = info.site(layer)
         with graph.inserting_after(site.attention):
-            keep = graph.call_function(runtime.drop, (site.query, site.key, layer))
+            keep = graph.call_function(torch.ops.uniprefill.vllm_drop.default, (site.query, site.key, layer))
         keeps.append(keep)
         order = {node: i for i, node in enumerate(graph.nodes)}
         point = order[keep]
         with graph.inserting_after(keep):
-            kept_count = graph.call_method("size", (keep, 0))
+            kept_count = graph.call_function(torch.ops.aten.sym_size.int, (keep, 0))
         counts.add(kept_count)
         cursor = kept_count
         for node in list(graph.nodes):
@@ -173,9 +160,12 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     # sliding layers after a drop: a window over original positions instead of vLLM's attention
     for site in sliding_after:
         node = site.attention
+        query, key, value, output, layer_name = _attention_args(node)
         runtime.vllm_attention[site.layer] = node.target  # vLLM's op, for its dummy runs
         with graph.inserting_before(node):
-            replacement = graph.call_function(runtime.window_attention, (tuple(node.args), dict(node.kwargs), site.layer))
+            replacement = graph.call_function(
+                torch.ops.uniprefill.vllm_window_attention.default,
+                (query, key, value, output, layer_name, site.layer, node.kwargs.get("kv_cache_dummy_dep")))
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
     # the output: scatter token-aligned results back to all rows
@@ -196,18 +186,45 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
             if not axes.token_major(_example(arg)):
                 return arg
             with graph.inserting_before(output):  # computed before the drop, as far as FX shows: checked
-                return graph.call_function(check_rows, (arg, num_tokens, arg.name))
+                graph.call_function(torch.ops.uniprefill.check_rows.default, (arg, num_tokens, arg.name))
+                return arg
         if arg not in aligned and not axes.token_major(_example(arg)):
             raise ValueError(f"the graph output {arg.name} ({_example(arg)!r}) is computed after a drop point "
                              "but is not one row per token: it cannot be scattered back, and would differ")
         with graph.inserting_before(output):
             scattered += 1
-            return graph.call_function(scatter_rows, (arg, rows, num_tokens))
+            return graph.call_function(torch.ops.uniprefill.scatter_rows.default, (arg, rows, num_tokens))
 
     output.args = map_aggregate(output.args, back)
     graph.lint()
     gm.recompile()
+    _ = gm.code  # dynamo's lazy GraphModule generates its forward on first use: now, before it is wrapped
+    graph_forward = gm.forward
+
+    def forward(*args, **kwargs):  # the graph's ops act on `runtime` (`graph_ops.running`)
+        with graph_ops.running(runtime):
+            return graph_forward(*args, **kwargs)
+
+    gm.forward = forward
     return VllmRewriteResult(drop_layers, gathered, sizes, scattered, len(sliding_after))
+
+
+def _attention_args(node: fx.Node) -> tuple:
+    """(query, key, value, output, layer name) of a `unified_attention_with_output` call, which the
+    window op replaces; an extra argument that changes what the op computes (an output scale of a
+    quantised output) is refused: the window op would drop it."""
+    args = list(node.args[:5])
+    names = ("query", "key", "value", "output", "layer_name")
+    for name in names[len(args):]:
+        if name not in node.kwargs:
+            raise ValueError(f"{node.name}: the attention call has no {name} argument")
+        args.append(node.kwargs[name])
+    extra = [f"argument {i}" for i, a in enumerate(node.args[5:], 5) if a is not None]
+    extra += [k for k, v in node.kwargs.items() if k not in names and k != "kv_cache_dummy_dep" and v is not None]
+    if extra:
+        raise ValueError(f"{node.name}: a sliding-window attention after a drop point with {extra}: the window "
+                         "attention over original positions does not implement them")
+    return tuple(args)
 
 
 def _descends_from(node: fx.Node, sources: set[fx.Node]) -> bool:
