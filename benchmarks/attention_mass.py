@@ -87,6 +87,7 @@ def needle_token_span(tokenizer, prompt: str, answers) -> list[tuple[int, int]]:
 
 def layer_record(token_scores, spans, *, block_size, sink, last_q) -> dict:
     from uniprefill.kernels.reference import _block_means, block_token_counts, forced_blocks, select_one
+    from uniprefill.kernels.rule import SelectionRule
 
     n = token_scores.shape[0]
     blocks = _block_means(token_scores, block_size)
@@ -114,8 +115,8 @@ def layer_record(token_scores, spans, *, block_size, sink, last_q) -> dict:
     }
     for rule in RULES:
         for p in PS:
-            keep = select_one(blocks, n, p=p, keep_ratio=None, block_size=block_size, sink=sink,
-                              last_q=last_q, selection=rule)
+            keep = select_one(blocks, n, SelectionRule(block_size=block_size, sink=sink, last_q=last_q,
+                                                       min_tokens=0, p=p, selection=rule))
             rec[f"{rule}@{p}_kept"] = float(counts[keep].sum()) / n
             rec[f"{rule}@{p}_needle"] = bool(keep[needle_b].all()) if needle_b.any() else None
     return rec

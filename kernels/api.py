@@ -13,6 +13,8 @@ them and size its output) unless the caller passes them as `host_cu_seqlens`;
 `select_blocks` needs none when told `max_seqlen_k` (or when B == 1); `compact_tokens`
 makes exactly one (the kept counts). `score_and_select` given `host_cu_seqlens` therefore
 syncs once per call. Triton is imported only when a Triton implementation runs.
+
+The selection settings travel as one `SelectionRule` (`rule.py`, re-exported here).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import torch
 
 from . import reference
 from ._common import cdiv
+from .rule import SelectionRule  # re-exported: `api.SelectionRule`
 from .validation import (
     check_compact_inputs,
     check_int,
+    check_rule,
     check_score_inputs,
     check_select_inputs,
     read_layout,
@@ -92,18 +96,12 @@ def select_blocks(
     block_scores: torch.Tensor,
     cu_blocks: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    rule: SelectionRule,
     *,
-    p: float | torch.Tensor,
-    keep_ratio: float | None,
-    block_size: int,
-    sink: int,
-    last_q: int,
-    min_tokens: int,
     impl: str = "auto",
     max_seqlen_k: int | None = None,
-    selection: str = "paper",
 ) -> torch.Tensor:
-    """Which blocks to keep: bool [total_blocks].
+    """Which blocks to keep: bool [total_blocks], under `rule` (whose fields are named below).
 
     Forced blocks are every block touching the first `sink` tokens or the last `last_q`
     tokens of its sequence; they are always kept, and they COUNT TOWARD p.
@@ -128,27 +126,20 @@ def select_blocks(
     The Triton path handles at most `select_blocks.MAX_BLOCKS_PER_SEQUENCE` blocks per
     sequence and raises `ValueError` above it (impl="torch" has no limit).
     """
-    check_select_inputs(
-        block_scores, cu_blocks, cu_seqlens_k, p=p, keep_ratio=keep_ratio, block_size=block_size,
-        sink=sink, last_q=last_q, min_tokens=min_tokens, selection=selection,
-    )
+    check_select_inputs(block_scores, cu_blocks, cu_seqlens_k, rule)
     impl = resolve_impl(impl, block_scores.device)
-    settings = dict(p=p, keep_ratio=keep_ratio, block_size=block_size, sink=sink, last_q=last_q,
-                    min_tokens=min_tokens, selection=selection)
     if impl == "torch":
-        return reference.select_blocks_reference(block_scores, cu_blocks, cu_seqlens_k, **settings)
+        return reference.select_blocks_reference(block_scores, cu_blocks, cu_seqlens_k, rule)
     from .select_blocks import select_blocks_fwd
 
     if max_seqlen_k is not None:
         check_int("max_seqlen_k", max_seqlen_k, low=0)
-        most_blocks = cdiv(max_seqlen_k, block_size)
+        most_blocks = cdiv(max_seqlen_k, rule.block_size)
     elif cu_blocks.shape[0] == 2:
         most_blocks = block_scores.shape[0]
     else:
         most_blocks = int((cu_blocks[1:] - cu_blocks[:-1]).max())  # a host sync
-    return select_blocks_fwd(
-        block_scores, cu_blocks, cu_seqlens_k, max_blocks_per_sequence=most_blocks, **settings
-    )
+    return select_blocks_fwd(block_scores, cu_blocks, cu_seqlens_k, rule, max_blocks_per_sequence=most_blocks)
 
 
 def compact_tokens(
@@ -196,39 +187,31 @@ def score_and_select(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     max_seqlen_k: int,
+    rule: SelectionRule,
     *,
     scale: float,
-    block_size: int,
-    p: float | torch.Tensor,
-    keep_ratio: float | None,
-    sink: int,
-    last_q: int,
-    min_tokens: int,
     impl: str = "auto",
     host_cu_seqlens: HostCuSeqlens | None = None,
     group=None,
-    selection: str = "paper",
 ) -> Selection:
-    """`score_blocks`, then `select_blocks`, then `compact_tokens` (see each).
+    """`score_blocks`, then `select_blocks`, then `compact_tokens` (see each), with the block
+    size and the selection of `rule`.
 
     `group`: a `torch.distributed` process group over which the heads are split (tensor
     parallelism: each rank passes its own q / k heads). The block scores, sums over heads,
     are then summed across the group (`reduce_block_scores`) before selection, so every rank
     keeps the same blocks, the ones a single process holding every head would keep.
     """
+    check_rule(rule)  # before scoring, which reads its block size
     block_scores, cu_blocks = score_blocks(
-        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_size=block_size, scale=scale,
+        q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_k, block_size=rule.block_size, scale=scale,
         impl=impl, host_cu_seqlens=host_cu_seqlens,
     )
     if group is not None:
         block_scores = reduce_block_scores(block_scores, group)
-    block_keep = select_blocks(
-        block_scores, cu_blocks, cu_seqlens_k, p=p, keep_ratio=keep_ratio, block_size=block_size,
-        sink=sink, last_q=last_q, min_tokens=min_tokens, impl=impl, max_seqlen_k=max_seqlen_k,
-        selection=selection,
-    )
+    block_keep = select_blocks(block_scores, cu_blocks, cu_seqlens_k, rule, impl=impl, max_seqlen_k=max_seqlen_k)
     kept_idx, cu_seqlens_kept, kept_counts = compact_tokens(
-        block_keep, cu_blocks, cu_seqlens_k, block_size, impl=impl
+        block_keep, cu_blocks, cu_seqlens_k, rule.block_size, impl=impl
     )
     return Selection(kept_idx, cu_seqlens_kept, kept_counts, block_scores, cu_blocks, block_keep)
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._common import next_power_of_2
+from .rule import SelectionRule
 
 MAX_BLOCKS_PER_SEQUENCE = 8192  # 512K tokens at block_size 64; the key has room for 65536
 _KEEP_EVERYTHING = 2**31 - 1  # as min_len: every sequence is shorter, so all is kept
@@ -83,17 +84,12 @@ def select_blocks_fwd(
     block_scores: torch.Tensor,
     cu_blocks: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
+    rule: SelectionRule,
     *,
     max_blocks_per_sequence: int,
-    p: float | torch.Tensor,
-    keep_ratio: float | None,
-    block_size: int,
-    sink: int,
-    last_q: int,
-    min_tokens: int,
-    selection: str = "paper",
 ) -> torch.Tensor:
     """Host wrapper: one program per sequence; returns block_keep bool [total_blocks]."""
+    p, keep_ratio, block_size = rule.p, rule.keep_ratio, rule.block_size
     if max_blocks_per_sequence > MAX_BLOCKS_PER_SEQUENCE:
         raise ValueError(
             f"the Triton selection sorts at most {MAX_BLOCKS_PER_SEQUENCE} blocks per sequence "
@@ -104,8 +100,8 @@ def select_blocks_fwd(
     keep = torch.empty(block_scores.shape[0], dtype=torch.int8, device=block_scores.device)
     if block_scores.shape[0] == 0:
         return keep.view(torch.bool)
-    min_len = max(min_tokens, sink + last_q)
-    per_sequence = isinstance(p, torch.Tensor)
+    min_len = rule.effective_min_tokens
+    per_sequence = rule.per_sequence_p
     p_values = p.to(block_scores.device, non_blocking=True) if per_sequence else block_scores  # (unused if one p)
     if keep_ratio is None and not per_sequence and p >= 1.0:
         min_len = _KEEP_EVERYTHING
@@ -120,9 +116,9 @@ def select_blocks_fwd(
     block = max(256 if block_scores.is_cuda else 16, next_power_of_2(max_blocks_per_sequence))
     _select_blocks_kernel[(batch,)](
         block_scores, cu_blocks, cu_seqlens_k, target_tokens, keep, p_values,
-        1.0 if per_sequence else float(p), block_size, sink, last_q, min(min_len, _KEEP_EVERYTHING),
+        1.0 if per_sequence else float(p), block_size, rule.sink, rule.last_q, min(min_len, _KEEP_EVERYTHING),
         TOP_P=keep_ratio is None, PER_SEQUENCE_P=per_sequence and keep_ratio is None,
-        CONTENT=selection == "content" and keep_ratio is None, BLOCK=block,
+        CONTENT=rule.selection == "content" and keep_ratio is None, BLOCK=block,
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )
     return keep.view(torch.bool)

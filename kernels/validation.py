@@ -4,7 +4,8 @@ Every check raises `ValueError` naming what was expected and what came. Checks t
 the VALUES of `cu_seqlens` (monotonic, consistent with the packed tensors) read them to the
 host once, in `read_layout`; callers that already hold them on the host pass them in and
 skip that device-to-host copy. `select_blocks` and `compact_tokens` check shapes, dtypes and
-devices only: their `cu_*` tensors come from `score_blocks`, whose checks already ran.
+devices only: their `cu_*` tensors come from `score_blocks`, whose checks already ran. The
+selection settings are checked when their `SelectionRule` is built (`rule.py`, with `check_int`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ._common import cdiv, interpret_enabled
 
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
-from .names import IMPLS, SELECTIONS
+from .names import IMPLS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,35 +126,28 @@ def read_layout(
     return layout
 
 
-def check_select_inputs(block_scores, cu_blocks, cu_seqlens_k, *, p, keep_ratio, block_size,
-                        sink, last_q, min_tokens, selection="paper") -> None:
+def check_select_inputs(block_scores, cu_blocks, cu_seqlens_k, rule) -> None:
+    """The tensors of a selection, and `rule`'s p tensor (if any) against their batch; the
+    rule's own values were checked when it was built (`rule.SelectionRule`)."""
+    check_rule(rule)
     if not isinstance(block_scores, torch.Tensor) or block_scores.dim() != 1:
         raise ValueError(f"block_scores must be a 1-D tensor [total_blocks], got {_shape(block_scores)}")
     if block_scores.dtype != torch.float32:
         raise ValueError(f"block_scores.dtype must be torch.float32, got {block_scores.dtype}")
     _check_cu("cu_blocks", cu_blocks, block_scores.device)
-    _check_cu("cu_seqlens_k", cu_seqlens_k, block_scores.device, batch=cu_blocks.shape[0] - 1)
-    if isinstance(p, torch.Tensor):  # one p per sequence (a host tensor: checked here, moved by the caller)
-        batch = cu_blocks.shape[0] - 1
-        if p.dim() != 1 or p.shape[0] != batch or p.dtype != torch.float32 or p.device.type != "cpu":
-            raise ValueError(f"p as a tensor must be a host float32 tensor [B] = [{batch}] (one p per sequence), "
-                             f"got {p.dtype} {tuple(p.shape)} on {p.device}")
-        if batch and not bool(((p > 0.0) & (p <= 1.0)).all()):
-            raise ValueError(f"p: every sequence's p must lie in (0, 1]; got {p.tolist()[:8]}")
-    elif isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-        raise ValueError(f"p={p!r} must be a number in (0, 1] (or a host float32 tensor [B], one per sequence)")
-    if keep_ratio is not None and (
-        isinstance(keep_ratio, bool)
-        or not isinstance(keep_ratio, (int, float))
-        or not (0.0 < keep_ratio <= 1.0)
-    ):
-        raise ValueError(f"keep_ratio={keep_ratio!r} must be None or a number in (0, 1]")
-    check_int("block_size", block_size, low=1)
-    check_int("sink", sink, low=0)
-    check_int("last_q", last_q, low=1)
-    check_int("min_tokens", min_tokens, low=0)
-    if selection not in SELECTIONS:
-        raise ValueError(f"selection={selection!r} is not one of {SELECTIONS}")
+    batch = cu_blocks.shape[0] - 1
+    _check_cu("cu_seqlens_k", cu_seqlens_k, block_scores.device, batch=batch)
+    p = rule.p
+    if rule.per_sequence_p and p.shape[0] != batch:  # a host tensor, moved by the caller
+        raise ValueError(f"p as a tensor must be a host float32 tensor [B] = [{batch}] (one p per sequence), "
+                         f"got {p.dtype} {tuple(p.shape)} on {p.device}")
+
+
+def check_rule(rule) -> None:
+    from .rule import SelectionRule  # here, not at the top: rule.py imports `check_int` from this module
+
+    if not isinstance(rule, SelectionRule):
+        raise ValueError(f"rule must be a SelectionRule, got {type(rule).__name__}")
 
 
 def check_compact_inputs(block_keep, cu_blocks, cu_seqlens_k, block_size) -> None:

@@ -16,7 +16,7 @@ compiled nothing (docs/benchmarks.md, "First-call compiles").
 sequences with a total token count that is and one that is not a multiple of 16, then
 `select_blocks` and `compact_tokens` on random block scores for every sort size up to
 `max_seqlen`, in each selection mode the caller may use (one p, a p per sequence, or a
-forced keep ratio). Nothing it computes is kept. The largest input is 16 sequences of a few
+forced keep ratio: one `SelectionRule` each). Nothing it computes is kept. The largest input is 16 sequences of a few
 hundred tokens, so it adds little to a profiling run's memory.
 """
 
@@ -30,6 +30,7 @@ import torch
 from ._common import cdiv, next_power_of_2
 from .api import compact_tokens, score_and_select, select_blocks
 from .reference import block_offsets
+from .rule import SelectionRule
 
 SEQUENCE_COUNTS = (1, 2, 16)  # == 1, neither, a multiple of 16: Triton's integer specialisations
 
@@ -58,8 +59,10 @@ def selection_modes(p: float, keep_ratio: float | None, per_sequence_p: bool) ->
     return [("one", None)] + ([("per_sequence", None)] if per_sequence_p else [])
 
 
-def _p_arg(kind: str, p: float, batch: int) -> float | torch.Tensor:
-    return torch.full((batch,), p, dtype=torch.float32) if kind == "per_sequence" else p
+def _rule_for(base: SelectionRule, kind: str, keep_ratio: float | None, batch: int) -> SelectionRule:
+    """`base` in one selection mode: its p for every sequence, or as a tensor of `batch` copies."""
+    p = torch.full((batch,), base.p, dtype=torch.float32) if kind == "per_sequence" else base.p
+    return dataclasses.replace(base, p=p, keep_ratio=keep_ratio)
 
 
 def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -68,12 +71,14 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
                              per_sequence_p: bool = True, impl: str = "auto", selection: str = "paper") -> WarmUp:
     """Run the kernel variants a server will meet (module docstring); returns what ran."""
     start = time.perf_counter()
+    base = SelectionRule(block_size=block_size, sink=sink, last_q=last_q, min_tokens=min_tokens, p=p,
+                         keep_ratio=keep_ratio, selection=selection)
     modes = selection_modes(p, keep_ratio, per_sequence_p)
     generator = torch.Generator(device=device).manual_seed(0)
     # The shortest prompt that drops, rounded up to a multiple of 16; the odd variant makes the
     # first prompt one token longer, so that the total token count is not a multiple of 16 for
     # any sequence count (16 equal odd prompts would sum to a multiple of 16).
-    even = cdiv(max(min_tokens, sink + last_q, 2 * block_size), 16) * 16
+    even = cdiv(max(base.effective_min_tokens, 2 * block_size), 16) * 16
     scored = 0
     for batch in SEQUENCE_COUNTS:
         for extra in (0, 1):
@@ -84,10 +89,8 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
             k = torch.randn(sum(lengths), num_kv_heads, head_dim, generator=generator, device=device).to(dtype)
             (cu_q, host_q), (cu_k, host_k) = _offsets(n_q, device), _offsets(lengths, device)
             for kind, ratio in modes:
-                score_and_select(q, k, cu_q, cu_k, length, scale=head_dim ** -0.5, block_size=block_size,
-                                 p=_p_arg(kind, p, batch), keep_ratio=ratio, sink=sink, last_q=last_q,
-                                 min_tokens=min_tokens, impl=impl, host_cu_seqlens=(host_q, host_k),
-                                 selection=selection)
+                score_and_select(q, k, cu_q, cu_k, length, _rule_for(base, kind, ratio, batch),
+                                 scale=head_dim ** -0.5, impl=impl, host_cu_seqlens=(host_q, host_k))
                 scored += 1
     selected = 0
     from .select_blocks import MAX_BLOCKS_PER_SEQUENCE  # imports Triton: only where its kernels run
@@ -101,9 +104,8 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
             cu_blocks = block_offsets(cu_k, block_size)
             scores = torch.rand(batch * blocks, generator=generator, device=device)
             for kind, ratio in modes:
-                keep = select_blocks(scores, cu_blocks, cu_k, p=_p_arg(kind, p, batch), keep_ratio=ratio,
-                                     block_size=block_size, sink=sink, last_q=last_q, min_tokens=min_tokens,
-                                     impl=impl, max_seqlen_k=lengths[0], selection=selection)
+                keep = select_blocks(scores, cu_blocks, cu_k, _rule_for(base, kind, ratio, batch), impl=impl,
+                                     max_seqlen_k=lengths[0])
                 compact_tokens(keep, cu_blocks, cu_k, block_size, impl=impl)
                 selected += 1
             blocks *= 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import api as kernels_api
+from .kernels.rule import SelectionRule
 
 LIB = "uniprefill"
 
@@ -49,9 +50,14 @@ def score_select(
     src_flat: int64 `[T_in]`, the flat `b * L + t` index of every live token of the
         current layout, rows back to back (`counts_in` host int64 `[R]` tokens per row).
     keep_ratio < 0 means top-p with `p` under the rule `selection` ("paper" or "content").
+    The selection settings are separate primitives because an op schema cannot take a
+    dataclass; the op builds one `kernels.rule.SelectionRule` of them (`min_tokens` is the
+    config's `effective_min_tokens`).
     Returns (rel_kept int64 `[T_out]` indices into `src_flat`, counts_out host int64 `[R]`).
     One device-to-host copy: the kept counts.
     """
+    rule = SelectionRule(block_size=block_size, sink=sink, last_q=last_q, min_tokens=min_tokens, p=p,
+                         keep_ratio=None if keep_ratio < 0 else keep_ratio, selection=selection)
     bq, hk, length, d = k.shape
     counts = counts_in.tolist()
     k_flat = k.transpose(1, 2).reshape(bq * length, hk, d)
@@ -61,24 +67,18 @@ def score_select(
     q_flat_idx = _last_tokens(src_flat, counts, q_counts)
     q_packed = q.transpose(1, 2).reshape(q.shape[0] * length, q.shape[1], d).index_select(0, q_flat_idx)
     cu_q = to_device(_cumsum0(torch.tensor(q_counts, dtype=torch.int64)).to(torch.int32), q.device)
-    selection = kernels_api.score_and_select(
+    chosen = kernels_api.score_and_select(
         q_packed,
         k_packed,
         cu_q,
         cu_k,
         max(counts) if counts else 0,
+        rule,
         scale=scale,
-        block_size=block_size,
-        p=p,
-        keep_ratio=None if keep_ratio < 0 else keep_ratio,
-        sink=sink,
-        last_q=last_q,
-        min_tokens=min_tokens,
         impl=impl,
         host_cu_seqlens=(_host_cumsum(q_counts), _host_cumsum(counts)),
-        selection=selection,
     )
-    return selection.kept_idx, torch.tensor(selection.kept_counts, dtype=torch.int64)
+    return chosen.kept_idx, torch.tensor(chosen.kept_counts, dtype=torch.int64)
 
 
 @score_select.register_fake

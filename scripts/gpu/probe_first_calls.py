@@ -24,7 +24,7 @@ os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-probe-")  # bef
 
 import torch  # noqa: E402
 
-from uniprefill.kernels.api import score_and_select  # noqa: E402
+from uniprefill.kernels.api import SelectionRule, score_and_select  # noqa: E402
 from uniprefill.kernels.warm_up import warm_up_score_and_select  # noqa: E402
 
 HEADS = dict(num_heads=4, num_kv_heads=1, head_dim=256)
@@ -64,10 +64,10 @@ def run_step(lengths: list[int], device, dtype, scale: float, lengths_scale: flo
         host_q.append(host_q[-1] + a)
         host_k.append(host_k[-1] + b)
     cu_q, cu_k = (torch.tensor(h, dtype=torch.int32, device=device) for h in (host_q, host_k))
+    rule = SelectionRule(**SELECT, p=0.95)
 
     def call():
-        return score_and_select(q, k, cu_q, cu_k, max(lengths), scale=scale, p=0.95, keep_ratio=None,
-                                host_cu_seqlens=(host_q, host_k), **SELECT)
+        return score_and_select(q, k, cu_q, cu_k, max(lengths), rule, scale=scale, host_cu_seqlens=(host_q, host_k))
 
     before = len(compiles)
     times = []

@@ -24,14 +24,14 @@ def test_warm_up_runs_each_sequence_count_length_parity_and_sort_size(impl, monk
     seen_scored, seen_selected = [], []
     real_score, real_select = api.score_and_select, api.select_blocks
 
-    def spy_score(q, k, cu_q, cu_k, max_seqlen_k, **kw):
+    def spy_score(q, k, cu_q, cu_k, max_seqlen_k, rule, **kw):
         total = kw["host_cu_seqlens"][1][-1]  # every key of the step
-        seen_scored.append((cu_k.shape[0] - 1, total, isinstance(kw["p"], torch.Tensor), kw["keep_ratio"]))
-        return real_score(q, k, cu_q, cu_k, max_seqlen_k, **kw)
+        seen_scored.append((cu_k.shape[0] - 1, total, rule.per_sequence_p, rule.keep_ratio))
+        return real_score(q, k, cu_q, cu_k, max_seqlen_k, rule, **kw)
 
-    def spy_select(scores, cu_blocks, cu_k, **kw):
-        seen_selected.append((cu_k.shape[0] - 1, kw["max_seqlen_k"], isinstance(kw["p"], torch.Tensor)))
-        return real_select(scores, cu_blocks, cu_k, **kw)
+    def spy_select(scores, cu_blocks, cu_k, rule, **kw):
+        seen_selected.append((cu_k.shape[0] - 1, kw["max_seqlen_k"], rule.per_sequence_p))
+        return real_select(scores, cu_blocks, cu_k, rule, **kw)
 
     monkeypatch.setattr("uniprefill.kernels.warm_up.score_and_select", spy_score)
     monkeypatch.setattr("uniprefill.kernels.warm_up.select_blocks", spy_select)

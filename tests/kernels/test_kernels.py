@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from uniprefill.kernels import api, reference
+from uniprefill.kernels.rule import SelectionRule
 from uniprefill.kernels.select_blocks import MAX_BLOCKS_PER_SEQUENCE
 from uniprefill.kernels.validation import read_layout
 
@@ -232,12 +233,12 @@ def test_triton_selection_matches_reference(case, p, keep_ratio, selection):
     cu_k = cumsum0(lens)
     cu_blocks = cumsum0([math.ceil(n / block) for n in lens])
     scores = integer_scores(cu_blocks.tolist(), seed=len(lens) + block)
-    settings = dict(p=p, keep_ratio=keep_ratio, block_size=block, sink=sink, last_q=last_q, min_tokens=min_tokens,
-                    selection=selection)
-    ref = api.select_blocks(scores, cu_blocks, cu_k, impl="torch", **settings)
-    out = api.select_blocks(scores, cu_blocks, cu_k, impl="triton", max_seqlen_k=max(lens), **settings)
+    rule = SelectionRule(p=p, keep_ratio=keep_ratio, block_size=block, sink=sink, last_q=last_q,
+                         min_tokens=min_tokens, selection=selection)
+    ref = api.select_blocks(scores, cu_blocks, cu_k, rule, impl="torch")
+    out = api.select_blocks(scores, cu_blocks, cu_k, rule, impl="triton", max_seqlen_k=max(lens))
     assert out.dtype == torch.bool and torch.equal(out, ref)
-    check_selection(scores, out, cu_blocks, lens, **settings)
+    check_selection(scores, out, cu_blocks, lens, rule)
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
@@ -251,14 +252,17 @@ def test_one_p_per_sequence_equals_each_sequence_with_its_own_p(case, impl):
     scores = integer_scores(cu_blocks.tolist(), seed=3 * len(lens) + block)
     ps = [0.3, 1.0, 0.8, 0.95, 0.5][: len(lens)]
     settings = dict(keep_ratio=None, block_size=block, sink=sink, last_q=last_q, min_tokens=min_tokens)
-    out = api.select_blocks(scores, cu_blocks, cu_k, p=torch.tensor(ps), impl=impl, max_seqlen_k=max(lens), **settings)
+    rule = SelectionRule(p=torch.tensor(ps), **settings)
+    out = api.select_blocks(scores, cu_blocks, cu_k, rule, impl=impl, max_seqlen_k=max(lens))
     bounds = cu_blocks.tolist()
     for b, p in enumerate(ps):
-        alone = api.select_blocks(scores, cu_blocks, cu_k, p=p, impl=impl, max_seqlen_k=max(lens), **settings)
+        alone = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(p=p, **settings), impl=impl,
+                                  max_seqlen_k=max(lens))
         assert torch.equal(out[bounds[b]:bounds[b + 1]], alone[bounds[b]:bounds[b + 1]]), f"sequence {b}, p = {p}"
-    ratio = api.select_blocks(scores, cu_blocks, cu_k, p=torch.tensor(ps), impl=impl, **{**settings, "keep_ratio": 0.3})
-    assert torch.equal(ratio, api.select_blocks(scores, cu_blocks, cu_k, p=0.9, impl=impl,
-                                                **{**settings, "keep_ratio": 0.3}))  # a keep ratio ignores p
+    forced = {**settings, "keep_ratio": 0.3}
+    ratio = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(p=torch.tensor(ps), **forced), impl=impl)
+    assert torch.equal(ratio, api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(p=0.9, **forced),
+                                                impl=impl))  # a keep ratio ignores p
 
 
 def test_per_sequence_p_is_checked():
@@ -267,24 +271,24 @@ def test_per_sequence_p_is_checked():
     settings = dict(keep_ratio=None, block_size=16, sink=0, last_q=1, min_tokens=0)
     for bad, message in ((torch.tensor([0.5]), r"\[B\] = \[2\]"), (torch.tensor([0.5, 0.0]), r"in \(0, 1\]"),
                          (torch.tensor([0.5, 0.9], dtype=torch.float64), "float32")):
-        with pytest.raises(ValueError, match=message):
-            api.select_blocks(scores, cu_blocks, cu_k, p=bad, **settings)
+        with pytest.raises(ValueError, match=message):  # the values when the rule is built, the length at the call
+            api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(p=bad, **settings))
 
 
-def check_selection(scores, keep, cu_blocks, lens, *, p, keep_ratio, block_size, sink, last_q, min_tokens,
-                    selection="paper"):
-    """The properties of a selection, sequence by sequence."""
+def check_selection(scores, keep, cu_blocks, lens, rule):
+    """The properties of a selection, sequence by sequence (`rule` with one number as p)."""
+    p, keep_ratio, block_size, sink, last_q = rule.p, rule.keep_ratio, rule.block_size, rule.sink, rule.last_q
     bounds = cu_blocks.tolist()
     for b, n in enumerate(lens):
         s, kept = scores[bounds[b] : bounds[b + 1]].double().cpu(), keep[bounds[b] : bounds[b + 1]].cpu()
         forced = reference.forced_blocks(n, block_size, sink, last_q, "cpu")
-        if n < max(min_tokens, sink + last_q) or (keep_ratio is None and p >= 1):
+        if n < rule.effective_min_tokens or (keep_ratio is None and p >= 1):
             assert kept.all()
             continue
         assert kept[forced].all(), "sink and window blocks are always kept"
         optional = kept & ~forced
         if keep_ratio is None:
-            if selection == "content":  # p of the free blocks' score, from free blocks alone
+            if rule.selection == "content":  # p of the free blocks' score, from free blocks alone
                 s = s.masked_fill(forced, 0.0)
             assert s[kept].sum() >= p * s.sum() * (1 - 1e-6)
             if optional.any():  # minimal: without its weakest optional block it falls short
@@ -304,9 +308,9 @@ def test_selection_of_real_scores_has_its_properties(impl):
     q, k, cu_q, cu_k, max_len = make_batch(lens, last_q=last_q, hq=4, hk=2, d=32, seed=5, spread=2.0)
     scores, cu_blocks = api.score_blocks(q, k, cu_q, cu_k, max_len, block_size=block, scale=32**-0.5, impl=impl)
     for p, ratio in [(0.5, None), (0.95, None), (1.0, None), (0.9, 0.3)]:
-        settings = dict(p=p, keep_ratio=ratio, block_size=block, sink=16, last_q=last_q, min_tokens=0)
-        keep = api.select_blocks(scores, cu_blocks, cu_k, impl=impl, **settings)
-        check_selection(scores, keep, cu_blocks, lens, **settings)
+        rule = SelectionRule(p=p, keep_ratio=ratio, block_size=block, sink=16, last_q=last_q, min_tokens=0)
+        keep = api.select_blocks(scores, cu_blocks, cu_k, rule, impl=impl)
+        check_selection(scores, keep, cu_blocks, lens, rule)
         if p == 1.0:
             assert keep.all()
 
@@ -320,13 +324,13 @@ def test_content_selection_counts_only_the_free_blocks(impl):
     scores = torch.tensor([313.5] + free + [313.5], device=DEVICE)  # forced: 627 of 660 (95%)
     cu_k, cu_blocks = cumsum0([n]), cumsum0([10])
     settings = dict(p=0.9, keep_ratio=None, block_size=block, sink=1, last_q=1, min_tokens=0)
-    paper = api.select_blocks(scores, cu_blocks, cu_k, impl=impl, **settings)
+    paper = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(**settings), impl=impl)
     assert paper.tolist() == [True] + [False] * 8 + [True]
-    content = api.select_blocks(scores, cu_blocks, cu_k, impl=impl, selection="content", **settings)
+    content = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(selection="content", **settings), impl=impl)
     # 16 + 8 + 4 = 28 < 29.7 = 0.9 * 33; + 2 = 30 reaches it
     assert content.tolist() == [True, True, False, True, True, True, False, False, False, True]
     with pytest.raises(ValueError, match="selection='cheap' is not one of"):
-        api.select_blocks(scores, cu_blocks, cu_k, impl=impl, selection="cheap", **settings)
+        SelectionRule(selection="cheap", **settings)
 
 
 def test_selection_ties_go_to_the_lower_block():
@@ -334,9 +338,9 @@ def test_selection_ties_go_to_the_lower_block():
     scores = torch.tensor([5, 1, 3, 3, 3, 3, 0.5, 0.5, 0.5, 9], dtype=torch.float32, device=DEVICE)
     # forced: block 0 (sink) and block 9 (window); total 29, target 0.6 * 29 = 17.4:
     # 5 + 9 = 14, then the first 3 (block 2) reaches 17.
-    settings = dict(p=0.6, keep_ratio=None, block_size=8, sink=1, last_q=1, min_tokens=0)
+    rule = SelectionRule(p=0.6, keep_ratio=None, block_size=8, sink=1, last_q=1, min_tokens=0)
     for impl in ("torch", "triton"):
-        keep = api.select_blocks(scores, cu_blocks, cu_k, impl=impl, **settings)
+        keep = api.select_blocks(scores, cu_blocks, cu_k, rule, impl=impl)
         assert keep.nonzero().flatten().tolist() == [0, 2, 3, 9], impl
 
 
@@ -346,9 +350,9 @@ def test_selection_up_to_the_limit(n_blocks):
         pytest.skip("larger sorts take minutes in the interpreter; checked on the GPU")
     cu_k, cu_blocks = cumsum0([n_blocks * 64]), cumsum0([n_blocks])
     scores = integer_scores(cu_blocks.tolist(), seed=1)
-    settings = dict(p=0.8, keep_ratio=None, block_size=64, sink=128, last_q=128, min_tokens=0)
-    ref = api.select_blocks(scores, cu_blocks, cu_k, impl="torch", **settings)
-    out = api.select_blocks(scores, cu_blocks, cu_k, impl="triton", **settings)
+    rule = SelectionRule(p=0.8, keep_ratio=None, block_size=64, sink=128, last_q=128, min_tokens=0)
+    ref = api.select_blocks(scores, cu_blocks, cu_k, rule, impl="torch")
+    out = api.select_blocks(scores, cu_blocks, cu_k, rule, impl="triton")
     assert torch.equal(out, ref)
 
 
@@ -357,16 +361,17 @@ def test_selection_above_the_limit_names_it():
     cu_k, cu_blocks = cumsum0([n_blocks]), cumsum0([n_blocks])
     scores = torch.ones(n_blocks, device=DEVICE)
     with pytest.raises(ValueError, match=f"{MAX_BLOCKS_PER_SEQUENCE}.*impl='torch'"):
-        api.select_blocks(scores, cu_blocks, cu_k, p=0.9, keep_ratio=None, block_size=1, sink=0, last_q=1,
-                          min_tokens=0, impl="triton")
+        api.select_blocks(scores, cu_blocks, cu_k,
+                          SelectionRule(p=0.9, keep_ratio=None, block_size=1, sink=0, last_q=1, min_tokens=0),
+                          impl="triton")
 
 
 def test_selection_is_deterministic():
     cu_k, cu_blocks = cumsum0([3000, 1000]), cumsum0([188, 63])
     scores = torch.rand(251, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    settings = dict(p=0.9, keep_ratio=None, block_size=16, sink=4, last_q=8, min_tokens=0)
-    a = api.select_blocks(scores, cu_blocks, cu_k, impl="triton", **settings)
-    b = api.select_blocks(scores, cu_blocks, cu_k, impl="triton", **settings)
+    rule = SelectionRule(p=0.9, keep_ratio=None, block_size=16, sink=4, last_q=8, min_tokens=0)
+    a = api.select_blocks(scores, cu_blocks, cu_k, rule, impl="triton")
+    b = api.select_blocks(scores, cu_blocks, cu_k, rule, impl="triton")
     assert torch.equal(a, b)
 
 
@@ -420,8 +425,9 @@ def test_compaction_syncs_exactly_once(monkeypatch):
 def test_score_and_select_end_to_end():
     lens, last_q, block = [400, 100, 7], 16, 16
     q, k, cu_q, cu_k, max_len = make_batch(lens, last_q=last_q, hq=4, hk=2, d=32, seed=9, spread=2.0)
-    settings = dict(scale=32**-0.5, block_size=block, p=0.9, keep_ratio=None, sink=8, last_q=last_q, min_tokens=0)
-    sel = {impl: api.score_and_select(q, k, cu_q, cu_k, max_len, impl=impl, **settings) for impl in ("torch", "triton")}
+    rule = SelectionRule(block_size=block, p=0.9, keep_ratio=None, sink=8, last_q=last_q, min_tokens=0)
+    sel = {impl: api.score_and_select(q, k, cu_q, cu_k, max_len, rule, scale=32**-0.5, impl=impl)
+           for impl in ("torch", "triton")}
     assert rel_err(sel["triton"].block_scores, sel["torch"].block_scores) < TOLERANCE[torch.float32]
     assert torch.equal(sel["triton"].block_keep, sel["torch"].block_keep)
     assert torch.equal(sel["triton"].kept_idx, sel["torch"].kept_idx)
@@ -488,11 +494,13 @@ def test_bad_selection_inputs_raise_value_error():
     cu_k, cu_blocks = cumsum0([20]), cumsum0([5])
     good = dict(p=0.9, keep_ratio=None, block_size=4, sink=0, last_q=1, min_tokens=0)
     with pytest.raises(ValueError, match="block_scores.dtype must be torch.float32"):
-        api.select_blocks(torch.ones(5, dtype=torch.float16, device=DEVICE), cu_blocks, cu_k, **good)
+        api.select_blocks(torch.ones(5, dtype=torch.float16, device=DEVICE), cu_blocks, cu_k, SelectionRule(**good))
     with pytest.raises(ValueError, match=r"p=1.5 must be a number in \(0, 1\]"):
-        api.select_blocks(torch.ones(5, device=DEVICE), cu_blocks, cu_k, **{**good, "p": 1.5})
+        SelectionRule(**{**good, "p": 1.5})
     with pytest.raises(ValueError, match="keep_ratio=0 must be None"):
-        api.select_blocks(torch.ones(5, device=DEVICE), cu_blocks, cu_k, **{**good, "keep_ratio": 0})
+        SelectionRule(**{**good, "keep_ratio": 0})
+    with pytest.raises(ValueError, match="rule must be a SelectionRule, got dict"):
+        api.select_blocks(torch.ones(5, device=DEVICE), cu_blocks, cu_k, good)
     with pytest.raises(ValueError, match="block_keep.dtype must be torch.bool"):
         api.compact_tokens(torch.ones(5, device=DEVICE), cu_blocks, cu_k, 4)
 
@@ -539,14 +547,14 @@ def test_gpu_score_and_select_with_host_lengths_syncs_once():
     lens = [6000, 2000]
     q, k, cu_q, cu_k, max_len = make_batch(lens, last_q=128, hq=32, hk=8, d=128, dtype=torch.bfloat16)
     host = (cu_q.tolist(), cu_k.tolist())
-    settings = dict(scale=128**-0.5, block_size=64, p=0.95, keep_ratio=None, sink=128, last_q=128, min_tokens=0)
-    api.score_and_select(q, k, cu_q, cu_k, max_len, host_cu_seqlens=host, **settings)  # compile first
+    rule = SelectionRule(block_size=64, p=0.95, keep_ratio=None, sink=128, last_q=128, min_tokens=0)
+    api.score_and_select(q, k, cu_q, cu_k, max_len, rule, scale=128**-0.5, host_cu_seqlens=host)  # compile first
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            sel = api.score_and_select(q, k, cu_q, cu_k, max_len, host_cu_seqlens=host, **settings)
+            sel = api.score_and_select(q, k, cu_q, cu_k, max_len, rule, scale=128**-0.5, host_cu_seqlens=host)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert len(_sync_warnings(caught)) == 1, _sync_warnings(caught)

@@ -11,7 +11,8 @@ import torch
 from uniprefill.kernels import api
 
 LENS, LAST_Q, HQ, HK, D, BLOCK = [700, 333], 32, 8, 4, 16, 16
-SELECT = dict(block_size=BLOCK, p=0.9, keep_ratio=None, sink=32, last_q=LAST_Q, min_tokens=0, impl="torch")
+# SelectionRule fields: a plain dict travels to the workers through torch.save / torch.load (weights only)
+SELECT = dict(block_size=BLOCK, p=0.9, keep_ratio=None, sink=32, last_q=LAST_Q, min_tokens=0)
 
 
 def _inputs():
@@ -37,7 +38,8 @@ dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, wo
 q, k, cu_q, cu_k, lens, select, hq_all, hk_all, d = torch.load(sys.argv[5])
 hq, hk = hq_all // world, hk_all // world  # this rank's heads, as tensor parallelism splits them
 sel = api.score_and_select(q[:, rank * hq:(rank + 1) * hq], k[:, rank * hk:(rank + 1) * hk], cu_q, cu_k,
-                           max(lens), scale=d ** -0.5, group=dist.group.WORLD, **select)
+                           max(lens), api.SelectionRule(**select), scale=d ** -0.5, impl="torch",
+                           group=dist.group.WORLD)
 torch.save((sel.block_scores, sel.block_keep, sel.kept_idx), out_file)
 dist.destroy_process_group()
 """
@@ -58,7 +60,7 @@ def test_ranks_with_head_shards_keep_the_same_blocks_as_one_process(tmp_path):
         output, _ = proc.communicate(timeout=240)
         assert proc.returncode == 0, output[-2000:]
     results = [torch.load(tmp_path / f"out{rank}.pt") for rank in range(world)]
-    whole = api.score_and_select(q, k, cu_q, cu_k, max(LENS), scale=D**-0.5, **SELECT)
+    whole = api.score_and_select(q, k, cu_q, cu_k, max(LENS), api.SelectionRule(**SELECT), scale=D**-0.5, impl="torch")
     scores0, keep0, idx0 = results[0]
     for scores, keep, idx in results[1:]:
         assert torch.equal(scores, scores0), "ranks must hold bit-equal summed scores"

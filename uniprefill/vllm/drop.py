@@ -28,6 +28,7 @@ instead of vLLM's FlashAttention, whose uniform window counts cache entries.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -324,7 +325,7 @@ class VllmDropRuntime:
                 drop_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Kept rows and host counts per request: selected for the eligible requests, all rows
         for the others. Index arithmetic on the host (vectorised), one gather of q and k."""
-        from uniprefill.kernels.api import score_and_select
+        from uniprefill.kernels.api import SelectionRule, score_and_select
 
         cfg = self.config
         device = q.device
@@ -337,14 +338,14 @@ class VllmDropRuntime:
         query_rows = _ranges(ends - n_q, n_q)
         cu_k, cu_q = _offsets(lens), _offsets(n_q)
         key_rows_d = key_rows.to(device, non_blocking=True)
-        keep_ratio = cfg.keep_ratio_at(drop_index, len(self.drop_layers))
+        rule = SelectionRule.from_config(cfg, drop_index, len(self.drop_layers))
+        if rule.keep_ratio is None:  # top-p: a request may bring its own p
+            rule = dataclasses.replace(rule, p=self._p_of(chosen))
         selection = score_and_select(
             q[query_rows.to(device, non_blocking=True)], k[key_rows_d],
-            cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(lens.max()),
-            scale=q.shape[-1] ** -0.5, block_size=cfg.block_size,
-            p=cfg.p if keep_ratio is not None else self._p_of(chosen), keep_ratio=keep_ratio,
-            sink=cfg.sink, last_q=cfg.last_q, min_tokens=cfg.effective_min_tokens, impl=cfg.impl,
-            host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()), group=self.group, selection=cfg.selection,
+            cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(lens.max()), rule,
+            scale=q.shape[-1] ** -0.5, impl=cfg.impl, host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()),
+            group=self.group,
         )
         counts = qlen.clone()
         counts[chosen] = torch.tensor(selection.kept_counts, dtype=counts.dtype)

@@ -1,0 +1,103 @@
+"""`SelectionRule`: the settings of block selection, one checked, immutable value.
+
+`api.select_blocks` and `api.score_and_select` (and the reference and Triton selections under
+them) take one rule instead of seven keyword arguments: the block size, the forced blocks
+(`sink`, `last_q`), the shortest sequence selected from (`min_tokens`), and the rule proper
+(top-p `p` under `selection`, or a forced `keep_ratio`); `api.select_blocks` says what each
+means. The values are checked once, when a rule is built, and a bad one raises `ValueError`
+as the checks of `validation.py` do. `SelectionRule.from_config` reads a drop point's rule
+from a `uniprefill.config.UniPrefillConfig` by duck typing: the kernels never import the
+config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .names import SELECTIONS
+from .validation import check_int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SelectionRule:
+    """Which blocks of each sequence `api.select_blocks` keeps (its docstring has the rules).
+
+    block_size: tokens per block.
+    sink, last_q: the blocks touching a sequence's first `sink` or last `last_q` tokens are
+        forced (always kept).
+    min_tokens: a sequence shorter than max(min_tokens, sink + last_q)
+        (`effective_min_tokens`) keeps every block.
+    p: top-p in (0, 1]; the default 1.0 keeps every block. One number, or a host float32
+        tensor [B] with each sequence's own p (`select_blocks` checks its length against the
+        batch; its values are checked here, so do not change them in place afterwards).
+    keep_ratio: None for top-p, or the share in (0, 1] of each sequence's tokens to keep
+        (p is then ignored).
+    selection: "paper" or "content", the top-p rule (whose score p is a share of).
+
+    Frozen and hashable (a rule holding a p tensor hashes by the tensor's identity).
+    """
+
+    block_size: int
+    sink: int
+    last_q: int
+    min_tokens: int
+    p: float | torch.Tensor = 1.0
+    keep_ratio: float | None = None
+    selection: str = "paper"
+
+    def __post_init__(self) -> None:
+        _check_p(self.p)
+        _check_keep_ratio(self.keep_ratio)
+        check_int("block_size", self.block_size, low=1)
+        check_int("sink", self.sink, low=0)
+        check_int("last_q", self.last_q, low=1)
+        check_int("min_tokens", self.min_tokens, low=0)
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection={self.selection!r} is not one of {SELECTIONS}")
+
+    @property
+    def effective_min_tokens(self) -> int:
+        """Shortest sequence selected from: never below sink + last_q (shorter ones keep all)."""
+        return max(self.min_tokens, self.sink + self.last_q)
+
+    @property
+    def per_sequence_p(self) -> bool:
+        """Whether `p` is a tensor with one p per sequence."""
+        return isinstance(self.p, torch.Tensor)
+
+    @classmethod
+    def from_config(cls, config, drop_index: int, num_drop_points: int) -> SelectionRule:
+        """The rule of the `drop_index`-th of a config's `num_drop_points` drop points.
+
+        `config`: a `uniprefill.config.UniPrefillConfig`, or any object with its `block_size`,
+        `sink`, `last_q`, `effective_min_tokens`, `p`, `selection` and
+        `keep_ratio_at(drop_index, num_drop_points)`. A request's own p replaces `config.p`
+        with `dataclasses.replace(rule, p=...)`.
+        """
+        return cls(
+            block_size=config.block_size, sink=config.sink, last_q=config.last_q,
+            min_tokens=config.effective_min_tokens, p=config.p,
+            keep_ratio=config.keep_ratio_at(drop_index, num_drop_points), selection=config.selection,
+        )
+
+
+def _check_p(p) -> None:
+    if isinstance(p, torch.Tensor):  # one p per sequence: its length is checked against the batch
+        if p.dim() != 1 or p.dtype != torch.float32 or p.device.type != "cpu":
+            raise ValueError(f"p as a tensor must be a host float32 tensor [B] (one p per sequence), "
+                             f"got {p.dtype} {tuple(p.shape)} on {p.device}")
+        if p.numel() and not bool(((p > 0.0) & (p <= 1.0)).all()):
+            raise ValueError(f"p: every sequence's p must lie in (0, 1]; got {p.tolist()[:8]}")
+    elif isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+        raise ValueError(f"p={p!r} must be a number in (0, 1] (or a host float32 tensor [B], one per sequence)")
+
+
+def _check_keep_ratio(keep_ratio) -> None:
+    if keep_ratio is not None and (
+        isinstance(keep_ratio, bool)
+        or not isinstance(keep_ratio, (int, float))
+        or not (0.0 < keep_ratio <= 1.0)
+    ):
+        raise ValueError(f"keep_ratio={keep_ratio!r} must be None or a number in (0, 1]")
