@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import UniPrefillConfig
+from .unaccelerated import Kind, Unaccelerated
 from .runtime.history import DropHistory, DropRecorder, recording_into
 
 logger = logging.getLogger("uniprefill.passes")
@@ -43,7 +44,7 @@ class GraphReport:
     """What the backend did with one dynamo graph."""
 
     rewritten: bool
-    reason: str = ""
+    reason: str = ""  # an `Unaccelerated` (message and kind) when not rewritten
     layers: list = field(default_factory=list)
     drop_layers: tuple[int, ...] = ()
     counts: dict = field(default_factory=dict)
@@ -80,11 +81,11 @@ class UniPrefillBackend:
         self._warned: set[str] = set()
         self.graph_calls = 0  # calls that reached a graph this backend compiled (rewritten or not)
         # why the latest call ran unaccelerated (None: it ran the rewritten graph, or nothing ran yet)
-        self.last_unaccelerated: str | None = None
+        self.last_unaccelerated: Unaccelerated | None = None  # why the latest call ran unaccelerated
         # set when a graph shows that no call of this model can be accelerated and every new
         # prompt length would be traced again (passes.plan.LengthSpecialized): callers that
         # own the model (UniPrefillModel) then run it eagerly instead of recompiling per length
-        self.stop_compiling: str | None = None
+        self.stop_compiling: Unaccelerated | None = None
 
     def uuid(self) -> str:
         """The rewrite's code and this backend's settings (`passes.pass_uuid`), for compile caches."""
@@ -104,12 +105,12 @@ class UniPrefillBackend:
         try:
             result = TokenDropPass(gm, self.config).run()
         except RewriteSkipped as exc:
-            reason = str(exc)
+            reason = Unaccelerated(str(exc), exc.kind)
             self.graphs.append(GraphReport(False, reason))
             if isinstance(exc, NothingToDrop):
                 return self._counted(gm.forward, reason)
             if isinstance(exc, LengthSpecialized):
-                self.stop_compiling = f"this model's traced program depends on the exact prompt length: {reason}"
+                self.stop_compiling = reason.prefixed("this model's traced program depends on the exact prompt length: ")
             if self.config.strict:
                 raise RuntimeError(f"uniprefill cannot rewrite this graph: {reason}") from exc
             self._warn(f"uniprefill: running a graph unaccelerated: {reason}")
@@ -124,10 +125,10 @@ class UniPrefillBackend:
             logger.info("uniprefill: graph after rewrite\n%s", result.graph_module.print_readable(print_output=False))
         return self._guarded(gm, result)
 
-    def _counted(self, forward, reason: str):
+    def _counted(self, forward, reason: Unaccelerated):
         def run(*args):
             self.graph_calls += 1
-            self.last_unaccelerated = f"graph not rewritten: {reason}"
+            self.last_unaccelerated = reason.prefixed("graph not rewritten: ")
             return forward(*args)
 
         return run
@@ -145,7 +146,7 @@ class UniPrefillBackend:
             self.graph_calls += 1
             why = self._unsound_call(result, args, tokens.shape[0], tokens.shape[1], min_tokens)
             if why is None and result.returns_cache and not self.decodes_caches:
-                why = self.why_no_decode
+                why = Unaccelerated(self.why_no_decode, Kind.CACHE_NOT_DECODABLE)
             self.last_unaccelerated = why
             if why is None:
                 try:
@@ -157,11 +158,12 @@ class UniPrefillBackend:
                     # overwrite, so running the original afterwards gives the plain answer.
                     if self.config.strict:
                         raise
-                    why = f"{REWRITE_FAILED}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    why = Unaccelerated(f"{REWRITE_FAILED}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+                                        Kind.REWRITE_FAILED)
                     self.last_unaccelerated = why
                     self._warn(f"uniprefill: {why}; this call runs unaccelerated (please report it)")
                     return original(*args)
-            if not why.startswith("shorter than"):
+            if why.kind is not Kind.NOTHING_TO_DROP:
                 if self.config.strict:
                     raise RuntimeError(f"uniprefill cannot accelerate this call: {why}")
                 self._warn(f"uniprefill: this call runs unaccelerated: {why}")
@@ -170,19 +172,20 @@ class UniPrefillBackend:
         return run
 
     @staticmethod
-    def _unsound_call(result, args, rows: int, seq: int, min_tokens: int) -> str | None:
+    def _unsound_call(result, args, rows: int, seq: int, min_tokens: int) -> Unaccelerated | None:
         from .passes.mask_inputs import failed_check
 
         if seq < min_tokens:
-            return f"shorter than min_tokens ({seq} < {min_tokens} tokens): nothing to drop"
+            return Unaccelerated(f"shorter than min_tokens ({seq} < {min_tokens} tokens): nothing to drop",
+                                 Kind.NOTHING_TO_DROP)
         unsound = failed_check(result.input_checks, args, rows, seq, result.left_padding_only)
         if unsound:
-            return unsound
+            return Unaccelerated(unsound, Kind.INPUT_NOT_MODELLED)
         if result.single_row_only and rows > 1:
-            return f"a batch of {rows} rows: {result.single_row_reason}"
+            return Unaccelerated(f"a batch of {rows} rows: {result.single_row_reason}", Kind.INPUT_NOT_MODELLED)
         if result.returns_cache and rows > 1:
-            return ("a batch of several rows that fills a cache (uniprefill.compile(...) prefills and decodes "
-                    "such batches row by row)")
+            return Unaccelerated("a batch of several rows that fills a cache (uniprefill.compile(...) prefills and "
+                                 "decodes such batches row by row)", Kind.INPUT_NOT_MODELLED)
         return None
 
     def _warn(self, message: str) -> None:

@@ -19,6 +19,7 @@ from uniprefill.vllm.graph import (
     layer_name_of,
 )
 from uniprefill.models.layer_kinds import layer_kinds as layer_kinds_from_hf_config
+from uniprefill.unaccelerated import Kind
 from uniprefill.vllm.plugin import VllmTokenDropBackend, config_from_compilation_config
 
 DUMP = Path(__file__).resolve().parents[2] / "docs" / "results" / "vllm-dump-gemma-270m-h200.tar.gz"
@@ -179,6 +180,7 @@ def test_backend_report_names_layers_and_planned_drop_points():
         backend(gm, [])
     report = backend.graphs[0]
     assert report.layers == tuple(range(18)) and report.drop_layers == (5, 11) and not report.plan_error
+    assert report.reason.kind is Kind.OPTION_OFF  # the option vllm_drop is off by default
     blind = VllmTokenDropBackend(config_from_compilation_config(settings))
     with pytest.warns(UserWarning, match="unaccelerated"):
         blind(gm, [])
@@ -188,6 +190,11 @@ def test_backend_report_names_layers_and_planned_drop_points():
     with pytest.warns(UserWarning, match="unaccelerated"):
         bad(gm, [])
     assert "not full-attention" in bad.graphs[0].plan_error
+    dropping = VllmTokenDropBackend(config_from_compilation_config(
+        {"inductor_compile_config": {"uniprefill": {"drop_layers": [4], "vllm_drop": True}}}), layer_kinds=kinds)
+    with pytest.warns(UserWarning, match="could not be read"):
+        dropping(gm, [])
+    assert dropping.graphs[0].reason.kind is Kind.GRAPH_NOT_FOLLOWED
 
 
 def test_hybrids_with_gated_deltanet_run_unaccelerated_with_the_reason():

@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from ..config import UniPrefillConfig
+from ..unaccelerated import Kind
 from .classify import MaskInfo, classify_layers, sdpa_mask_node
 from .drop_points import resolve_drop_layers
 from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name, through_same_shape_views
@@ -31,17 +32,29 @@ _ADDS = {operator.add, torch.add, operator.iadd}
 
 
 class RewriteSkipped(Exception):
-    """The graph cannot be rewritten safely; the message says why."""
+    """The graph cannot be rewritten safely; the message says why, `kind` what sort of reason it is."""
+
+    kind = Kind.GRAPH_NOT_FOLLOWED
 
 
 class NothingToDrop(RewriteSkipped):
     """The graph is too short to drop from (a decode step): left unchanged without a warning."""
+
+    kind = Kind.NOTHING_TO_DROP
+
+
+class NotInference(RewriteSkipped):
+    """Gradients are enabled or labels were given: a loss or a backward pass needs every position."""
+
+    kind = Kind.NOT_INFERENCE
 
 
 class LengthSpecialized(RewriteSkipped):
     """The traced program holds only for a range of prompt lengths (the model branches on the
     length, e.g. a scan that recurses on it): no kept-token count can be run through it, and
     every new length would be traced again, so the caller may stop compiling this model."""
+
+    kind = Kind.LENGTH_SPECIALIZED
 
 
 @dataclass(frozen=True)
@@ -145,18 +158,18 @@ class _Analysis:
     def _check_requests(self) -> None:
         for node in self.gm.graph.nodes:
             if node.op == "placeholder" and "labels" in node.name:
-                raise RewriteSkipped("labels were given: a loss needs every position")
+                raise NotInference("labels were given: a loss needs every position")
             # `labels=input_ids` (the usual idiom) reaches the graph as the token input itself:
             # dynamo passes one tensor once, so look for the loss instead of its input
             if node.op in ("call_function", "call_method") and any(
                     loss in target_name(node) for loss in ("cross_entropy", "nll_loss")):
-                raise RewriteSkipped("labels were given (the graph computes a loss): a loss needs every position")
+                raise NotInference("labels were given (the graph computes a loss): a loss needs every position")
             if _active_dropout(node):
                 raise RewriteSkipped("dropout is active (the model is in training mode): every token's output is "
                                      "random; call model.eval() for inference")
             val = example_value(node)
             if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.requires_grad and torch.is_grad_enabled():
-                raise RewriteSkipped("gradients are enabled: run inference under torch.no_grad()")
+                raise NotInference("gradients are enabled: run inference under torch.no_grad()")
         outputs = self.gm.graph.output_node().args[0]
         flat = []
         map_aggregate(outputs, lambda a: flat.append(a) if isinstance(a, fx.Node) else None)

@@ -27,6 +27,7 @@ import types
 
 import torch
 
+from ..unaccelerated import Kind, Unaccelerated
 from .batched import Row, RowCaches, left_pad_counts, stack_rows
 from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
     _DECODE_STATE, ATTENTION_NAME, _attention_implementation, _register_attention, decode_kernels,
@@ -83,7 +84,7 @@ class UniPrefillModel(torch.nn.Module):
             why = self._rows_unsupported(cache, kwargs, from_generate)
             if why is None:
                 return self._prefill_rows(ids, kwargs)
-            self._unaccelerated(why)
+            self._unaccelerated(Unaccelerated(why, Kind.INPUT_NOT_MODELLED))
             return self._eager(kwargs)
         continuing = cache is not None and not empty_cache
         if continuing:
@@ -106,7 +107,7 @@ class UniPrefillModel(torch.nn.Module):
     def _eager(self, kwargs):
         return type(self.model).forward(self.model, **kwargs)
 
-    def _unaccelerated(self, why: str) -> None:
+    def _unaccelerated(self, why: Unaccelerated) -> None:
         self.backend.last_unaccelerated = why
         if self.backend.config.strict:
             raise RuntimeError(f"uniprefill cannot accelerate this call: {why}")
@@ -186,7 +187,8 @@ class UniPrefillModel(torch.nn.Module):
             raise inner
         if self.backend.config.strict:
             raise exc
-        self._unaccelerated(f"torch.compile cannot compile this model ({_what_failed(exc)})")
+        self._unaccelerated(Unaccelerated(f"torch.compile cannot compile this model ({_what_failed(exc)})",
+                                          Kind.NOT_COMPILABLE))
         return self._eager(kwargs)
 
     def _row_kwargs(self, kwargs) -> tuple[str, dict]:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..backend import REWRITE_FAILED
+from ..unaccelerated import Kind, kind_of
 
 SETTINGS = dict(sink=16, last_q=16, block_size=16)
 _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -225,7 +225,7 @@ def census_one(model_type: str) -> CensusRow:
                 row.status = "accelerated"
                 if row.dropped == "none":
                     row.reason = fast.backend.last_unaccelerated or "p < 1 dropped nothing"
-                    if row.reason.startswith(REWRITE_FAILED):
+                    if kind_of(row.reason) is Kind.REWRITE_FAILED:
                         row.status = "error"
             if not all(v is True for v in row.checks.values()) or row.generation == "DIFFERS":
                 row.status = "mismatch"

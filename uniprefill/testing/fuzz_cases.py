@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backend import REWRITE_FAILED
+from ..unaccelerated import Kind, kind_of
 
 SETTINGS = dict(sink=16, last_q=16, block_size=16)
 MIN_TOKENS = SETTINGS["sink"] + SETTINGS["last_q"]
@@ -144,7 +144,7 @@ def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
         if bad:
             result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
             return result
-        if (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
+        if kind_of(fast.backend.last_unaccelerated) is Kind.REWRITE_FAILED:
             result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
             return result
         if _accelerated(fast):
@@ -207,7 +207,7 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
     elif tie is not None:
         result.status, result.detail = "tie", f"{tie}; {result.detail}"
         result.accelerated = int(_accelerated(fast))
-    elif (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
+    elif kind_of(fast.backend.last_unaccelerated) is Kind.REWRITE_FAILED:
         result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
     elif _accelerated(fast):
         result.accelerated += 1
@@ -267,7 +267,7 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
                 bad = f"decode step {step + 1}: {bad}"
     if bad:
         result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
-    elif (fast.backend.last_unaccelerated or "").startswith(REWRITE_FAILED):
+    elif kind_of(fast.backend.last_unaccelerated) is Kind.REWRITE_FAILED:
         result.status, result.detail = "error", f"{fast.backend.last_unaccelerated}; {result.detail}"
     elif accelerated:
         result.accelerated = 1

@@ -44,6 +44,7 @@ from typing import Any
 
 from .. import env
 from ..config import UniPrefillConfig
+from ..unaccelerated import Kind, Unaccelerated, kind_of
 from .checks import (  # noqa: F401  (re-exported: tests, scripts and docs use them from here)
     BACKEND_QUALNAME, CONFIG_KEY, SUPPORTED_MODES, VERIFIED_VLLM_VERSIONS, VllmCheck, _get, _mode_number,
     check_vllm_config, config_from_compilation_config, cudagraph_mode_name, decode_graphs_requested,
@@ -73,7 +74,7 @@ class VllmGraphReport:
     """What the backend did with one graph vLLM handed over."""
 
     rewritten: bool
-    reason: str
+    reason: str  # an `Unaccelerated` (message and kind) when not rewritten
     attention_ops: int  # unified_attention* calls (one per attention layer)
     kv_cache_updates: int
     gdn_ops: int
@@ -229,8 +230,8 @@ class VllmTokenDropBackend:
         names = [_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
         report = VllmGraphReport(
             rewritten=False,
-            reason=("the vLLM rewrite is experimental and off: it is tested on CPU in a fake vLLM only "
-                    "(the option \"vllm_drop\": true turns it on; docs/vllm.md)"),
+            reason=Unaccelerated("the vLLM rewrite is experimental and off: it is tested on CPU in a fake vLLM only "
+                                 "(the option \"vllm_drop\": true turns it on; docs/vllm.md)", Kind.OPTION_OFF),
             attention_ops=sum("unified_attention" in n for n in names),
             kv_cache_updates=sum("unified_kv_cache_update" in n for n in names),
             gdn_ops=sum("gdn_attention" in n for n in names),
@@ -238,12 +239,14 @@ class VllmTokenDropBackend:
         )
         info = self._plan(gm, report)
         if info is None and self.config.vllm_drop:
-            report.reason = f"its graph could not be read ({report.plan_error})"
+            report.reason = Unaccelerated(f"its graph could not be read ({report.plan_error})", Kind.GRAPH_NOT_FOLLOWED)
         if info is not None and self.config.vllm_drop:
             rewritten = self._rewrite(gm, info, report)
             if rewritten is not None:
                 self.graphs.append(report)
                 return rewritten
+            if kind_of(report.reason) is None:  # a model or engine setting `_rewrite` refused
+                report.reason = Unaccelerated(report.reason, Kind.VLLM_NOT_SUPPORTED)
         self.graphs.append(report)
         if self.config.strict:
             raise RuntimeError(f"uniprefill cannot rewrite this vLLM graph: {report.reason}")
@@ -331,7 +334,7 @@ class VllmTokenDropBackend:
             report.rewrite = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds,
                                                 runtime)
         except (ValueError, KeyError) as exc:
-            report.reason = f"the vLLM rewrite refused this graph: {exc}"
+            report.reason = Unaccelerated(f"the vLLM rewrite refused this graph: {exc}", Kind.GRAPH_NOT_FOLLOWED)
             return None
         gm = copy
         dump = env.rewrite_dump_dir()  # debugging: the rewritten graph's code, with the rewrite's counts
