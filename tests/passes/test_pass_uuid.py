@@ -32,3 +32,11 @@ def test_the_backend_names_its_rewrite_with_the_pass_uuid():
 
     config = UniPrefillConfig(p=0.9)
     assert UniPrefillBackend(config).uuid() == pass_uuid(config)
+
+
+def test_the_vllm_backend_also_names_the_vllm_rewrite_code():
+    from uniprefill.vllm.plugin import VllmTokenDropBackend
+
+    config = UniPrefillConfig()
+    uuid = VllmTokenDropBackend(config).uuid()
+    assert uuid == pass_uuid(config, extra_sources=("uniprefill.vllm",)) and uuid != pass_uuid(config)

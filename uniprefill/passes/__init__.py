@@ -20,12 +20,13 @@ _SOURCES = ("uniprefill.passes", "uniprefill.kernels", "uniprefill.ops", "unipre
             "uniprefill.sink_ops", "uniprefill.record_ops", "uniprefill.config")
 
 
-def pass_uuid(config) -> str:
+def pass_uuid(config, extra_sources: tuple[str, ...] = ()) -> str:
     """A hex digest of the rewrite's source files and `config.stable_hash()`, as Inductor's
     `CustomGraphPass.uuid()` and vLLM's `InductorPass.uuid()` name a pass: equal for the same code
-    and settings in any process, different when either changes."""
+    and settings in any process, different when either changes. `extra_sources`: more modules or
+    packages whose code decides the rewrite (the vLLM backend adds `uniprefill.vllm`)."""
     digest = hashlib.sha256()
-    for name in _SOURCES:
+    for name in _SOURCES + tuple(extra_sources):
         path = Path(importlib.import_module(name).__file__).resolve()
         files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
         for file in files:

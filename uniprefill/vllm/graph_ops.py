@@ -19,7 +19,8 @@ histories) and so cannot be an op argument. It is found the way `record_ops` fin
 recorder: `rewrite_vllm_graph` wraps the rewritten graph's `forward` in `running(runtime)`, which
 makes that runtime current (a context variable) for the call; an op that runs outside such a call
 raises. `check_rows` returns nothing and is registered as having a side effect, so dead-code
-elimination keeps it.
+elimination keeps it (as `vllm_begin_step` and `vllm_drop`, whose effects are on the runtime and on
+vLLM's forward context). The rewritten graph runs eagerly, in node order (vLLM's mode 2).
 """
 
 from __future__ import annotations
@@ -113,4 +114,8 @@ def _(value, num_rows, name):
     return None
 
 
-torch.fx.node.has_side_effect(torch.ops.uniprefill.check_rows.default)  # returns nothing: keep it
+# Kept by dead-code elimination, and never treated as pure: `check_rows` and `vllm_begin_step` return
+# nothing; `vllm_drop` installs the later layers' attention metadata in vLLM's forward context.
+for _op in (torch.ops.uniprefill.check_rows.default, torch.ops.uniprefill.vllm_begin_step.default,
+            torch.ops.uniprefill.vllm_drop.default):
+    torch.fx.node.has_side_effect(_op)

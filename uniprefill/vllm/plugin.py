@@ -221,7 +221,7 @@ class VllmTokenDropBackend:
         """The rewrite's code and this backend's settings (`passes.pass_uuid`), for compile caches."""
         from ..passes import pass_uuid
 
-        return pass_uuid(self.config)
+        return pass_uuid(self.config, extra_sources=("uniprefill.vllm",))
 
     def __call__(self, gm, example_inputs):
         from .graph import attach_example_inputs
