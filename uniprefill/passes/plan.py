@@ -127,6 +127,9 @@ class _Analysis:
             if any(info.sdpa for info in self.layers.values()):
                 raise RewriteSkipped(f"no full-attention layer in this graph: its attention layers are sliding-window "
                                      f"or use masks the rewrite does not model (layers: {kinds})")
+            if all(info.kind == "linear" for info in self.layers.values()):
+                raise RewriteSkipped("an attention-free model: every layer is a recurrent or convolutional token mixer "
+                                     "(no attention to score tokens with, so no layer to drop at)")
             raise RewriteSkipped("no full-attention layer (no scaled_dot_product_attention call) in this graph; "
                                  f"if the model has attention, load it with attn_implementation='sdpa' (layers: {kinds})")
         self.drop_layers = resolve_drop_layers(self.config.drop_layers, self.layers)

@@ -326,14 +326,21 @@ def decode_unsupported(model) -> str:
     """Why decode steps after a drop cannot run on this model ("" when they can).
 
     They replace the attention through transformers' attention interface, which some attention
-    classes bypass; and they model full and sliding-window layers, not chunked local attention
-    (Llama-4's `chunked_attention` layers see only the keys of their own chunk)."""
+    classes bypass; they find a layer's kept tokens by the attention module's `layer_idx`, which a
+    module shared by several layers lacks; and they model full and sliding-window layers, not
+    chunked local attention (Llama-4's `chunked_attention` layers see only the keys of their own chunk)."""
     text = getattr(model.config, "text_config", None) or model.config
     if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
         return ("the model has chunked local-attention layers, whose decode steps see only their own chunk, which "
                 "decode after a drop does not model: a call that fills a cache runs unaccelerated "
                 "(use_cache=False prefills are accelerated)")
-    classes = {type(m) for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__}
+    attention = [m for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__]
+    shared = next((m for m in attention if not isinstance(m.layer_idx, int)), None)
+    if shared is not None:  # one attention module serving several layers (Zamba's shared block)
+        return (f"{type(shared).__name__} has no layer index of its own (layer_idx={shared.layer_idx!r}: one module "
+                "serves several layers), so a decode step cannot tell which layer's kept tokens its cache holds: a "
+                "call that fills a cache runs unaccelerated (use_cache=False prefills are accelerated)")
+    classes = {type(m) for m in attention}
     for cls in classes:
         try:
             source = inspect.getsource(cls.forward)
