@@ -89,6 +89,34 @@ def _scan_nodes(gm) -> int:
     return sum(1 for n in gm.graph.nodes if n.target in (scan, scan.default))
 
 
+def test_the_scan_op_is_the_function_at_every_length_and_its_fake_agrees():
+    """The op runs the model's own function (so any length, including fewer kept tokens), and
+    `torch.library.opcheck` holds its fake (shapes, dtypes) to the real outputs."""
+    import importlib
+
+    from uniprefill.scan_ops import ORIGINALS
+
+    name = "transformers.models.jamba.modeling_jamba"
+    function = f"{name}.mamba_selective_scan"
+    ORIGINALS.setdefault(function, importlib.import_module(name).mamba_selective_scan)
+    g = torch.Generator().manual_seed(0)
+    A = -torch.rand(6, 4, generator=g) - 0.5
+    D, bias = torch.rand(6, generator=g), torch.rand(6, generator=g)
+    for length in (1, 7, 300):
+        x, dt, z = (torch.randn(2, 6, length, generator=g) for _ in range(3))
+        B, C = (torch.randn(2, 4, length, generator=g) for _ in range(2))
+        args = (x, dt, A, B, C, D, z, bias, True, True, False, True, function)
+        out, state = torch.ops.uniprefill.selective_scan(*args)
+        ref_out, ref_state = ORIGINALS[function](x, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
+                                                 return_last_state=True)
+        assert torch.equal(out, ref_out) and torch.equal(state, ref_state) and state.shape == (2, 6, 4)
+        torch.library.opcheck(torch.ops.uniprefill.selective_scan.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
+    no_state = torch.ops.uniprefill.selective_scan(x, dt, A, B, C, None, None, None, False, False, False, False,
+                                                   function)
+    assert no_state[1].numel() == 0 and no_state[0].shape == x.shape
+
+
 def test_the_fallback_becomes_one_op_per_mamba_layer_and_the_graph_is_rewritten():
     model = _model("jamba")
     patched = make_linear_attention_opaque(model)
@@ -206,3 +234,25 @@ def test_zamba_shared_attention_drops_like_the_reference_generation_refused_with
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
     assert (out - full).abs().max() > 10 * ATOL, "dropping must change the answer of a random model"
+
+
+def test_kimi_delta_attention_fallback_is_routed_through_the_chunked_op():
+    """Kimi-Linear's `chunk_kimi_delta_attention` (64-token chunks, a per-channel gate) shares
+    `uniprefill::chunk_gated_delta_rule`: patched by `make_linear_attention_opaque`, equal to the
+    function past one chunk, its fake checked (float32 state, output in the query's dtype)."""
+    from uniprefill.scan_ops import ORIGINALS
+
+    model = _model("kimi_linear")
+    name = "transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention"
+    make_linear_attention_opaque(model)
+    assert name in ORIGINALS
+    g = torch.Generator().manual_seed(0)
+    q, k, gate = (torch.randn(1, 100, 2, 8, generator=g) for _ in range(3))
+    v, beta = torch.randn(1, 100, 2, 4, generator=g), torch.rand(1, 100, 2, generator=g)
+    args = (q, k, v, -gate.abs(), beta, None, True, True, name)
+    out, state = torch.ops.uniprefill.chunk_gated_delta_rule(*args)
+    ref_out, ref_state = ORIGINALS[name](q, k, v, g=-gate.abs(), beta=beta, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+    assert torch.equal(out, ref_out) and torch.equal(state, ref_state) and state.dtype == torch.float32
+    torch.library.opcheck(torch.ops.uniprefill.chunk_gated_delta_rule.default, args,
+                          test_utils=("test_schema", "test_faketensor"))

@@ -267,8 +267,9 @@ def _check_length_guards(seq) -> None:
     saw. Two signs that the program does not hold for it, read from dynamo's shape guards:
 
     * the length symbol is bounded on both sides: the model's Python code loops or recurses on
-      the length (Jamba's Mamba scan halves the sequence recursively; a trace at 100 tokens
-      holds for 96..127 only). Every new length is traced again: `LengthSpecialized`;
+      the length (torch's generic associative scan, which transformers' Mamba fallback uses under
+      dynamo, halves the sequence recursively; a trace at 100 tokens holds for 96..127 only;
+      `uniprefill.compile` routes that fallback through `scan_ops` first). Every new length is traced again: `LengthSpecialized`;
     * an equality guard on the length fails for a smaller count (GraniteMoeHybrid's chunked
       scan traced at 64 tokens assumes a whole number of 64-token chunks). Checked on a sample
       of counts below the prompt length (near it, small ones, and chunk multiples +-1).
