@@ -31,7 +31,7 @@ import sys
 import torch
 
 from .scan_ops import ORIGINALS as _ORIGINALS
-from .scan_ops import opaque_selective_scan
+from .scan_ops import _needs_grad, opaque_selective_scan
 
 
 @torch.library.custom_op("uniprefill::chunk_gated_delta_rule", mutates_args=())
@@ -69,7 +69,7 @@ def _(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2no
 def _opaque_for(module_name: str):
     def opaque(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-        if cu_seqlens is not None or chunk_size != 64:
+        if cu_seqlens is not None or chunk_size != 64 or _needs_grad(query, key, value, g, beta, initial_state):
             return _ORIGINALS[module_name](query, key, value, g=g, beta=beta, chunk_size=chunk_size,
                                            initial_state=initial_state, output_final_state=output_final_state,
                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)

@@ -12,7 +12,9 @@ function eagerly on whatever length it receives (outside dynamo, so the function
 sequential loop, exactly as the plain model runs it), and its fake gives the output shapes
 from the input shapes alone. The token-drop pass then reads it as any other op whose token
 axis is the axis of its inputs: run on the kept tokens in their order, the scan is the
-method's causal mixer (`compat.make_linear_attention_opaque` routes the function here).
+method's causal mixer (`compat.make_linear_attention_opaque` routes the function here). The
+op has no backward: where gradients are wanted the drop-in calls the function itself (and
+the token-drop pass refuses such graphs anyway).
 
 The fake's dtypes follow the function's arithmetic (type promotion of dt, A, B, the input, C,
 D and z); the implementation checks that its results have them, so a model whose fallback
@@ -86,12 +88,18 @@ def _(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_
     return hidden_states.new_empty(hidden_states.shape, dtype=out_dtype), state
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def opaque_selective_scan(function: str):
     """A drop-in for `function` (a `mamba_selective_scan`) that calls the op."""
 
     def opaque(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):
-        if kwargs:  # an argument the op does not carry (packed sequences): the model's own function
+        if kwargs or _needs_grad(hidden_states, dt, A, B, C, D, z, delta_bias):
+            # an argument the op does not carry (packed sequences), or training (the op has no
+            # backward): the model's own function
             return ORIGINALS[function](hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
                                        delta_softplus=delta_softplus, return_last_state=return_last_state,
                                        use_mambapy=use_mambapy, use_associative_scan=use_associative_scan, **kwargs)

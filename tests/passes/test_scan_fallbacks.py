@@ -256,3 +256,13 @@ def test_kimi_delta_attention_fallback_is_routed_through_the_chunked_op():
     assert torch.equal(out, ref_out) and torch.equal(state, ref_state) and state.dtype == torch.float32
     torch.library.opcheck(torch.ops.uniprefill.chunk_gated_delta_rule.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_patched_model_still_trains():
+    """The ops have no backward; the patch is process-wide, so a patched model that trains must
+    reach the function itself (gradients flow through the Mamba scan)."""
+    model = _model("jamba")
+    make_linear_attention_opaque(model)
+    ids = _ids()[:, :40]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.model.layers[0].mamba.x_proj.weight.grad.abs().sum() > 0
