@@ -14,10 +14,12 @@ import importlib
 from pathlib import Path
 
 # Everything whose code decides what a rewritten graph computes: the passes, the ops they insert,
-# the kernels behind them (`uniprefill.kernels`, a folder of its own in a source checkout) and the
+# the kernels behind them (`uniprefill.kernels`, a folder of its own in a source checkout), the scan
+# ops `uniprefill.compile` routes transformers' fallbacks through (`compat`, `scan_ops`) and the
 # config they read.
 _SOURCES = ("uniprefill.passes", "uniprefill.kernels", "uniprefill.ops", "uniprefill.attention_ops",
-            "uniprefill.sink_ops", "uniprefill.record_ops", "uniprefill.config")
+            "uniprefill.sink_ops", "uniprefill.record_ops", "uniprefill.scan_ops", "uniprefill.compat",
+            "uniprefill.config")
 
 
 def pass_uuid(config, extra_sources: tuple[str, ...] = ()) -> str:
