@@ -4,13 +4,13 @@ For each prompt (RULER-style needle tasks of `uniprefill.eval.tasks`) the plain 
 once, unchanged; an attention function registered with transformers' `AttentionInterface`
 computes SDPA as usual and, at every full-attention layer, also the token scores the method
 uses (softmax of the last `last_q` queries over all keys, mean over queries, sum over heads:
-`kernels.reference._token_scores`), averaged over blocks of `block_size` tokens. Per layer it
+`kernels.score_blocks.reference.token_scores`), averaged over blocks of `block_size` tokens. Per layer it
 records the share of that score held by the sink blocks, the window blocks, the needle's
 blocks and the rest, the needle's rank among the free (not forced) blocks, and what each
 selection rule would keep if that layer were a drop point fed the full prompt: the kept
 share of the tokens and whether every needle block survives.
 
-The rules are the ones `UniPrefillConfig.selection` offers (`kernels.reference.select_one`):
+The rules are the ones `UniPrefillConfig.selection` offers (`kernels.select_blocks.reference.select_one`):
 "paper" (forced blocks count toward p) and "content" (p is the share of the free blocks'
 score; forced blocks are kept on top).
 
@@ -58,14 +58,14 @@ class ScoreProbe:
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        from uniprefill.kernels.reference import _token_scores
+        from uniprefill.kernels.score_blocks.reference import token_scores
 
         if kwargs.get("sliding_window") is None and query.shape[2] > 1:
             n = min(self.last_q, query.shape[2])
             q = query[0, :, -n:].transpose(0, 1).float()  # [n, H, d], scored in float32 as the method does
             k = key[0].transpose(0, 1).float()  # [N, Hk, d]
             scale = kwargs.get("scaling") or module.scaling
-            self.scores[module.layer_idx] = _token_scores(q, k, q.shape[1] // k.shape[1], scale).cpu()
+            self.scores[module.layer_idx] = token_scores(q, k, q.shape[1] // k.shape[1], scale).cpu()
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -85,12 +85,13 @@ def needle_token_span(tokenizer, prompt: str, answers) -> list[tuple[int, int]]:
     return spans
 
 
-def layer_record(token_scores, spans, *, block_size, sink, last_q) -> dict:
-    from uniprefill.kernels.reference import _block_means, block_token_counts, forced_blocks, select_one
+def layer_record(scores, spans, *, block_size, sink, last_q) -> dict:
+    from uniprefill.kernels.score_blocks.reference import block_means, block_token_counts
+    from uniprefill.kernels.select_blocks.reference import forced_blocks, select_one
     from uniprefill.kernels.rule import SelectionRule
 
-    n = token_scores.shape[0]
-    blocks = _block_means(token_scores, block_size)
+    n = scores.shape[0]
+    blocks = block_means(scores, block_size)
     counts = block_token_counts(n, block_size, "cpu").float()
     mass = blocks * counts  # each block's share of the token scores (the sum is the head count)
     total = float(mass.sum())
