@@ -38,9 +38,9 @@ import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from uniprefill.kernels import api
-from uniprefill.kernels import score_blocks as score_module
+from uniprefill.kernels.score_blocks import kernel as score_module
 from uniprefill.kernels.rule import SelectionRule
-from uniprefill.kernels.score_blocks import ScoreTiles, score_blocks_fwd, softmax_lse_fwd, token_scores_fwd
+from uniprefill.kernels.score_blocks.kernel import ScoreTiles, score_blocks_fwd, softmax_lse_fwd, token_scores_fwd
 from uniprefill.kernels.validation import read_layout
 
 HQ, HK, D = 32, 8, 128

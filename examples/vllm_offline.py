@@ -15,28 +15,17 @@ standard vLLM on a model as small as Gemma-3-270M. The same settings from the co
 from __future__ import annotations
 
 import argparse
-import os
+
+from uniprefill import env
+from uniprefill.vllm.engine_settings import dropping_engine_kwargs
 
 
 def llm_kwargs(model: str, settings: dict, max_model_len: int = 32768, decode_graphs: bool = False) -> dict:
-    """`vllm.LLM(**kwargs)` for a dropping engine.
-
-    settings: the `UniPrefillConfig` fields (e.g. {"p": 0.95}); "vllm_drop" (the experimental
-    rewrite; without it vLLM runs unaccelerated) is added here. Prefix caching must be off (a
-    dropped request's KV blocks must never serve another request), and a prompt drops only when
-    it is prefilled in one step, so the step's token budget covers the longest prompt.
-    decode_graphs: decode under CUDA graphs that read the drop histories (the option
-    "vllm_decode_graphs" with cudagraph_mode FULL_DECODE_ONLY)."""
-    options = {"vllm_drop": True, **settings}
-    if decode_graphs:
-        options["vllm_decode_graphs"] = True
-    compilation = {"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
-                   "inductor_compile_config": {"uniprefill": options}}
-    if decode_graphs:
-        compilation["cudagraph_mode"] = "FULL_DECODE_ONLY"
-    return {"model": model, "max_model_len": max_model_len, "enable_prefix_caching": False,
-            "enable_chunked_prefill": False, "max_num_batched_tokens": max_model_len,
-            "compilation_config": compilation}
+    """`vllm.LLM(**kwargs)` for a dropping engine (`uniprefill.vllm.engine_settings` says why each
+    setting is needed); "vllm_drop" (the experimental rewrite; without it vLLM runs
+    unaccelerated) is added to the `UniPrefillConfig` fields in `settings`."""
+    return {"model": model, **dropping_engine_kwargs({"vllm_drop": True, **settings}, max_model_len=max_model_len,
+                                                     decode_graphs=decode_graphs)}
 
 
 def main() -> None:
@@ -46,8 +35,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--decode-graphs", action="store_true", help="decode under CUDA graphs after drops")
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")  # mode 2 with a custom backend cannot AOT-compile
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(drop_totals) sends a function
+    env.prepare_vllm_channel()  # no AOT compile in mode 2; collective_rpc(drop_totals) sends a function
 
     from vllm import LLM, SamplingParams
 

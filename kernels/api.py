@@ -3,9 +3,10 @@
 Packed variable-length batches throughout (`cu_seqlens`, as in flash-attention varlen).
 `impl` picks the implementation explicitly and never falls back silently:
 
-- "torch": the PyTorch reference (`reference.py`), any device;
-- "triton": the Triton kernels (`score_blocks.py`, `select_blocks.py`, `compact.py`); CUDA
-  tensors, or any tensors when TRITON_INTERPRET=1 (Triton's CPU interpreter, for tests);
+- "torch": the PyTorch references (`<op>/reference.py`), any device;
+- "triton": the Triton kernels (`<op>/kernel.py` of `score_blocks/`, `select_blocks/`,
+  `compact/`); CUDA tensors, or any tensors when TRITON_INTERPRET=1 (Triton's CPU
+  interpreter, for tests);
 - "auto": "triton" on CUDA tensors, "torch" elsewhere.
 
 Host syncs: `score_blocks` reads `cu_seqlens_q`/`cu_seqlens_k` to the host once (to check
@@ -24,7 +25,9 @@ from collections.abc import Sequence
 
 import torch
 
-from . import reference
+from .compact.reference import compact_tokens_reference
+from .score_blocks.reference import block_offsets, score_blocks_reference
+from .select_blocks.reference import select_blocks_reference
 from ._common import cdiv
 from .rule import SelectionRule  # re-exported: `api.SelectionRule`
 from .validation import (
@@ -85,9 +88,9 @@ def score_blocks(
         max_seqlen_k=max_seqlen_k, host_cu_seqlens=host_cu_seqlens,
     )
     if impl == "torch":
-        scores = reference.score_blocks_reference(q, k, layout, block_size=block_size, scale=scale)
-        return scores, reference.block_offsets(cu_seqlens_k, block_size)
-    from .score_blocks import score_blocks_fwd
+        scores = score_blocks_reference(q, k, layout, block_size=block_size, scale=scale)
+        return scores, block_offsets(cu_seqlens_k, block_size)
+    from .score_blocks.kernel import score_blocks_fwd
 
     return score_blocks_fwd(q, k, cu_seqlens_q, cu_seqlens_k, layout, block_size=block_size, scale=scale)
 
@@ -129,8 +132,8 @@ def select_blocks(
     check_select_inputs(block_scores, cu_blocks, cu_seqlens_k, rule)
     impl = resolve_impl(impl, block_scores.device)
     if impl == "torch":
-        return reference.select_blocks_reference(block_scores, cu_blocks, cu_seqlens_k, rule)
-    from .select_blocks import select_blocks_fwd
+        return select_blocks_reference(block_scores, cu_blocks, cu_seqlens_k, rule)
+    from .select_blocks.kernel import select_blocks_fwd
 
     if max_seqlen_k is not None:
         check_int("max_seqlen_k", max_seqlen_k, low=0)
@@ -163,8 +166,8 @@ def compact_tokens(
     """
     check_compact_inputs(block_keep, cu_blocks, cu_seqlens_k, block_size)
     if resolve_impl(impl, block_keep.device) == "torch":
-        return reference.compact_tokens_reference(block_keep, cu_blocks, cu_seqlens_k, block_size)
-    from .compact import compact_tokens_fwd
+        return compact_tokens_reference(block_keep, cu_blocks, cu_seqlens_k, block_size)
+    from .compact.kernel import compact_tokens_fwd
 
     return compact_tokens_fwd(block_keep, cu_blocks, cu_seqlens_k, block_size)
 

@@ -29,7 +29,7 @@ import torch
 
 from ._common import cdiv, next_power_of_2
 from .api import compact_tokens, score_and_select, select_blocks
-from .reference import block_offsets
+from .score_blocks.reference import block_offsets
 from .rule import SelectionRule
 
 SEQUENCE_COUNTS = (1, 2, 16)  # == 1, neither, a multiple of 16: Triton's integer specialisations
@@ -93,7 +93,7 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
                                  scale=head_dim ** -0.5, impl=impl, host_cu_seqlens=(host_q, host_k))
                 scored += 1
     selected = 0
-    from .select_blocks import MAX_BLOCKS_PER_SEQUENCE  # imports Triton: only where its kernels run
+    from .select_blocks.kernel import MAX_BLOCKS_PER_SEQUENCE  # imports Triton: only where its kernels run
 
     most_blocks = min(next_power_of_2(cdiv(max_seqlen, block_size)), MAX_BLOCKS_PER_SEQUENCE)
     for batch in SEQUENCE_COUNTS[:2]:

@@ -269,16 +269,16 @@ def check_against_model(config: UniPrefillConfig, model_config) -> None:
             raise ValueError(f"drop_layers={list(config.drop_layers)} names layer(s) {beyond}, but the model has "
                              f"{layers} decoder layers (0..{layers - 1})")
     try:
-        from .models.layer_kinds import layer_kinds
+        from .models.layer_kinds import LayerKind, layer_kinds
 
         kinds = layer_kinds(model_config)
     except Exception:  # noqa: BLE001  (a config this derivation cannot read: the graph's classification decides)
         return
-    if "other" in kinds:  # a layer type the config does not explain (e.g. attention beside an SSM): the graph decides
+    if LayerKind.OTHER in kinds:  # a layer type the config does not explain (e.g. attention beside an SSM): the graph decides
         return
-    full = [i for i, kind in enumerate(kinds) if kind == "full"]
+    full = [i for i, kind in enumerate(kinds) if kind == LayerKind.FULL]
     if explicit:
-        other = [f"{i} ({kinds[i]})" for i in config.drop_layers if kinds[i] != "full"]
+        other = [f"{i} ({kinds[i]})" for i in config.drop_layers if kinds[i] != LayerKind.FULL]
         if other:
             raise ValueError(f"drop_layers={list(config.drop_layers)}: layer(s) {', '.join(other)} are not "
                              f"full-attention layers; this model's full-attention layers are {full}")

@@ -1,4 +1,14 @@
-"""Make transformers' pure-PyTorch scan fallbacks visible to dynamo as ONE op each.
+"""Every process-wide change uniprefill makes to transformers, in one place.
+
+1. `register_decode_attention()`: adds the attention function "uniprefill_decode"
+   (`runtime.decode_attention`) to transformers' `AttentionInterface` and `AttentionMaskInterface`,
+   the public hooks transformers offers for custom attention. Idempotent; it adds a name and
+   replaces none, so no model that does not ask for that name sees a difference.
+2. `make_linear_attention_opaque(model)`: makes transformers' pure-PyTorch scan fallbacks
+   visible to dynamo as ONE op each (below). Idempotent and reversible
+   (`restore_linear_attention`). transformers picks a fallback by a module-level name and
+   offers no registry for linear attention or state-space scans (as `AttentionInterface` is for
+   softmax attention), so rebinding the name is the one place to intervene without per-model code.
 
 Without flash-linear-attention or mamba-ssm, transformers runs its linear-attention and
 state-space mixers through Python loops over the token axis:
@@ -17,21 +27,36 @@ then records one node, exactly as it records fla's or mamba-ssm's kernel where i
 These mixers are causal scans: run on the kept tokens in their order, they are the method.
 
 This rebinds module-level names in the transformers modeling modules the model uses
-(process-wide, idempotent, numerically identical to the plain model, which runs the same
-functions outside dynamo); `uniprefill.compile` calls it. A name bound to an installed
-kernel package (transformers' hub wrapper resolved it to something other than its PyTorch
-function) is left alone.
+(process-wide, numerically identical: the op runs the original); `uniprefill.compile` calls it.
+A name transformers' hub wrapper bound to an installed kernel package is left alone. The
+original stays reachable as the replacement's `_uniprefill_original` (not `__wrapped__`: the
+fallback may already be a decorated function); no table of originals is kept. The ops name the
+original by its module-qualified name (`module.function`), `scan_ops.original_of`.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 
 import torch
 
-from .scan_ops import ORIGINALS as _ORIGINALS
-from .scan_ops import _needs_grad, opaque_selective_scan
+from .scan_ops import MARK as _MARK
+from .scan_ops import needs_grad, opaque_selective_scan, original_of
+
+
+@functools.cache
+def register_decode_attention() -> None:
+    """Add "uniprefill_decode" to transformers' attention registries (once per process)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    from . import ops, sink_ops  # noqa: F401  (registers uniprefill::decode_attention, decode_sink_attention)
+    from .runtime.decode_attention import ATTENTION_NAME, decode_attention
+
+    AttentionInterface.register(ATTENTION_NAME, decode_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 @torch.library.custom_op("uniprefill::chunk_gated_delta_rule", mutates_args=())
@@ -48,7 +73,7 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs the original fallback `module_name` (module-qualified function name); returns
     (output, final state or empty)."""
-    fn = _ORIGINALS[module_name]
+    fn = original_of(module_name)
     out, state = fn(query, key, value, g=g, beta=beta, initial_state=initial_state,
                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if out.dtype != query.dtype or (state is not None and state.dtype != torch.float32):
@@ -66,25 +91,26 @@ def _(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2no
     return value.new_empty(value.shape, dtype=query.dtype), state
 
 
-def _opaque_for(module_name: str):
+def _opaque_chunked(qualified: str, original):
     def opaque(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
                use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-        if cu_seqlens is not None or chunk_size != 64 or _needs_grad(query, key, value, g, beta, initial_state):
-            return _ORIGINALS[module_name](query, key, value, g=g, beta=beta, chunk_size=chunk_size,
-                                           initial_state=initial_state, output_final_state=output_final_state,
-                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
+        if cu_seqlens is not None or chunk_size != 64 or needs_grad(query, key, value, g, beta, initial_state):
+            # packed sequences or another chunk size (the op carries neither), or training (no backward)
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
+                            initial_state=initial_state, output_final_state=output_final_state,
+                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens)
         out, state = torch.ops.uniprefill.chunk_gated_delta_rule(
-            query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, module_name)
+            query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel, qualified)
         return out, (state if output_final_state else None)
 
-    opaque._uniprefill_opaque = True
+    setattr(opaque, _MARK, original)
     return opaque
 
 
-# fallback name -> the drop-in that calls its op, given the module-qualified name of the original
+# fallback name -> the drop-in that calls its op, given the qualified name and the original
 _FALLBACKS = {
-    "torch_chunk_gated_delta_rule": _opaque_for,
-    "chunk_kimi_delta_attention": _opaque_for,  # the same signature, a per-channel gate
+    "torch_chunk_gated_delta_rule": _opaque_chunked,
+    "chunk_kimi_delta_attention": _opaque_chunked,  # the same signature, a per-channel gate
     "mamba_selective_scan": opaque_selective_scan,
 }
 
@@ -100,18 +126,33 @@ def _runs_pytorch(fn) -> bool:
         return False
 
 
+def _fallbacks(model: torch.nn.Module) -> list[tuple[str, object, str]]:
+    """(module name, module, fallback name) of every fallback the modeling modules `model` uses define."""
+    names = {type(module).__module__ for module in model.modules()}
+    return [(name, sys.modules[name], fallback) for name in sorted(names) if name in sys.modules
+            for fallback in _FALLBACKS if getattr(sys.modules[name], fallback, None) is not None]
+
+
 def make_linear_attention_opaque(model: torch.nn.Module) -> list[str]:
-    """Patch the fallbacks of the modeling modules `model` uses; returns their qualified names."""
+    """Route the fallbacks of the modeling modules `model` uses through their ops; returns the
+    modules changed by this call (none when they already were)."""
     patched = []
-    for module in model.modules():
-        name = type(module).__module__
-        py_module = sys.modules.get(name)
-        for fallback, make in _FALLBACKS.items():
-            fn = getattr(py_module, fallback, None)
-            if fn is None or getattr(fn, "_uniprefill_opaque", False) or not _runs_pytorch(fn):
-                continue
-            qualified = f"{name}.{fallback}"
-            _ORIGINALS[qualified] = fn
-            setattr(py_module, fallback, make(qualified))
-            patched.append(qualified)
-    return patched
+    for name, py_module, fallback in _fallbacks(model):
+        fn = getattr(py_module, fallback)
+        if hasattr(fn, _MARK) or not _runs_pytorch(fn):
+            continue
+        setattr(py_module, fallback, _FALLBACKS[fallback](f"{name}.{fallback}", fn))
+        patched.append(name)
+    return sorted(set(patched))
+
+
+def restore_linear_attention(model: torch.nn.Module) -> list[str]:
+    """Undo `make_linear_attention_opaque` for the modules `model` uses; returns those restored.
+    Graphs already compiled keep working (the ops find the original either way)."""
+    restored = []
+    for name, py_module, fallback in _fallbacks(model):
+        fn = getattr(py_module, fallback)
+        if hasattr(fn, _MARK):
+            setattr(py_module, fallback, getattr(fn, _MARK))
+            restored.append(name)
+    return sorted(set(restored))

@@ -41,7 +41,7 @@ import os
 from pathlib import Path
 
 __all__ = ["cache_dir", "force_hub_offline", "gemma_dir", "haystack_path", "legacy_vllm_switches", "minference_csrc",
-           "rewrite_dump_dir", "smollm2_dir"]
+           "prepare_vllm_channel", "rewrite_dump_dir", "smollm2_dir"]
 
 
 def _path_from_env(name: str, default: Path) -> Path:
@@ -94,3 +94,12 @@ def rewrite_dump_dir() -> Path | None:
     """UNIPREFILL_VLLM_REWRITE_DUMP, or None when unset or empty."""
     value = os.environ.get("UNIPREFILL_VLLM_REWRITE_DUMP", "").strip()
     return Path(value).expanduser() if value else None
+
+
+def prepare_vllm_channel() -> None:
+    """The environment vLLM reads at import for the uniprefill channel (its EngineCore process
+    inherits it): `VLLM_USE_AOT_COMPILE=0` (mode 2 with a custom backend cannot AOT-compile,
+    docs/vllm.md) and, unless set, `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (`collect_drop_totals`
+    sends a function through `collective_rpc`). Call it before importing vLLM."""
+    os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

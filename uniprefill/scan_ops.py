@@ -12,7 +12,8 @@ function eagerly on whatever length it receives (outside dynamo, so the function
 sequential loop, exactly as the plain model runs it), and its fake gives the output shapes
 from the input shapes alone. The token-drop pass then reads it as any other op whose token
 axis is the axis of its inputs: run on the kept tokens in their order, the scan is the
-method's causal mixer (`compat.make_linear_attention_opaque` routes the function here). The
+method's causal mixer (`compat.make_linear_attention_opaque` routes the function here; the op finds the
+original by its module-qualified name, `original_of`). The
 op has no backward: where gradients are wanted the drop-in calls the function itself (and
 the token-drop pass refuses such graphs anyway).
 
@@ -24,10 +25,18 @@ flowing a wrong dtype on.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-# module-qualified function name -> the model's own function (filled by compat)
-ORIGINALS: dict[str, object] = {}
+MARK = "_uniprefill_original"  # on a drop-in `compat` bound in a fallback's place: the function it replaced
+
+
+def original_of(qualified: str):
+    """The fallback `module.function` as transformers defined it (compat's drop-in keeps it)."""
+    module, function = qualified.rsplit(".", 1)
+    fn = getattr(sys.modules[module], function)
+    return getattr(fn, MARK, fn)
 
 
 def _promote(*dtypes: torch.dtype) -> torch.dtype:
@@ -67,7 +76,7 @@ def selective_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`[batch, channels, length]` inputs (B, C: `[batch, state, length]`) scanned over `length`;
     returns (output, final state `[batch, channels, state]`, or an empty tensor)."""
-    result = ORIGINALS[function](hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
+    result = original_of(function)(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
                                  delta_softplus=delta_softplus, return_last_state=return_last_state,
                                  use_mambapy=use_mambapy, use_associative_scan=use_associative_scan)
     out, state = result if return_last_state else (result, None)
@@ -88,25 +97,26 @@ def _(hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_
     return hidden_states.new_empty(hidden_states.shape, dtype=out_dtype), state
 
 
-def _needs_grad(*tensors) -> bool:
+def needs_grad(*tensors) -> bool:
+    """Whether autograd would record through these tensors (the ops have no backward)."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def opaque_selective_scan(function: str):
-    """A drop-in for `function` (a `mamba_selective_scan`) that calls the op."""
+def opaque_selective_scan(function: str, original):
+    """A drop-in for `original`, the `mamba_selective_scan` named `function`, that calls the op."""
 
     def opaque(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                return_last_state=False, use_mambapy=False, use_associative_scan=False, **kwargs):
-        if kwargs or _needs_grad(hidden_states, dt, A, B, C, D, z, delta_bias):
+        if kwargs or needs_grad(hidden_states, dt, A, B, C, D, z, delta_bias):
             # an argument the op does not carry (packed sequences), or training (the op has no
             # backward): the model's own function
-            return ORIGINALS[function](hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
-                                       delta_softplus=delta_softplus, return_last_state=return_last_state,
-                                       use_mambapy=use_mambapy, use_associative_scan=use_associative_scan, **kwargs)
+            return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias,
+                            delta_softplus=delta_softplus, return_last_state=return_last_state,
+                            use_mambapy=use_mambapy, use_associative_scan=use_associative_scan, **kwargs)
         out, state = torch.ops.uniprefill.selective_scan(
             hidden_states, dt, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, use_mambapy,
             use_associative_scan, function)
         return (out, state) if return_last_state else out
 
-    opaque._uniprefill_opaque = True
+    setattr(opaque, MARK, original)
     return opaque

@@ -144,17 +144,18 @@ def test_random_inputs_are_seeded():
 
 
 def test_decode_benchmark_on_a_tiny_preset(tmp_path):
-    """benchmarks/bench_decode.py end to end: the compacted cache is smaller, decode runs."""
-    import importlib.util
+    """benchmarks/bench_decode.py end to end, run as a user runs it: the compacted cache is
+    smaller, decode runs."""
+    import subprocess
+    import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_decode", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
     out = tmp_path / "decode.json"
-    assert bench.main(["--model", "tiny-llama", "--device", "cpu", "--length", "600", "--new-tokens", "3",
-                       "--keep-ratio", "0.4", "--drop-layers", "all", "--out", str(out)]) == 0
+    done = subprocess.run([sys.executable, "-P", str(script), "--model", "tiny-llama", "--device", "cpu", "--length",
+                           "600", "--new-tokens", "3", "--keep-ratio", "0.4", "--drop-layers", "all", "--out", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(out.read_text())
     base, fast = record["results"]
     assert base["system"] == "baseline" and len(base["tokens"]) == 4 == len(fast["tokens"])
@@ -196,8 +197,10 @@ def test_compare_systems_pairs_prompts_both_ran(tmp_path):
 
 
 def test_presets_table_reads_what_bench_writes(tmp_path):
-    """benchmarks/presets_table.py on a real (tiny, CPU) `uniprefill bench --keep-ratio` run."""
-    import importlib.util
+    """benchmarks/presets_table.py, run as a user runs it, on a real (tiny, CPU) `uniprefill bench
+    --keep-ratio` run."""
+    import subprocess
+    import sys
     from pathlib import Path
 
     from uniprefill.cli import main as cli
@@ -206,18 +209,19 @@ def test_presets_table_reads_what_bench_writes(tmp_path):
     assert cli(["bench", "--model", "tiny-llama", "--device", "cpu", "--lengths", "512", "--keep-ratio", "0.5,0.25",
                 "--drop-layers", "0", "--measured-ideal", "--warmup", "0", "--repeats", "1", "--inputs", "random",
                 "--quiet", "--out", str(out)]) == 0
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "presets_table.py"
-    spec = importlib.util.spec_from_file_location("presets_table", path)
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
-    rows = table.load_rows(tmp_path)
-    assert [r["keep"] for r in rows] == [0.5, 0.25]
-    for r in rows:
-        assert r["speedup"] == pytest.approx(r["baseline_ms"] / r["ms"])
-        assert r["ideal_measured"] > 0 and r["ideal_flops"] > 1 and r["drop_layers"] == [0]
-    text = table.markdown_table(rows)
-    assert text.count("\n") == 3 and "| tiny-llama | 0K | 0.5 |" in text  # header, rule, 2 rows
-    table.plot(rows, tmp_path / "p.png")
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "presets_table.py"
+
+    def table(*args):
+        return subprocess.run([sys.executable, "-P", str(script), *map(str, args)], capture_output=True, text=True)
+
+    done = table(tmp_path, "--plot", tmp_path / "p.png")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| tiny-llama |")]
+    assert len(rows) == 2 and rows[0].startswith("| tiny-llama | 0K | 0.5 |") and "| 0.25 |" in rows[1]
+    methods = [r for r in json.loads(out.read_text())["results"] if r["role"] == "method"]
+    for row, keep in zip(rows, (0.5, 0.25)):  # each row shows its own run's speedup and measured ideal
+        result = next(r for r in methods if r["config"]["keep_ratio"][0] == keep)
+        assert f"**{result['speedup']:.2f}x**" in row and result["ideal_speedup"] > 0, (row, result)
     assert (tmp_path / "p.png").stat().st_size > 1000
-    with pytest.raises(SystemExit, match="no bench"):
-        table.main([str(tmp_path / "empty")])
+    done = table(tmp_path / "empty")
+    assert done.returncode != 0 and "no bench" in done.stderr

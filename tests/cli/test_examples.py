@@ -1,21 +1,29 @@
-"""examples/vllm_offline.py builds engine settings that uniprefill's own vLLM checks accept
-(vLLM itself is not installed here: the example runs on the GPU box only)."""
+"""The dropping engine's settings (`uniprefill.vllm.engine_settings`, what examples/vllm_offline.py
+and the GPU scripts ask vLLM for) are settings uniprefill's own vLLM checks accept (vLLM itself is
+not installed here: the example runs on the GPU box only); the example starts without vLLM."""
 from __future__ import annotations
 
-import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace as NS
 
+from uniprefill.vllm.engine_settings import dropping_engine_kwargs
 from uniprefill.vllm.plugin import BACKEND_QUALNAME, check_vllm_config, config_from_compilation_config
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm_offline.py"
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("vllm_offline", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # imports no vLLM at module level
-    return module
+def llm_kwargs(settings: dict, max_model_len: int = 32768, decode_graphs: bool = False) -> dict:
+    """What the example passes to `vllm.LLM` (the model aside)."""
+    return dropping_engine_kwargs({"vllm_drop": True, **settings}, max_model_len=max_model_len,
+                                  decode_graphs=decode_graphs)
+
+
+def test_the_example_starts_without_vllm():
+    done = subprocess.run([sys.executable, "-P", str(EXAMPLE), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--decode-graphs" in done.stdout, done.stderr
+    assert "dropping_engine_kwargs(" in EXAMPLE.read_text()  # it asks for the settings tested below
 
 
 def as_vllm_config(kwargs: dict) -> NS:
@@ -30,9 +38,8 @@ def as_vllm_config(kwargs: dict) -> NS:
               model_config=NS(max_model_len=kwargs["max_model_len"], runner_type="generate"))
 
 
-def test_the_vllm_example_asks_for_a_dropping_engine_the_checks_accept(monkeypatch):
-    example = load_example()
-    kwargs = example.llm_kwargs("/models/x", {"p": 0.95}, max_model_len=16384)
+def test_a_dropping_engine_asks_for_settings_the_checks_accept():
+    kwargs = llm_kwargs({"p": 0.95}, max_model_len=16384)
     assert kwargs["compilation_config"]["backend"] == BACKEND_QUALNAME
     assert config_from_compilation_config(kwargs["compilation_config"]).p == 0.95
     assert kwargs["max_num_batched_tokens"] >= kwargs["max_model_len"]  # whole prompts in one step
@@ -41,7 +48,7 @@ def test_the_vllm_example_asks_for_a_dropping_engine_the_checks_accept(monkeypat
     assert not any("chunked" in note for note in check.notes)
 
     assert config_from_compilation_config(kwargs["compilation_config"]).vllm_drop  # the example drops
-    graphs = example.llm_kwargs("/models/x", {"p": 0.95}, decode_graphs=True)
+    graphs = llm_kwargs({"p": 0.95}, decode_graphs=True)
     assert config_from_compilation_config(graphs["compilation_config"]).vllm_decode_graphs
     assert check_vllm_config(as_vllm_config(graphs), "0.26.0", aot_compile=False).errors == []
     graphs["compilation_config"]["inductor_compile_config"]["uniprefill"]["vllm_decode_graphs"] = False

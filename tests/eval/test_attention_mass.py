@@ -1,25 +1,15 @@
-"""benchmarks/attention_mass.py: the probe leaves the model's output alone and records what the
-selection rules would keep; the per-layer record's shares and ranks are right on known scores."""
+"""uniprefill.measure.attention_mass (behind benchmarks/attention_mass.py): the probe leaves the
+model's output alone and records what the selection rules would keep; the per-layer record's shares and ranks are right on known scores."""
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AttentionInterface, LlamaConfig
 
-
-def _load_script():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_mass.py"
-    spec = importlib.util.spec_from_file_location("attention_mass", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from uniprefill.measure import attention_mass as am
 
 
 def test_layer_record_on_known_scores():
-    am = _load_script()
     block = 16  # 10 blocks: 0 (sink) and 9 (window) are forced
     per_block = [313.5, 8.0, 1.0, 4.0, 2.0, 16.0, 1.0, 0.5, 0.5, 313.5]
     token = torch.tensor(per_block).repeat_interleave(block) / block  # block means = per_block / 16
@@ -37,7 +27,6 @@ def test_layer_record_on_known_scores():
 
 
 def test_probe_records_every_full_layer_and_changes_nothing():
-    am = _load_script()
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     cfg._attn_implementation = "sdpa"

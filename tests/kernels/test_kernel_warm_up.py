@@ -49,6 +49,6 @@ def test_warm_up_runs_each_sequence_count_length_parity_and_sort_size(impl, monk
 
 
 def test_warm_up_stops_at_the_select_kernels_limit(monkeypatch):
-    monkeypatch.setattr("uniprefill.kernels.select_blocks.MAX_BLOCKS_PER_SEQUENCE", 4)
+    monkeypatch.setattr("uniprefill.kernels.select_blocks.kernel.MAX_BLOCKS_PER_SEQUENCE", 4)
     ran = warm_up_score_and_select(**{**TINY, "max_seqlen": 10_000}, per_sequence_p=False, impl="torch")
     assert ran.select_calls == 2 * 3  # 1, 2, 4 blocks: never a size the kernel refuses

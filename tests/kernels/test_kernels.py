@@ -17,9 +17,11 @@ import warnings
 import pytest
 import torch
 
-from uniprefill.kernels import api, reference
+from uniprefill.kernels import api
+from uniprefill.kernels.score_blocks import reference as score_reference
+from uniprefill.kernels.select_blocks import reference as select_reference
 from uniprefill.kernels.rule import SelectionRule
-from uniprefill.kernels.select_blocks import MAX_BLOCKS_PER_SEQUENCE
+from uniprefill.kernels.select_blocks.kernel import MAX_BLOCKS_PER_SEQUENCE
 from uniprefill.kernels.validation import read_layout
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,7 +116,7 @@ def test_triton_scores_match_reference(case, dtype):
 def test_triton_scores_with_small_tiles(case, rows_first):
     """Tiles smaller than the sequences: several key chunks, row blocks and block tiles,
     in both pass-1 grid orders."""
-    from uniprefill.kernels.score_blocks import ScoreTiles, score_blocks_fwd
+    from uniprefill.kernels.score_blocks.kernel import ScoreTiles, score_blocks_fwd
 
     _, lens, last_q, hq, hk, d, block = case
     q, k, cu_q, cu_k, max_len = make_batch(lens, last_q=last_q, hq=hq, hk=hk, d=d, seed=3)
@@ -131,7 +133,7 @@ def test_default_tiles_shrink_for_wide_heads():
     """Heads wider than 128 (Gemma-3: 256) get smaller row/key tiles; the shared-memory tiles
     of the defaults overflowed an H200 SM at head_dim 256 (Triton OutOfResources), and the
     bf16 tiles of head_dim 256 overflowed it again in float32 (256 KiB asked, 227 allowed)."""
-    from uniprefill.kernels.score_blocks import ScoreTiles
+    from uniprefill.kernels.score_blocks.kernel import ScoreTiles
 
     assert ScoreTiles.for_head_dim(64) == ScoreTiles() == ScoreTiles.for_head_dim(128)
     assert ScoreTiles.for_head_dim(128, 4) == ScoreTiles()  # float32 at 128 ran on the H200
@@ -166,7 +168,7 @@ def test_token_scores_sum_to_head_count():
     lens, hq, block = [50, 9], 4, 8
     q, k, cu_q, cu_k, max_len = make_batch(lens, last_q=8, hq=hq, hk=2, d=16)
     scores, cu_blocks = api.score_blocks(q, k, cu_q, cu_k, max_len, block_size=block, scale=0.25, impl="triton")
-    counts = torch.cat([reference.block_token_counts(n, block, DEVICE) for n in lens])
+    counts = torch.cat([score_reference.block_token_counts(n, block, DEVICE) for n in lens])
     per_seq = [(scores * counts)[a:b].sum().item() for a, b in zip(cu_blocks.tolist(), cu_blocks.tolist()[1:])]
     assert per_seq == pytest.approx([hq] * len(lens), rel=1e-5)
 
@@ -281,7 +283,7 @@ def check_selection(scores, keep, cu_blocks, lens, rule):
     bounds = cu_blocks.tolist()
     for b, n in enumerate(lens):
         s, kept = scores[bounds[b] : bounds[b + 1]].double().cpu(), keep[bounds[b] : bounds[b + 1]].cpu()
-        forced = reference.forced_blocks(n, block_size, sink, last_q, "cpu")
+        forced = select_reference.forced_blocks(n, block_size, sink, last_q, "cpu")
         if n < rule.effective_min_tokens or (keep_ratio is None and p >= 1):
             assert kept.all()
             continue
@@ -294,7 +296,7 @@ def check_selection(scores, keep, cu_blocks, lens, rule):
             if optional.any():  # minimal: without its weakest optional block it falls short
                 assert s[kept].sum() - s[optional].min() < p * s.sum()
         else:
-            tokens = reference.block_token_counts(n, block_size, "cpu")
+            tokens = score_reference.block_token_counts(n, block_size, "cpu")
             target = math.ceil(keep_ratio * n)
             assert tokens[kept].sum() >= target
             if optional.any():
@@ -444,7 +446,8 @@ def test_score_and_select_end_to_end():
 # --------------------------------------------------------------------------------------
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the interpreter is the CPU path")
 def test_the_interpreter_really_runs_on_cpu():
-    from uniprefill.kernels import score_blocks, select_blocks
+    from uniprefill.kernels.score_blocks import kernel as score_blocks
+    from uniprefill.kernels.select_blocks import kernel as select_blocks
 
     q, k, cu_q, cu_k, max_len = make_batch([20], last_q=4, hq=2, hk=1, d=16)
     scores, _ = api.score_blocks(q, k, cu_q, cu_k, max_len, block_size=4, scale=0.25, impl="triton")

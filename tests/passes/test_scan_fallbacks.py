@@ -94,11 +94,11 @@ def test_the_scan_op_is_the_function_at_every_length_and_its_fake_agrees():
     `torch.library.opcheck` holds its fake (shapes, dtypes) to the real outputs."""
     import importlib
 
-    from uniprefill.scan_ops import ORIGINALS
+    from uniprefill.scan_ops import original_of
 
     name = "transformers.models.jamba.modeling_jamba"
     function = f"{name}.mamba_selective_scan"
-    ORIGINALS.setdefault(function, importlib.import_module(name).mamba_selective_scan)
+    importlib.import_module(name)
     g = torch.Generator().manual_seed(0)
     A = -torch.rand(6, 4, generator=g) - 0.5
     D, bias = torch.rand(6, generator=g), torch.rand(6, generator=g)
@@ -107,7 +107,7 @@ def test_the_scan_op_is_the_function_at_every_length_and_its_fake_agrees():
         B, C = (torch.randn(2, 4, length, generator=g) for _ in range(2))
         args = (x, dt, A, B, C, D, z, bias, True, True, False, True, function)
         out, state = torch.ops.uniprefill.selective_scan(*args)
-        ref_out, ref_state = ORIGINALS[function](x, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
+        ref_out, ref_state = original_of(function)(x, dt, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True,
                                                  return_last_state=True)
         assert torch.equal(out, ref_out) and torch.equal(state, ref_state) and state.shape == (2, 6, 4)
         torch.library.opcheck(torch.ops.uniprefill.selective_scan.default, args,
@@ -121,11 +121,10 @@ def test_the_fallback_becomes_one_op_per_mamba_layer_and_the_graph_is_rewritten(
     model = _model("jamba")
     import transformers.models.jamba.modeling_jamba as jamba
 
-    from uniprefill.scan_ops import ORIGINALS
+    from uniprefill.scan_ops import MARK
 
     make_linear_attention_opaque(model)  # returns what it patched: nothing if an earlier test did
-    assert getattr(jamba.mamba_selective_scan, "_uniprefill_opaque", False)
-    assert "transformers.models.jamba.modeling_jamba.mamba_selective_scan" in ORIGINALS
+    assert hasattr(jamba.mamba_selective_scan, MARK)
     assert make_linear_attention_opaque(model) == [], "patching is idempotent"
     backend = UniPrefillBackend(UniPrefillConfig(p=1.0, drop_layers="all", **SMALL))
     graphs = []
@@ -190,13 +189,13 @@ def test_without_the_op_the_traced_scan_is_refused_as_length_specialized():
 
     from transformers import AutoModelForCausalLM
 
-    from uniprefill.scan_ops import ORIGINALS
+    from uniprefill.scan_ops import original_of
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("falcon_mamba")).eval()  # the same fallback, cheap to trace
     name = "transformers.models.falcon_mamba.modeling_falcon_mamba"
     module = importlib.import_module(name)
-    original = ORIGINALS.get(f"{name}.mamba_selective_scan", module.mamba_selective_scan)  # as transformers has it
+    original = original_of(f"{name}.mamba_selective_scan")  # as transformers has it
     backend = UniPrefillBackend(UniPrefillConfig(p=1.0, drop_layers="all", **SMALL))
     torch._dynamo.reset()
     with torch.no_grad(), mock.patch.object(module, "mamba_selective_scan", original):
@@ -245,22 +244,28 @@ def test_kimi_delta_attention_fallback_is_routed_through_the_chunked_op():
     """Kimi-Linear's `chunk_kimi_delta_attention` (64-token chunks, a per-channel gate) shares
     `uniprefill::chunk_gated_delta_rule`: patched by `make_linear_attention_opaque`, equal to the
     function past one chunk, its fake checked (float32 state, output in the query's dtype)."""
-    from uniprefill.scan_ops import ORIGINALS
+    import transformers.models.kimi_linear.modeling_kimi_linear as kimi
+
+    from uniprefill.compat import restore_linear_attention
+    from uniprefill.scan_ops import MARK, original_of
 
     model = _model("kimi_linear")
     name = "transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention"
+    original = original_of(name)
     make_linear_attention_opaque(model)
-    assert name in ORIGINALS
+    assert getattr(kimi.chunk_kimi_delta_attention, MARK) is original
     g = torch.Generator().manual_seed(0)
     q, k, gate = (torch.randn(1, 100, 2, 8, generator=g) for _ in range(3))
     v, beta = torch.randn(1, 100, 2, 4, generator=g), torch.rand(1, 100, 2, generator=g)
     args = (q, k, v, -gate.abs(), beta, None, True, True, name)
     out, state = torch.ops.uniprefill.chunk_gated_delta_rule(*args)
-    ref_out, ref_state = ORIGINALS[name](q, k, v, g=-gate.abs(), beta=beta, output_final_state=True,
+    ref_out, ref_state = original(q, k, v, g=-gate.abs(), beta=beta, output_final_state=True,
                                          use_qk_l2norm_in_kernel=True)
     assert torch.equal(out, ref_out) and torch.equal(state, ref_state) and state.dtype == torch.float32
     torch.library.opcheck(torch.ops.uniprefill.chunk_gated_delta_rule.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+    assert restore_linear_attention(model) == [kimi.__name__] and kimi.chunk_kimi_delta_attention is original
+    torch.testing.assert_close(torch.ops.uniprefill.chunk_gated_delta_rule(*args)[0], out, atol=0, rtol=0)
 
 
 def test_a_patched_model_still_trains():

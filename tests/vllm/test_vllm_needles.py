@@ -1,34 +1,36 @@
-"""scripts/gpu/vllm/needle_parity.py on CPU: its prompts are `uniprefill eval`'s, its scoring
-and its paired comparison (the vLLM part runs on the GPU box only); and smoke_llm.py's engine
-settings for tensor parallelism and its check that every rank dropped the same rows."""
+"""The measurement code behind the vLLM GPU scripts, on CPU: needle_parity.py's prompts are
+`uniprefill eval`'s (`uniprefill.eval.paired`), its scoring and paired comparison; the engine
+settings the scripts print with --dry-run (tensor parallelism, decode graphs, the channel's
+environment); and `uniprefill.vllm.measure`, which reads drop totals and times throughput and
+decode. The vLLM parts run on the GPU box only."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
+from uniprefill import env
+from uniprefill.eval import paired as needles
 from uniprefill.eval.haystack import NOISE_SENTENCES
 from uniprefill.eval.tasks import make_sample
 from uniprefill.eval.toy import train_toy_tokenizer
+from uniprefill.vllm import measure
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm"
 
 
-def load_script(name: str) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def needles():
-    return load_script("needle_parity")
+def dry_run(script: str, *args: str) -> dict:
+    """The engine settings a GPU script would give vLLM (its --dry-run, in a fresh process)."""
+    done = subprocess.run([sys.executable, "-P", str(SCRIPTS / script), *args, "--dry-run"], capture_output=True,
+                          text=True, env={k: v for k, v in os.environ.items() if not k.startswith("VLLM_")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def tokenizer():
     return train_toy_tokenizer(list(NOISE_SENTENCES) * 4, vocab_size=400)
 
 
-def test_prompts_are_the_evals_and_scoring_is_rulers(needles, tokenizer):
+def test_prompts_are_the_evals_and_scoring_is_rulers(tokenizer):
     samples = needles.make_prompts(tokenizer, ["niah_single_1", "vt"], [900, 1200], 2, haystack=None, seed=3)
     assert [(s.task, s.length, s.index) for s in samples][:3] == [("niah_single_1", 900, 0), ("niah_single_1", 900, 1),
                                                                    ("vt", 900, 0)]
@@ -50,7 +52,7 @@ def test_prompts_are_the_evals_and_scoring_is_rulers(needles, tokenizer):
         needles.score_records(samples, texts[:-1], "standard")
 
 
-def test_compare_pairs_the_prompts_both_runs_answered(needles):
+def test_compare_pairs_the_prompts_both_runs_answered():
     def rec(length, index, score, prediction="x"):
         return {"task": "niah_single_1", "length": length, "index": index, "seed": 0, "score": score,
                 "prediction": prediction}
@@ -64,72 +66,66 @@ def test_compare_pairs_the_prompts_both_runs_answered(needles):
     assert needles.compare(base, [], n_boot=10) == []
 
 
-def test_engine_settings_keep_prompts_whole_and_pick_the_channel(needles):
-    args = types.SimpleNamespace(system="uniprefill", settings='{"p": 0.95}', kv_cache_gib=4.0,
-                                 gpu_memory_utilization=0.3)
-    kwargs = needles._engine_kwargs(args, 32064)
+def test_engine_settings_keep_prompts_whole_and_pick_the_channel():
+    run = ["run", "--model-dir", "/models/x", "--haystack", "essays.json", "--out", "o.jsonl"]
+    kwargs = dry_run("needle_parity.py", *run, "--system", "uniprefill", "--settings", '{"p": 0.95}')
     assert kwargs["compilation_config"]["mode"] == 2
     assert kwargs["compilation_config"]["inductor_compile_config"] == {"uniprefill": {"p": 0.95}}
     assert not kwargs["enable_prefix_caching"] and not kwargs["enable_chunked_prefill"]
     assert kwargs["max_num_batched_tokens"] >= kwargs["max_model_len"] == 32064
-    args.system = "standard"
-    assert "compilation_config" not in needles._engine_kwargs(args, 9000)  # vLLM's default: mode 3
+    standard = dry_run("needle_parity.py", *run, "--system", "standard", "--lengths", "8936")
+    assert "compilation_config" not in standard and standard["max_model_len"] == 9000  # vLLM's default: mode 3
 
 
 def test_smoke_script_runs_tensor_parallel_and_checks_that_ranks_agree():
-    smoke = load_script("smoke_llm")
-    args = smoke.parse_args(["--uniprefill", "--tensor-parallel-size", "2", "--kv-cache-gib", "8"])
-    kwargs, _ = smoke.engine_kwargs(args, None)
+    settings = dry_run("smoke_llm.py", "--uniprefill", "--tensor-parallel-size", "2", "--kv-cache-gib", "8")
+    kwargs = settings["engine_kwargs"]
     assert kwargs["tensor_parallel_size"] == 2 and kwargs["compilation_config"]["mode"] == 2
-    assert "tensor_parallel_size" not in smoke.engine_kwargs(smoke.parse_args([]), None)[0]
+    assert settings["env"] == {"VLLM_USE_AOT_COMPILE": "0", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    assert "tensor_parallel_size" not in dry_run("smoke_llm.py")["engine_kwargs"]
     rank = [{"requests_dropped": 4, "rows_in": 4000, "rows_kept": 2208}]
-    assert smoke.ranks_agree([rank, [dict(rank[0])]]) is True
-    assert smoke.ranks_agree([rank, [dict(rank[0], rows_kept=2209)]]) is False  # ranks kept different rows
-    assert smoke.ranks_agree([rank]) is None and smoke.ranks_agree("unavailable: TimeoutError") is None
+    assert measure.ranks_agree([rank, [dict(rank[0])]]) is True
+    assert measure.ranks_agree([rank, [dict(rank[0], rows_kept=2209)]]) is False  # ranks kept different rows
+    assert measure.ranks_agree([rank]) is None and measure.ranks_agree("unavailable: TimeoutError") is None
 
 
 def test_smoke_script_asks_for_decode_graphs_behind_their_switch(monkeypatch):
-    smoke = load_script("smoke_llm")
-    args = smoke.parse_args(["--uniprefill", "--decode-graphs"])
-    graphs = smoke.engine_kwargs(args, None)[0]["compilation_config"]
+    graphs = dry_run("smoke_llm.py", "--uniprefill", "--decode-graphs")["engine_kwargs"]["compilation_config"]
     assert graphs["cudagraph_mode"] == "FULL_DECODE_ONLY"
     assert graphs["inductor_compile_config"]["uniprefill"]["vllm_decode_graphs"] is True
-    assert "cudagraph_mode" not in smoke.engine_kwargs(smoke.parse_args(["--uniprefill"]), None)[0]["compilation_config"]
+    assert "cudagraph_mode" not in dry_run("smoke_llm.py", "--uniprefill")["engine_kwargs"]["compilation_config"]
+    done = subprocess.run([sys.executable, "-P", str(SCRIPTS / "smoke_llm.py"), "--decode-graphs", "--dry-run"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "add --uniprefill" in done.stderr  # not without the channel
     for name in ("VLLM_USE_AOT_COMPILE", "VLLM_ALLOW_INSECURE_SERIALIZATION"):  # restored after the test
         monkeypatch.setenv(name, "1")
-    smoke.prepare_environment(args)
-    assert smoke.os.environ["VLLM_USE_AOT_COMPILE"] == "0"
-    with pytest.raises(SystemExit):
-        smoke.parse_args(["--decode-graphs"])  # not without the channel
+    env.prepare_vllm_channel()
+    assert os.environ["VLLM_USE_AOT_COMPILE"] == "0" and os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
 
 
 def test_smoke_script_reports_the_share_of_prompt_kv_still_written():
-    smoke = load_script("smoke_llm")
     graphs = [{"kv_entries_prompt": 3200, "kv_entries_written": 1520}, {"kv_entries_prompt": 800, "kv_entries_written": 480}]
-    assert smoke.kv_written_share([graphs, graphs]) == (1520 + 480) / (3200 + 800)  # the first worker's graphs
-    assert smoke.kv_written_share([[{"kv_entries_prompt": 0, "kv_entries_written": 0}]]) is None  # nothing dropped
-    assert smoke.kv_written_share("unavailable: TimeoutError") is None and smoke.kv_written_share([]) is None
+    assert measure.kv_written_share([graphs, graphs]) == (1520 + 480) / (3200 + 800)  # the first worker's graphs
+    assert measure.kv_written_share([[{"kv_entries_prompt": 0, "kv_entries_written": 0}]]) is None  # nothing dropped
+    assert measure.kv_written_share("unavailable: TimeoutError") is None and measure.kv_written_share([]) is None
 
 
 def test_smoke_script_times_decode_per_output_token_from_the_engines_timestamps():
-    smoke = load_script("smoke_llm")
-    assert smoke.parse_args(["--decode-tokens", "64"]).decode_tokens == 64
 
     def output(first: float, last: float, generated: int):
         stats = types.SimpleNamespace(first_token_ts=first, last_token_ts=last)
         return types.SimpleNamespace(metrics=stats, outputs=[types.SimpleNamespace(token_ids=[0] * generated)])
 
-    timed = smoke.decode_metrics([output(1.0, 1.64, 65), output(2.0, 2.32, 65), output(3.0, 3.96, 65)], 64)
+    timed = measure.decode_metrics([output(1.0, 1.64, 65), output(2.0, 2.32, 65), output(3.0, 3.96, 65)], 64)
     assert timed["available"] and timed["all_generated"]
     assert (timed["ms_per_token_median"], timed["ms_per_token_max"]) == (10.0, 15.0)
-    assert not smoke.decode_metrics([output(1.0, 1.5, 40)], 64)["all_generated"]  # stopped early
-    assert smoke.decode_metrics([types.SimpleNamespace(metrics=None, outputs=[])], 64) == {"available": False}
+    assert not measure.decode_metrics([output(1.0, 1.5, 40)], 64)["all_generated"]  # stopped early
+    assert measure.decode_metrics([types.SimpleNamespace(metrics=None, outputs=[])], 64) == {"available": False}
 
 
 def test_smoke_script_warms_up_one_and_two_prompt_steps_before_timing_batches(monkeypatch):
     # Gemma-3-270M's first two-request drop on the H200 took 2.1 s after a one-prompt warm-up
     # (JIT work for a new specialisation): the warm-up now covers a two-prompt step as well.
-    smoke = load_script("smoke_llm")
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
     calls = []
 
@@ -140,10 +136,10 @@ def test_smoke_script_warms_up_one_and_two_prompt_steps_before_timing_batches(mo
                     for p in prompts]
 
     points = []
-    smoke.run_throughput(FakeLLM(), [64, 128], [1, 4], 32000, points, save=lambda: None)
+    measure.run_throughput(FakeLLM(), [64, 128], [1, 4], 32000, points, save=lambda: None)
     assert calls == [1, 2, 1, 4, 1, 2, 1, 4]  # per length: warm 1, warm 2, then the timed batches
     assert [(p["length"], p["batch"]) for p in points] == [(64, 1), (64, 4), (128, 1), (128, 4)]
     assert all(p["prompt_lengths_ok"] for p in points)
     calls.clear()
-    smoke.run_throughput(FakeLLM(), [64], [1], 32000, [], save=lambda: None)
+    measure.run_throughput(FakeLLM(), [64], [1], 32000, [], save=lambda: None)
     assert calls == [1, 1]  # batch 1 only: no two-prompt warm-up

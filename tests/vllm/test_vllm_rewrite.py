@@ -229,6 +229,10 @@ def test_runner_hook_supplies_request_ids_and_frees_finished_requests():
         hook.request_ids()
     assert runner._update_states(types.SimpleNamespace(finished_req_ids={"a"})) == "updated"
     assert freed == ["a"]
+    assert hook.uninstall(Runner) and not hook.uninstall(Runner)  # reversible, once
+    with pytest.raises(RuntimeError, match="not wrapped"):
+        Runner()._model_forward()  # vLLM's own method again: no step around it
+    assert not hasattr(Runner._update_states, "__wrapped__") and hook.install(Runner, listeners)
 
 
 def test_runner_hook_marks_requests_that_must_keep_every_row():

@@ -1,22 +1,13 @@
-"""benchmarks/vllm_side_by_side.py: pairs two smoke_llm.py runs point by point, refuses grids
-that differ, and reads the drop totals."""
+"""benchmarks/vllm_side_by_side.py, run as a user runs it: pairs two smoke_llm.py runs point by
+point, refuses grids that differ, and reads the drop totals."""
 from __future__ import annotations
 
-import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-import pytest
-
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_side_by_side.py"
-
-
-@pytest.fixture(scope="module")
-def table():
-    spec = importlib.util.spec_from_file_location("vllm_side_by_side", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(points, drop_totals=None):
@@ -29,41 +20,46 @@ def run(points, drop_totals=None):
     return out
 
 
-def test_rows_pair_points_and_give_the_ratio_and_decode(table):
-    standard = run([(16384, 4, 100.0, 20.0), (16384, 1, 50.0, 5.0)])
-    ours = run([(16384, 1, 120.0, 4.0), (16384, 4, 230.0, 9.0)])
-    rows = table.side_by_side_rows(standard, ours)
-    assert [(r["length"], r["batch"]) for r in rows] == [(16384, 1), (16384, 4)]
-    assert [r["ratio"] for r in rows] == [2.4, 2.3]
-    assert (rows[1]["standard_decode_ms"], rows[1]["uniprefill_decode_ms"]) == (20.0, 9.0)
-    text = table.markdown(rows)
-    assert "| 16384 | 1 | 50 | 120 | **2.40x** | 5.0 | 4.0 |" in text
-
-
-def test_grids_that_differ_are_an_error_not_a_shorter_table(table, tmp_path, capsys):
-    standard, ours = run([(8192, 1, 1.0, None), (8192, 4, 1.0, None)]), run([(8192, 1, 2.0, None)])
-    with pytest.raises(ValueError, match=r"standard only \[\(8192, 4\)\]"):
-        table.side_by_side_rows(standard, ours)
-    with pytest.raises(ValueError, match="no throughput points"):
-        table.side_by_side_rows({"throughput": None}, ours)
-    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+def table(tmp_path, standard: dict, ours: dict, *extra: str) -> subprocess.CompletedProcess:
+    paths = [tmp_path / "standard.json", tmp_path / "uniprefill.json"]
     for path, data in zip(paths, (standard, ours)):
         path.write_text(json.dumps(data))
-    assert table.main([str(p) for p in paths]) == 2
-    assert "different points" in capsys.readouterr().err
+    return subprocess.run([sys.executable, "-P", str(SCRIPT), *map(str, paths), *extra], capture_output=True,
+                          text=True)
 
 
-def test_decode_columns_only_when_both_runs_timed_decode(table):
-    rows = table.side_by_side_rows(run([(8192, 1, 1.0, 5.0)]), run([(8192, 1, 2.0, None)]))
-    assert "decode" not in table.markdown(rows)
+def test_rows_pair_points_and_give_the_ratio_and_decode(tmp_path):
+    standard = run([(16384, 4, 100.0, 20.0), (16384, 1, 50.0, 5.0)])
+    ours = run([(16384, 1, 120.0, 4.0), (16384, 4, 230.0, 9.0)])
+    done = table(tmp_path, standard, ours, "--plot", str(tmp_path / "ratio.png"))
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 16384 |")]
+    assert rows == ["| 16384 | 1 | 50 | 120 | **2.40x** | 5.0 | 4.0 |", "| 16384 | 4 | 100 | 230 | **2.30x** | 20.0 | 9.0 |"]
+    assert (tmp_path / "ratio.png").stat().st_size > 1000
 
 
-def test_retention_sums_the_first_workers_graphs(table):
+def test_grids_that_differ_are_an_error_not_a_shorter_table(tmp_path):
+    standard, ours = run([(8192, 1, 1.0, None), (8192, 4, 1.0, None)]), run([(8192, 1, 2.0, None)])
+    done = table(tmp_path, standard, ours)
+    assert done.returncode == 2 and "different points" in done.stderr and r"standard only [(8192, 4)]" in done.stderr
+    done = table(tmp_path, {"throughput": None}, ours)
+    assert done.returncode == 2 and "no throughput points" in done.stderr
+
+
+def test_decode_columns_only_when_both_runs_timed_decode(tmp_path):
+    done = table(tmp_path, run([(8192, 1, 1.0, 5.0)]), run([(8192, 1, 2.0, None)]))
+    assert done.returncode == 0 and "decode" not in done.stdout.split("\n\n")[0]
+
+
+def test_retention_sums_the_first_workers_graphs(tmp_path):
     graph = {"requests_dropped": 3, "rows_in": 1000, "rows_kept": 300, "kv_entries_prompt": 32000,
              "kv_entries_written": 15200}
     other = {"requests_dropped": 1, "rows_in": 1000, "rows_kept": 500, "kv_entries_prompt": 8000,
              "kv_entries_written": 4800}
-    kept = table.retention(run([], [[graph, other], [graph]]))  # the second worker is not added in
-    assert (kept["requests_dropped"], kept["rows_kept_share"]) == (4, 0.4)
-    assert kept["kv_written_share"] == (15200 + 4800) / (32000 + 8000)
-    assert table.retention(run([])) == {} and table.retention(run([], "unavailable: TimeoutError")) == {}
+    points = [(8192, 1, 1.0, None)]
+    done = table(tmp_path, run(points), run(points, [[graph, other], [graph]]))  # the second worker is not added in
+    totals = next(line for line in done.stdout.splitlines() if line.startswith("uniprefill drop totals"))
+    assert "requests_dropped 4" in totals and "rows_kept_share 0.400" in totals
+    assert f"kv_written_share {(15200 + 4800) / (32000 + 8000):.3f}" in totals
+    for totals in (None, "unavailable: TimeoutError"):
+        assert "drop totals" not in table(tmp_path, run(points), run(points, totals)).stdout

@@ -5,7 +5,8 @@
 - `smollm2`: SmolLM2-135M-Instruct, a full-attention Llama (`load_smollm2_135m`), likewise.
 - `presets`: random-weight configs by name, tiny CPU-test hybrids and benchmark shapes
   (`preset_config`, `build_random_model`).
-- `layer_kinds`: "full" / "sliding" / "linear" per decoder layer of a config.
+- `layer_kinds`: the `LayerKind` vocabulary (full, sliding, linear, other) and its derivation
+  per decoder layer of a config.
 - `gguf_convert`: the shared GGUF -> plain HF folder conversion; `sanity`: smoke checks.
 
 Nothing is imported here, so `import uniprefill.models` stays free of transformers.

@@ -1,6 +1,12 @@
-"""What each decoder layer of a model mixes tokens with: "full", "sliding", "linear" or "other".
+"""What each decoder layer of a model mixes tokens with: the `LayerKind` vocabulary, and its one
+derivation from a config.
 
-The one derivation of layer kinds from a config, used by the Hugging Face backend (to check
+`LayerKind` is the one vocabulary of layer kinds: the config derivation here, the graph
+classification of the passes (`passes/classify.py`), the drop points, the reports and the vLLM
+plugin all use it. Its members are strings ("full", "sliding", "linear", "other"), so they print,
+compare and serialise as those words.
+
+`layer_kinds(config)` is the one derivation of layer kinds from a config, used by the Hugging Face backend (to check
 `drop_layers` before tracing), the presets and fuzzer, and the vLLM plugin (from vLLM's Hugging
 Face text config). The graph passes classify the layers they trace (`passes/classify.py`) with
 the same kind names; what they find is what the rewrite acts on.
@@ -25,19 +31,36 @@ A `layer_types` list whose length differs from the layer count raises `ValueErro
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
-__all__ = ["LAYER_KINDS", "layer_kinds"]
+__all__ = ["LAYER_KINDS", "LayerKind", "layer_kinds"]
 
-LAYER_KINDS = ("full", "sliding", "linear", "other")
+
+class LayerKind(str, enum.Enum):
+    """What a decoder layer mixes tokens with (see the module docstring)."""
+
+    FULL = "full"  # causal softmax attention over every earlier token: a possible drop point
+    SLIDING = "sliding"  # causal attention over a window of earlier tokens
+    LINEAR = "linear"  # a recurrent or convolutional mixer whose state runs along the sequence
+    OTHER = "other"  # anything else: never a drop point, left as it is
+
+    def __str__(self) -> str:  # "full", not "LayerKind.FULL", in messages and f-strings
+        return self.value
+
+    def __repr__(self) -> str:  # and 'full' in the lists of kinds that messages print
+        return repr(self.value)
+
+
+LAYER_KINDS = tuple(LayerKind)
 
 _KIND_OF_LAYER_TYPE = {
-    "full_attention": "full",
-    "attention": "full",
-    "sliding_attention": "sliding",
-    "linear_attention": "linear",
-    "mamba": "linear",
-    "conv": "linear",
+    "full_attention": LayerKind.FULL,
+    "attention": LayerKind.FULL,
+    "sliding_attention": LayerKind.SLIDING,
+    "linear_attention": LayerKind.LINEAR,
+    "mamba": LayerKind.LINEAR,
+    "conv": LayerKind.LINEAR,
 }
 
 
@@ -46,8 +69,8 @@ def _text_config(config: Any) -> Any:
     return get() if callable(get) else config
 
 
-def layer_kinds(config: Any, num_layers: int | None = None) -> list[str]:
-    """One of `LAYER_KINDS` per decoder layer of `config` (a transformers config);
+def layer_kinds(config: Any, num_layers: int | None = None) -> list[LayerKind]:
+    """One `LayerKind` per decoder layer of `config` (a transformers config);
     `num_layers` defaults to `config.num_hidden_layers`."""
     config = _text_config(config)
     num_layers = config.num_hidden_layers if num_layers is None else num_layers
@@ -56,10 +79,10 @@ def layer_kinds(config: Any, num_layers: int | None = None) -> list[str]:
         sliding = getattr(config, "sliding_window", None) is not None and getattr(
             config, "use_sliding_window", True
         )
-        return ["sliding" if sliding else "full"] * num_layers
+        return [LayerKind.SLIDING if sliding else LayerKind.FULL] * num_layers
     layer_types = list(layer_types)
     if len(layer_types) != num_layers:
         raise ValueError(
             f"config.layer_types has {len(layer_types)} entries for {num_layers} hidden layers"
         )
-    return [_KIND_OF_LAYER_TYPE.get(t, "other") for t in layer_types]
+    return [_KIND_OF_LAYER_TYPE.get(t, LayerKind.OTHER) for t in layer_types]

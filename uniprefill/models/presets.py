@@ -51,7 +51,7 @@ from collections.abc import Callable
 import torch
 import transformers as hf
 
-from uniprefill.models.layer_kinds import layer_kinds
+from uniprefill.models.layer_kinds import LayerKind, layer_kinds
 
 __all__ = [
     "BENCHMARK_PRESETS",
@@ -301,8 +301,8 @@ def preset_config(name: str, num_layers: int | None = None) -> hf.PretrainedConf
     if layer_types is not None:
         config.layer_types = list(layer_types)[:num_layers]
     config.num_hidden_layers = num_layers
-    if "full" not in layer_kinds(config):
-        first = layer_kinds(PRESETS[name]()).index("full")
+    if LayerKind.FULL not in layer_kinds(config):
+        first = layer_kinds(PRESETS[name]()).index(LayerKind.FULL)
         raise ValueError(
             f"num_layers={num_layers} of {name!r} keeps no full-attention layer (the first is "
             f"layer {first}); use num_layers >= {first + 1}"

@@ -15,6 +15,7 @@ import operator
 import torch
 import torch.fx as fx
 
+from ..models.layer_kinds import LayerKind
 from .classify import LayerInfo
 from .fx_utils import example_value, is_sink_attention
 from .plan import RewriteSkipped
@@ -43,7 +44,7 @@ class AttentionCopy:
             return
         if j == 0:
             key_valid, shared = self._dense_mask_for(qn, mask)
-            if self.config.early_sparse and info.kind == "full" and mask.window == 0:
+            if self.config.early_sparse and info.kind is LayerKind.FULL and mask.window == 0:
                 out = self._sparse_attention(qn, kn, vn, key_valid, shared, scale, info.index)
             else:
                 out = self.new.call_function(U.dense_attention.default,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..models.layer_kinds import LayerKind
 from .fx_utils import ancestors, is_sdpa, layer_container, layer_index, layer_module_classes, target_name
 
 _COMPARISONS = {operator.le, operator.lt, operator.gt, operator.ge, torch.le, torch.lt, torch.gt, torch.ge}
@@ -44,7 +45,7 @@ class MaskInfo:
 @dataclass
 class LayerInfo:
     index: int
-    kind: str  # "full", "sliding", "linear", "other"
+    kind: LayerKind
     sdpa: list[fx.Node] = field(default_factory=list)
     masks: list[MaskInfo] = field(default_factory=list)
     window: int = 0
@@ -116,7 +117,7 @@ def classify_layers(graph: fx.Graph, input_roles: dict) -> tuple[str | None, dic
         idx = layer_index(node, container)
         if idx is None:
             continue
-        info = layers.setdefault(idx, LayerInfo(idx, "other"))
+        info = layers.setdefault(idx, LayerInfo(idx, LayerKind.OTHER))
         classes.setdefault(idx, set()).update(layer_module_classes(node, container))
         name = target_name(node).lower()
         if "conv" in name or "cumsum" in name or "cumprod" in name or "delta_rule" in name or "scan" in name:
@@ -128,16 +129,16 @@ def classify_layers(graph: fx.Graph, input_roles: dict) -> tuple[str | None, dic
         if info.sdpa:
             bad = [m for m in info.masks if not m.recognized]
             if bad:
-                info.kind, info.detail = "other", bad[0].reason
+                info.kind, info.detail = LayerKind.OTHER, bad[0].reason
             elif any(m.window for m in info.masks):
-                info.kind, info.window = "sliding", max(m.window for m in info.masks)
+                info.kind, info.window = LayerKind.SLIDING, max(m.window for m in info.masks)
                 info.detail = f"causal mask with a window of {info.window} tokens"
             else:
-                info.kind, info.detail = "full", "causal attention over every earlier token"
+                info.kind, info.detail = LayerKind.FULL, "causal attention over every earlier token"
         else:
             hinted = [c for c in classes.get(idx, ()) if any(h in c.lower() for h in _LINEAR_HINTS)]
             if hinted or mixers.get(idx):
-                info.kind = "linear"
+                info.kind = LayerKind.LINEAR
                 info.detail = "recurrent/convolutional token mixer: " + ", ".join(sorted(hinted or mixers[idx])[:3])
             else:
                 info.detail = "no attention or recurrent token mixer recognised"

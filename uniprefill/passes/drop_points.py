@@ -29,18 +29,19 @@ from __future__ import annotations
 
 import math
 
+from ..models.layer_kinds import LayerKind
 from .classify import LayerInfo
 
 
 def auto_drop_layers(kinds: list[str]) -> tuple[int, ...]:
     num_layers = len(kinds)
-    every_layer_full = bool(kinds) and all(kind == "full" for kind in kinds)
+    every_layer_full = bool(kinds) and all(kind == LayerKind.FULL for kind in kinds)
     start = num_layers // 2 - 1 if every_layer_full else num_layers // 4 - 1
     low, high = max(start, 0), num_layers - 2
     spacing = max(math.ceil(num_layers / 8), 1)
     chosen: list[int] = []
     for idx, kind in enumerate(kinds):
-        if kind != "full" or not (low <= idx <= high):
+        if kind != LayerKind.FULL or not (low <= idx <= high):
             continue
         if not chosen or idx - chosen[-1] >= spacing:
             chosen.append(idx)
@@ -49,14 +50,14 @@ def auto_drop_layers(kinds: list[str]) -> tuple[int, ...]:
 
 def resolve_drop_layers(drop_layers, layers: dict[int, LayerInfo]) -> tuple[int, ...]:
     """The drop points for `drop_layers` ("auto", "all" or indices); ValueError if one is not full attention."""
-    kinds = [layers[i].kind if i in layers else "other" for i in range(max(layers, default=-1) + 1)]
+    kinds = [layers[i].kind if i in layers else LayerKind.OTHER for i in range(max(layers, default=-1) + 1)]
     if drop_layers == "all":
-        return tuple(i for i, k in enumerate(kinds) if k == "full")
+        return tuple(i for i, k in enumerate(kinds) if k == LayerKind.FULL)
     if drop_layers == "auto":
         return auto_drop_layers(kinds)
-    bad = [(i, kinds[i] if i < len(kinds) else "missing") for i in drop_layers if i >= len(kinds) or kinds[i] != "full"]
+    bad = [(i, kinds[i] if i < len(kinds) else "missing") for i in drop_layers if i >= len(kinds) or kinds[i] != LayerKind.FULL]
     if bad:
-        full = [i for i, k in enumerate(kinds) if k == "full"]
+        full = [i for i, k in enumerate(kinds) if k == LayerKind.FULL]
         raise ValueError(
             f"drop_layers={list(drop_layers)}: layer(s) {bad} are not full-attention layers; "
             f"the full-attention layers of this model are {full}"

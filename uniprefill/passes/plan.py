@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.fx.node import map_aggregate
 
 from ..config import UniPrefillConfig
+from ..models.layer_kinds import LayerKind
 from ..unaccelerated import Kind
 from .classify import MaskInfo, classify_layers, sdpa_mask_node
 from .drop_points import resolve_drop_layers
@@ -121,7 +122,7 @@ class _Analysis:
         present = sorted(self.layers)
         if present != list(range(present[-1] + 1)):
             raise RewriteSkipped(f"graph break inside the decoder stack: this graph holds layers {present}")
-        full = [i for i, info in self.layers.items() if info.kind == "full"]
+        full = [i for i, info in self.layers.items() if info.kind is LayerKind.FULL]
         if not full:
             kinds = "; ".join(f"{i}: {info.kind} ({info.detail})" for i, info in list(self.layers.items())[:4])
             if any(info.sdpa for info in self.layers.values()):
@@ -199,7 +200,7 @@ class _Analysis:
                                                   self.input_roles, self.axes, self.tokens)
                 if verdicts[key]:
                     info.masks[k] = MaskInfo(False, reason=verdicts[key])
-                    info.kind, info.window, info.detail = "other", 0, verdicts[key]
+                    info.kind, info.window, info.detail = LayerKind.OTHER, 0, verdicts[key]
 
     def _residual_add(self, layer: int) -> fx.Node:
         info = self.layers[layer]

@@ -42,6 +42,7 @@ from torch.fx.node import map_aggregate
 
 from .. import ops, record_ops  # noqa: F401  (register the custom ops)
 from ..config import UniPrefillConfig
+from ..models.layer_kinds import LayerKind
 from .attention_copy import AttentionCopy
 from .fx_utils import example_value, layer_index, target_name
 from .graph_calls import keep_node
@@ -137,7 +138,7 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         return RewriteResult(gm, reports, self.plan.drop_layers, dict(self.counts),
                              bool(self.single_row_reason), self.single_row_reason, self._returns_cache(),
                              self.plan.input_checks,
-                             bool(self.single_row_reason) or any(i.kind == "linear" for i in self.plan.layers.values()),
+                             bool(self.single_row_reason) or any(i.kind is LayerKind.LINEAR for i in self.plan.layers.values()),
                              [n for n in self.gm.graph.nodes if n.op == "placeholder"].index(self.plan.tokens))
 
     def _returns_cache(self) -> bool:

@@ -1,6 +1,6 @@
 """The attention of decode steps after a dropped prefill, registered with transformers.
 
-`_decode_attention` is the attention-interface function "uniprefill_decode": it attends over
+`decode_attention` is the attention-interface function "uniprefill_decode": it attends over
 exactly the keys each layer cached, at their ORIGINAL positions (`DropHistory.key_positions`):
 full layers see every cached key, sliding layers the keys whose original position lies inside
 the window. A layer whose prefill ran eager attention (`sink_ops`: learned per-head sinks, logit
@@ -8,15 +8,14 @@ soft-capping, a float32 softmax; the form is in `DropHistory.attention`) decodes
 (`sink_ops.decode_sink_attention`, the sinks from the model's `s_aux`); any other layer as SDPA.
 `UniPrefillModel` (`runtime.generation`) switches a model to it for decode steps
 (`_attention_implementation`) and hands it the drop history through `_DECODE_STATE`.
-Registering into transformers' global `AttentionInterface` is the one global side effect; it is
-idempotent (`functools.cache`) and adds a name without replacing any.
+`uniprefill.compat.register_decode_attention` registers it with transformers' `AttentionInterface`
+(the one global side effect; idempotent, it adds a name without replacing any).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 
 import torch
@@ -28,7 +27,7 @@ ATTENTION_NAME = "uniprefill_decode"
 _DECODE_STATE: contextvars.ContextVar = contextvars.ContextVar("uniprefill_decode_state", default=None)
 
 
-def _decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def decode_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention-interface function for decode steps after a dropped prefill."""
     state = kwargs.get("uniprefill_decode") or _DECODE_STATE.get()
     if state is None:
@@ -92,17 +91,6 @@ def _sinks(module, kwargs) -> torch.Tensor | None:
         raise RuntimeError(f"{type(module).__name__} holds attention sinks but passed none (s_aux) to the attention "
                            "function: decode steps after a drop cannot apply them")
     return sinks
-
-
-@functools.cache
-def _register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    from .. import ops, sink_ops  # noqa: F401  (registers uniprefill::decode_attention, decode_sink_attention)
-
-    AttentionInterface.register(ATTENTION_NAME, _decode_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
 def decode_kernels():

@@ -27,10 +27,11 @@ import types
 
 import torch
 
+from ..compat import register_decode_attention
 from ..unaccelerated import Kind, Unaccelerated
 from .batched import Row, RowCaches, left_pad_counts, stack_rows
 from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
-    _DECODE_STATE, ATTENTION_NAME, _attention_implementation, _register_attention, decode_kernels,
+    _DECODE_STATE, ATTENTION_NAME, _attention_implementation, decode_kernels,
 )
 from .history import DropHistory
 
@@ -245,7 +246,7 @@ class UniPrefillModel(torch.nn.Module):
         if ids.shape[0] != 1 or ids.shape[1] != 1:
             raise NotImplementedError(
                 f"after a dropped prefill only one-token decode steps are supported (got {tuple(ids.shape)})")
-        _register_attention()
+        register_decode_attention()
         history.decoded += 1
         windows = self.backend.layer_windows()
         compacted = self.backend.config.window_positions == "compacted"

@@ -144,14 +144,14 @@ class _Pool:
 
     def get(self, arch: str, dtype: torch.dtype, **options):
         import uniprefill
-        from uniprefill.models.layer_kinds import layer_kinds
+        from uniprefill.models.layer_kinds import LayerKind, layer_kinds
 
         key = (arch, dtype, tuple(sorted(options.items())))
         if key not in self.entries:
             model = self.entries.get((arch, dtype, "model")) or build_model(arch, dtype)
             self.entries[(arch, dtype, "model")] = model
             kinds = layer_kinds(model.config)
-            drops = tuple(i for i, k in enumerate(kinds) if k == "full")[:2] or "all"
+            drops = tuple(i for i, k in enumerate(kinds) if k == LayerKind.FULL)[:2] or "all"
             config = uniprefill.UniPrefillConfig(drop_layers=drops, **SETTINGS, **options)
             self.entries[key] = (model, uniprefill.compile(model, config))
         return self.entries[key]

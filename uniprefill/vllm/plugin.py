@@ -39,11 +39,13 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .. import env
 from ..config import UniPrefillConfig
+from ..models.layer_kinds import LayerKind
 from ..unaccelerated import Kind, Unaccelerated, kind_of
 from .checks import (  # noqa: F401  (re-exported: tests, scripts and docs use them from here)
     BACKEND_QUALNAME, CONFIG_KEY, SUPPORTED_MODES, VERIFIED_VLLM_VERSIONS, VllmCheck, _get, _mode_number,
@@ -171,7 +173,7 @@ class VllmTokenDropBackend:
     """
 
     def __init__(self, config: UniPrefillConfig, check: VllmCheck | None = None,
-                 layer_kinds: list[str] | None = None, *, block_size: int | None = None,
+                 layer_kinds: Sequence[str] | None = None, *, block_size: int | None = None,
                  tensor_parallel: int = 1, hooks: Any = None, sliding_window: int | None = None,
                  graph_decode_max_reqs: int = 0, warm_up_max_seqlen: int = 0) -> None:
         """hooks: a `VllmHooks`, or a callable returning one (built when first needed).
@@ -182,12 +184,10 @@ class VllmTokenDropBackend:
         run (CUDA): each runtime compiles them at its first dummy forward; 0: no warm-up."""
         self.config = config
         self.check = check or VllmCheck()
-        self.layer_kinds = layer_kinds  # "full" / "sliding" / "linear" per layer, from the model config
+        self.layer_kinds = None if layer_kinds is None else [LayerKind(k) for k in layer_kinds]  # words checked
         self.block_size = block_size  # vLLM's KV-cache block size (cache_config.block_size)
-        self.tensor_parallel = tensor_parallel
-        self.sliding_window = sliding_window
-        self.graph_decode_max_reqs = graph_decode_max_reqs
-        self.warm_up_max_seqlen = warm_up_max_seqlen
+        self.tensor_parallel, self.sliding_window = tensor_parallel, sliding_window
+        self.graph_decode_max_reqs, self.warm_up_max_seqlen = graph_decode_max_reqs, warm_up_max_seqlen
         self._hooks = hooks if hooks is not None else VllmHooks.from_vllm
         self.graphs: list[VllmGraphReport] = []
         self.runtimes: list = []  # one VllmDropRuntime per rewritten graph
@@ -269,7 +269,7 @@ class VllmTokenDropBackend:
             if self.layer_kinds is None:
                 report.plan_error = "the model config gave no layer kinds"
                 return None
-            kinds = {i: LayerInfo(i, self.layer_kinds[i] if i < len(self.layer_kinds) else "other")
+            kinds = {i: LayerInfo(i, self.layer_kinds[i] if i < len(self.layer_kinds) else LayerKind.OTHER)
                      for i in info.layers}
             report.drop_layers = resolve_drop_layers(self.config.drop_layers, kinds)
             return info
@@ -292,7 +292,7 @@ class VllmTokenDropBackend:
             report.reason = (f"{info.gdn_ops} linear-attention (Gated DeltaNet) ops: their vLLM metadata for the kept "
                              "rows (FLA chunk indices, causal-conv1d pointers, state slots) is not built yet")
             return None
-        if "linear" in (self.layer_kinds or []):
+        if LayerKind.LINEAR in (self.layer_kinds or []):
             report.reason = ("recurrent or convolutional token mixers (Mamba, short convolutions): the vLLM rewrite "
                              "does not rebuild their state metadata for the kept rows")
             return None
@@ -301,7 +301,7 @@ class VllmTokenDropBackend:
             return None
         first = min(report.drop_layers)
         sliding = [site.layer_name for site in info.sites
-                   if site.layer > first and self.layer_kinds[site.layer] == "sliding"]
+                   if site.layer > first and self.layer_kinds[site.layer] is LayerKind.SLIDING]
         if sliding and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
             report.reason = (f"sliding-window layers run after drop layer {first} but the model config gives no "
                              f"sliding_window ({self.sliding_window!r})")
@@ -355,7 +355,7 @@ def _hf_text_config(vllm_config: Any) -> Any:
     return _get(model_config, "hf_text_config") or _get(model_config, "hf_config")
 
 
-def _layer_kinds(vllm_config: Any) -> list[str] | None:
+def _layer_kinds(vllm_config: Any) -> list[LayerKind] | None:
     """Layer kinds from vLLM's model config (its Hugging Face text config), or None."""
     from ..models.layer_kinds import layer_kinds
 

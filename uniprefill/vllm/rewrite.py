@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
+from uniprefill.models.layer_kinds import LayerKind
 from uniprefill.passes.fx_utils import TokenAxes
 
 from . import graph_ops
@@ -107,7 +108,7 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
         info.site(layer)  # KeyError -> not an attention site
     first = drop_layers[0]
     sliding_after = [site for site in info.sites if site.layer > first
-                     and site.layer < len(layer_kinds) and layer_kinds[site.layer] == "sliding"]
+                     and site.layer < len(layer_kinds) and layer_kinds[site.layer] == LayerKind.SLIDING]
     unknown = [site.layer for site in sliding_after if site.layer_name not in runtime.windows]
     if unknown:
         raise ValueError(f"sliding-window layers {unknown} run after drop layer {first} and the runtime has no "

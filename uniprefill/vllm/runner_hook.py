@@ -20,6 +20,11 @@ sampling params say `extra_args={"uniprefill": False}` (recorded when the reques
 its own top-p (`request_p()`); see `RequestSettings`. When no live request has a setting,
 nothing is computed per step.
 
+Why a patch: vLLM 0.26 gives a compilation backend no per-step hook that names the step's
+requests (its forward context holds attention metadata only), and no callback when a request
+finishes. So `install` / `install_v2` wrap two methods of a runner class: idempotent (a marker
+on the wrappers), reversible (`uninstall`), and in this module only.
+
 [read] in vLLM 0.26.0's source and run there on the H200 (runner V2, and V1 in a debugging run;
 docs/vllm.md). Private methods can change between vLLM versions: the plugin uses the hook only
 where the option `vllm_drop` asks for the experimental vLLM rewrite, and refuses that on an
@@ -222,6 +227,18 @@ def install_v2(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     runner_cls.execute_model = execute_model
     runner_cls.prepare_inputs = prepare_inputs
     return True
+
+
+def uninstall(runner_cls) -> bool:
+    """Undo `install` or `install_v2` on `runner_cls` (the wrapped methods return to vLLM's own);
+    False when neither had wrapped it."""
+    undone = False
+    for name in ("_model_forward", "_update_states", "execute_model", "prepare_inputs"):
+        method = vars(runner_cls).get(name)
+        if method is not None and getattr(method, _MARK, False):
+            setattr(runner_cls, name, method.__wrapped__)
+            undone = True
+    return undone
 
 
 def drop_totals(worker=None) -> list[dict]:

@@ -29,85 +29,42 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from uniprefill import env
+from uniprefill.eval.paired import compare, make_prompts, score_records
+from uniprefill.vllm.engine_settings import dropping_engine_kwargs
+
 DEFAULT_TASKS = "niah_single_1,niah_single_2,niah_single_3,niah_multikey_1"
 
 
-def make_prompts(tokenizer, tasks: list[str], lengths: list[int], samples: int, haystack, seed: int = 0) -> list:
-    """The `Sample`s of every (task, length, index), as `uniprefill eval` makes them."""
-    from uniprefill.eval.tasks import make_sample
-
-    return [make_sample(task, tokenizer, length, i, seed=seed, haystack=haystack)
-            for length in lengths for task in tasks for i in range(samples)]
-
-
-def score_records(samples: list, texts: list[str], system: str, extra: dict | None = None) -> list[dict]:
-    """One JSON-able record per sample: its key, the prediction and its score."""
-    from uniprefill.eval.scoring import score
-
-    if len(samples) != len(texts):
-        raise ValueError(f"{len(samples)} samples but {len(texts)} outputs")
-    return [{"system": system, "task": s.task, "length": s.length, "index": s.index, "seed": s.seed,
-             "num_tokens": s.num_tokens, "answers": list(s.answers), "prediction": text,
-             "score": score(s.task, text, s.answers), **(extra or {})} for s, text in zip(samples, texts)]
-
-
-def compare(base: list[dict], other: list[dict], n_boot: int = 10_000) -> list[dict]:
-    """Per length (and overall): mean scores and the paired difference other - base with its
-    bootstrap 95% CI, over the prompts both answered."""
-    from uniprefill.eval.scoring import paired_bootstrap_ci
-
-    def key(r):
-        return r["task"], r["length"], r["index"], r["seed"]
-
-    mine = {key(r): r for r in other}
-    pairs = defaultdict(list)  # length -> [(base record, other record)]
-    for r in base:
-        if key(r) in mine:
-            pairs[r["length"]].append((r, mine[key(r)]))
-    rows = []
-    for length in sorted(pairs) + ["all"]:
-        both = pairs[length] if length != "all" else [p for v in pairs.values() for p in v]
-        if not both:
-            continue
-        a, b = [x["score"] for x, _ in both], [y["score"] for _, y in both]
-        delta, low, high = paired_bootstrap_ci(a, b, n_boot=n_boot)
-        rows.append({"length": length, "n": len(both), "base": 100 * sum(a) / len(a), "other": 100 * sum(b) / len(b),
-                     "delta": delta, "ci": [low, high],
-                     "same_prediction": sum(1 for x, y in both if x["prediction"] == y["prediction"])})
-    return rows
-
-
-def _engine_kwargs(args, max_len: int) -> dict:
+def engine_kwargs(args, max_len: int) -> dict:
+    """LLM(...) settings: standard is vLLM's defaults (mode 3, CUDA graphs) with prompts prefilled
+    whole; uniprefill adds the channel's settings (`uniprefill.vllm.engine_settings`)."""
     kwargs = {"dtype": "bfloat16", "max_model_len": max_len, "gpu_memory_utilization": args.gpu_memory_utilization,
               "enable_prefix_caching": False, "enable_chunked_prefill": False,
               "max_num_batched_tokens": max_len, "seed": 0, "enable_flashinfer_autotune": False}
     if args.kv_cache_gib:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.system == "uniprefill":
-        kwargs["compilation_config"] = {"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
-                                        "inductor_compile_config": {"uniprefill": json.loads(args.settings)}}
+        kwargs.update(dropping_engine_kwargs(json.loads(args.settings), max_model_len=max_len))
     return kwargs
 
 
 def run(args) -> None:
-    import os
-
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.dry_run:  # the engine settings, without vLLM, a tokenizer or a model
+        print(json.dumps(engine_kwargs(args, max(lengths) + 64)))
+        return
     if args.system == "uniprefill":
-        # mode 2 with vLLM's AOT compile needs a serialisable compiled function (docs/vllm.md);
-        # set before vLLM is imported, and inherited by its EngineCore process
-        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
-        # collective_rpc(drop_totals) below sends a function: pickle on vLLM's IPC
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        env.prepare_vllm_channel()  # before vLLM is imported; its EngineCore process inherits it
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    lengths = [int(x) for x in args.lengths.split(",")]
     samples = make_prompts(tokenizer, args.tasks.split(","), lengths, args.samples, args.haystack, args.seed)
     print(f"{len(samples)} prompts, {min(s.num_tokens for s in samples)}-{max(s.num_tokens for s in samples)} tokens",
           flush=True)
     start = time.perf_counter()
-    llm = LLM(model=str(args.model_dir), tokenizer=str(args.model_dir), **_engine_kwargs(args, max(lengths) + 64))
+    llm = LLM(model=str(args.model_dir), tokenizer=str(args.model_dir), **engine_kwargs(args, max(lengths) + 64))
     built = time.perf_counter() - start
     params = [SamplingParams(temperature=0.0, max_tokens=s.max_new_tokens, stop=["\n"] if s.stop_at_newline else None)
               for s in samples]
@@ -145,6 +102,7 @@ def main(argv=None) -> None:
     r.add_argument("--kv-cache-gib", type=float, default=8.0)
     r.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--dry-run", action="store_true", help="print the engine settings as JSON and exit, without vLLM")
     c = sub.add_parser("compare")
     c.add_argument("base", type=Path)
     c.add_argument("other", type=Path)

@@ -46,39 +46,19 @@ import argparse
 import json
 import os
 import platform
-import random
 import sys
 import time
 from pathlib import Path
 
+from uniprefill import env
+from uniprefill.vllm.engine_settings import compilation_config
+from uniprefill.vllm.measure import kv_written_share, ranks_agree, run_throughput
 from uniprefill.testing.word_llama import LLAMA_8B, WORDS, prompts, write_model_folder  # noqa: F401
 
 HERE = Path(__file__).resolve().parent
 TEXT_PROMPTS = ["The Eiffel Tower is located in the city of", "The capital of France is"]
 TEXT_MAX_TOKENS = 16
-# Throughput prompts use token ids in [ID_LOW, ID_LOW + ID_SPAN): clear of the special and
-# control tokens at the start of the Llama-3 and Gemma-3 vocabularies, inside both.
-ID_LOW = 1000
-ID_SPAN = 20000
 GIB = 1 << 30
-
-
-def ranks_agree(totals) -> bool | None:
-    """Whether every worker's drop totals (`collect_drop_totals`: one list per worker, one dict
-    per rewritten graph) are identical: rank-consistent selection keeps the same rows on every
-    rank. None when there is nothing to compare (an error text, or fewer than two workers)."""
-    if not isinstance(totals, list) or len(totals) < 2:
-        return None
-    return all(worker == totals[0] for worker in totals[1:])
-
-
-def kv_written_share(totals) -> float | None:
-    """The share of the dropping prompts' KV entries still written (`DropTotals.kv_entries_*`),
-    over the first worker's rewritten graphs; None without drops (or an error text)."""
-    if not isinstance(totals, list) or not totals or not isinstance(totals[0], list):
-        return None
-    prompt = sum(graph.get("kv_entries_prompt", 0) for graph in totals[0])
-    return sum(graph.get("kv_entries_written", 0) for graph in totals[0]) / prompt if prompt else None
 
 
 def int_list(text: str) -> list[int]:
@@ -87,18 +67,6 @@ def int_list(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
     return values
-
-
-def token_prompts(length: int, batch: int, tag: str, vocab_size: int) -> list[list[int]]:
-    """`batch` distinct prompts of exactly `length` token ids; `tag` (e.g. "warm", "timed")
-    makes prompts of different runs differ too. Deterministic."""
-    span = max(1, min(ID_SPAN, vocab_size - ID_LOW))
-    rows = []
-    for row in range(batch):
-        rng = random.Random(f"{tag}/{length}/{batch}/{row}")
-        rows.append([ID_LOW + rng.randrange(span) for _ in range(length)])
-    assert len({tuple(r[:64]) for r in rows}) == batch, "prompts of one batch must differ"
-    return rows
 
 
 def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
@@ -126,15 +94,9 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
     elif args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.uniprefill:
-        kwargs["compilation_config"] = {
-            "mode": 2,
-            "backend": "uniprefill.vllm.plugin.vllm_backend",
-            "inductor_compile_config": {"uniprefill": json.loads(args.uniprefill_settings)},
-        }
-        if args.decode_graphs:  # decode steps replay CUDA graphs that read the drop histories
-            kwargs["compilation_config"]["cudagraph_mode"] = "FULL_DECODE_ONLY"
-            kwargs["compilation_config"]["inductor_compile_config"]["uniprefill"]["vllm_decode_graphs"] = True
-        elif os.environ.get("SMOKE_CUDAGRAPH_MODE"):  # debugging: e.g. NONE (no CUDA graphs at all)
+        kwargs["compilation_config"] = compilation_config(json.loads(args.uniprefill_settings),
+                                                          decode_graphs=args.decode_graphs)
+        if not args.decode_graphs and os.environ.get("SMOKE_CUDAGRAPH_MODE"):  # debugging: e.g. NONE
             kwargs["compilation_config"]["cudagraph_mode"] = os.environ["SMOKE_CUDAGRAPH_MODE"]
         # token dropping refuses prefix caching (a dropped request's blocks must not be reused)
         kwargs["enable_prefix_caching"] = False
@@ -160,77 +122,6 @@ def attention_backends(worker) -> list[dict]:
                 "block_size": getattr(spec, "block_size", None),
             })
     return out or [{"runner": type(runner).__name__, "note": "no attn_groups found"}]
-
-
-def request_metrics(outputs) -> dict:
-    """Engine-side prefill timing from RequestOutput.metrics (engine-core monotonic clock)."""
-    stats = [getattr(o, "metrics", None) for o in outputs]
-    if not stats or any(s is None or not getattr(s, "first_token_ts", 0) for s in stats):
-        return {"available": False}
-    scheduled = [s.scheduled_ts for s in stats]
-    first = [s.first_token_ts for s in stats]
-    return {"available": True, "span_s": round(max(first) - min(scheduled), 4),
-            "per_request_prefill_s": [round(f - s, 4) for f, s in zip(first, scheduled)],
-            "queued_to_first_token_s": round(max(first) - min(s.queued_ts for s in stats), 4)}
-
-
-def decode_metrics(outputs, decode_tokens: int) -> dict:
-    """Time per output token after the first, from the engine's timestamps (last_token_ts -
-    first_token_ts over the tokens between them), median and max over the batch's requests."""
-    stats = [getattr(o, "metrics", None) for o in outputs]
-    if not stats or any(s is None or not getattr(s, "last_token_ts", 0) for s in stats):
-        return {"available": False}
-    per_token = sorted((s.last_token_ts - s.first_token_ts) / decode_tokens * 1e3 for s in stats)
-    return {"available": True, "tokens_after_first": decode_tokens,
-            "ms_per_token_median": round(per_token[len(per_token) // 2], 3), "ms_per_token_max": round(per_token[-1], 3),
-            "all_generated": all(len(o.outputs[0].token_ids) == decode_tokens + 1 for o in outputs)}
-
-
-def run_throughput(llm, lengths: list[int], batches: list[int], vocab_size: int, points: list, save,
-                   decode_tokens: int = 0) -> None:
-    """Appends one dict per (length, batch) to `points`, calling save() after each. With
-    `decode_tokens`, each point also generates that many tokens after the first from fresh
-    prompts of the same shape and records the time per output token (`decode_metrics`)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    decode_params = SamplingParams(max_tokens=1 + decode_tokens, temperature=0.0, ignore_eos=True)
-    for length in lengths:
-        # Warm-up per length: one prompt, then two when a batch > 1 follows. Two prompts in one
-        # step may compile what one does not (likely Triton specialising integer arguments equal to 1, a
-        # sequence count): on 2026-12-01 Gemma-3-270M's first multi-request drop (8192 x 4) took
-        # 2.1 s instead of ~0.2 s after a one-prompt warm-up (docs/benchmarks.md).
-        t0 = time.perf_counter()
-        for warm_batch in (1, 2) if max(batches) > 1 else (1,):
-            warm = [{"prompt_token_ids": ids} for ids in token_prompts(length, warm_batch, "warm", vocab_size)]
-            llm.generate(warm, params, use_tqdm=False)
-        warm_s = time.perf_counter() - t0
-        for batch in batches:
-            batch_prompts = [{"prompt_token_ids": ids} for ids in token_prompts(length, batch, "timed", vocab_size)]
-            t0 = time.perf_counter()
-            outputs = llm.generate(batch_prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - t0
-            engine = request_metrics(outputs)
-            point = {
-                "length": length, "batch": batch, "seconds": round(seconds, 4),
-                "tokens_per_s": round(batch * length / seconds, 1), "warmup_s_for_length": round(warm_s, 3),
-                "prompt_lengths_ok": all(len(o.prompt_token_ids) == length for o in outputs),
-                "cached_tokens": max((o.num_cached_tokens or 0) for o in outputs),
-                "engine": engine,
-            }
-            if engine.get("available") and engine["span_s"] > 0:
-                point["engine_tokens_per_s"] = round(batch * length / engine["span_s"], 1)
-            if decode_tokens:
-                decode_prompts = [{"prompt_token_ids": ids} for ids in token_prompts(length, batch, "decode", vocab_size)]
-                point["decode"] = decode_metrics(llm.generate(decode_prompts, decode_params, use_tqdm=False),
-                                                 decode_tokens)
-            points.append(point)
-            decode = point.get("decode", {})
-            print(f"throughput: L={length} B={batch}: {seconds:.3f} s, {point['tokens_per_s']:.0f} tok/s"
-                  f" (engine {point.get('engine_tokens_per_s', 'n/a')} tok/s), cached {point['cached_tokens']}"
-                  + (f", decode {decode['ms_per_token_median']} ms/token" if decode.get("available") else ""),
-                  flush=True)
-            save()
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -273,6 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="vLLM's tensor_parallel_size (needs that many GPUs); with dropping, the JSON's "
                              "ranks_agree says whether every rank dropped the same rows")
     parser.add_argument("--out", type=Path, default=None, help="JSON summary path")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the engine settings (LLM keyword arguments and environment) as JSON and exit, "
+                             "without vLLM")
     args = parser.parse_args(argv)
     if args.uniprefill and args.dump_graph:
         parser.error("--uniprefill and --dump-graph both choose the compilation backend: pick one")
@@ -286,8 +180,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def prepare_environment(args) -> None:
     """Environment that vLLM reads at import (the EngineCore subprocess inherits it)."""
     if args.uniprefill or args.dump_graph:
-        # Mode 2 + vLLM's AOT compile needs a serialisable compiled function (docs/vllm.md).
-        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+        env.prepare_vllm_channel()  # mode 2: no AOT compile; collective_rpc with functions
     if args.dump_graph:
         path = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = str(HERE) + (os.pathsep + path if path else "")
@@ -306,8 +199,14 @@ def main(argv=None) -> int:
             return 2
     else:
         folder = args.folder or Path(f"/tmp/llama8b-shaped-{args.layers}")
-        write_model_folder(folder, args.layers)
+        if not args.dry_run:
+            write_model_folder(folder, args.layers)
     prepare_environment(args)
+    if args.dry_run:
+        kwargs, recorded = engine_kwargs(args, args.throughput_lengths)
+        env = {k: os.environ.get(k) for k in ("VLLM_USE_AOT_COMPILE", "VLLM_ALLOW_INSECURE_SERIALIZATION")}
+        print(json.dumps({"engine_kwargs": kwargs, **recorded, "env": env}))
+        return 0
 
     import torch
     import vllm

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_power_of_2
-from .rule import SelectionRule
+from .._common import next_power_of_2
+from ..rule import SelectionRule
 
 MAX_BLOCKS_PER_SEQUENCE = 8192  # 512K tokens at block_size 64; the key has room for 65536
 _KEEP_EVERYTHING = 2**31 - 1  # as min_len: every sequence is shorter, so all is kept

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import next_power_of_2
+from .._common import next_power_of_2
 
 _SPLITS = 32  # programs per sequence that write indices
 

@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, interpret_enabled, multiprocessor_count, next_power_of_2
+from .._common import cdiv, interpret_enabled, multiprocessor_count, next_power_of_2
 from .reference import block_offsets
-from .validation import VarlenLayout
+from ..validation import VarlenLayout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,14 @@
-"""The Triton kernel of `paged_window.py` (imported only when it runs: importing it imports triton)."""
+"""The Triton kernel of paged sliding-window attention and its launcher (imported only when it runs:
+importing it imports triton). One program per (row, KV head), an online-softmax loop over the row's
+entries in tiles of BLOCK_N, the GQA query heads of that KV head together."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from .._common import interpret_enabled, next_power_of_2
 
 
 @triton.jit
@@ -64,3 +69,25 @@ def paged_window_kernel(
     out = acc / denom[:, None]
     tl.store(O + t * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d,
              out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
+                                  *, window: int, scale: float, softcap: float | None = None,
+                                  block_n: int = 64) -> torch.Tensor:
+    """The Triton kernel (see the module docstring); same contract as the reference."""
+    tokens, heads, dim = query.shape
+    kv_heads = key_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.empty_like(query)
+    if tokens == 0:
+        return out
+    fp32_dot = query.dtype == torch.float32 or interpret_enabled()  # the interpreter's bf16 dot is wrong
+    paged_window_kernel[(tokens, kv_heads)](
+        query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),
+        float(scale), float(softcap or 0.0),
+        CACHE_BLOCK=key_cache.shape[1], GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
+        HEAD_DIM=dim, BLOCK_D=max(16, next_power_of_2(dim)), BLOCK_N=block_n,
+        USE_SOFTCAP=bool(softcap), FP32_DOT=fp32_dot,
+    )
+    return out

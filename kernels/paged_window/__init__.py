@@ -1,0 +1,65 @@
+"""Paged sliding-window attention with a per-row window: the kernel behind vLLM sliding layers
+after a drop point (`uniprefill.vllm.window`).
+
+Each query row t of request r sees the `count[t]` cache entries that end at its own entry,
+logical KV indices `[logical[t] - count[t] + 1, logical[t]]`, read from vLLM's paged cache
+through the request's block table. FlashAttention's window is the same for every row; here
+each row has its own (after a drop, how many kept entries lie within W positions varies).
+
+- `paged_window_attention_torch` (`reference.py`): the PyTorch reference.
+- `paged_window_attention_triton` (`kernel.py`): the Triton kernel, imported when it runs.
+- `paged_window_attention(..., impl="auto")`: Triton on CUDA, the reference elsewhere (or
+  Triton's CPU interpreter with TRITON_INTERPRET=1), as `kernels.api` chooses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..validation import resolve_impl
+from .reference import paged_window_attention_torch
+
+__all__ = ["paged_window_attention", "paged_window_attention_torch", "paged_window_attention_triton"]
+
+
+def _check(query, key_cache, value_cache, block_table, row_request, row_logical, row_count, window) -> None:
+    if query.dim() != 3 or key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(f"query must be [T, Hq, D] and the caches [blocks, B, Hk, D] alike; got "
+                         f"{tuple(query.shape)}, {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    if query.shape[2] != key_cache.shape[3]:
+        raise ValueError(f"head size {query.shape[2]} of the query != {key_cache.shape[3]} of the cache")
+    if query.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"query heads {query.shape[1]} are not a multiple of the cache's KV heads {key_cache.shape[2]}")
+    rows = query.shape[0]
+    for name, t in (("row_request", row_request), ("row_logical", row_logical), ("row_count", row_count)):
+        if t.shape != (rows,):
+            raise ValueError(f"{name} must have shape ({rows},), got {tuple(t.shape)}")
+    if block_table.dim() != 2:
+        raise ValueError(f"block_table must be [R, max_blocks], got {tuple(block_table.shape)}")
+    if window < 1:
+        raise ValueError(f"window={window}: expected >= 1")
+
+
+def paged_window_attention(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
+                           *, window: int, scale: float, softcap: float | None = None,
+                           impl: str = "auto") -> torch.Tensor:
+    """[T, Hq, D]: each row's attention over its own run of paged cache entries (module docstring).
+
+    query [T, Hq, D]; key_cache, value_cache [num_blocks, B, Hk, D] (any strides: vLLM's
+    FlashAttention cache views); block_table [R, max_blocks]; row_request, row_logical,
+    row_count [T] ints (1 <= count <= window, count <= logical + 1)."""
+    _check(query, key_cache, value_cache, block_table, row_request, row_logical, row_count, window)
+    if resolve_impl(impl, query.device) == "triton":
+        from .kernel import paged_window_attention_triton
+
+        return paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical,
+                                             row_count, window=window, scale=scale, softcap=softcap)
+    return paged_window_attention_torch(query, key_cache, value_cache, block_table, row_request, row_logical,
+                                        row_count, window=window, scale=scale, softcap=softcap)
+
+
+def paged_window_attention_triton(*args, **kwargs) -> torch.Tensor:
+    """The Triton kernel (`kernel.py`, imported on the first call: importing it imports triton)."""
+    from .kernel import paged_window_attention_triton as run
+
+    return run(*args, **kwargs)
