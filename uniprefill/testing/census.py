@@ -28,10 +28,11 @@ import torch
 from ..unaccelerated import Kind, kind_of
 
 SETTINGS = dict(sink=16, last_q=16, block_size=16)
+_WINDOW = 24  # a sliding window shorter than the prompt, set only where the default config has one
 _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, moe_intermediate_size=32,
               shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
-              num_experts_per_tok=2, n_shared_experts=1, sliding_window=24, kv_lora_rank=16, q_lora_rank=16,
+              num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
               mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16, mamba_headdim=16, mamba_n_groups=1, mamba_expand=2,
@@ -40,7 +41,14 @@ _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
               use_cache=True,
               # the same sizes under the older names some configs use
               n_embd=64, d_model=64, n_layer=4, n_layers=4, num_layers=4, n_head=4, n_heads=4, num_heads=4,
-              n_inner=128, ffn_dim=128, d_ff=128, n_positions=4096, max_seq_len=4096, seq_length=4096)
+              n_inner=128, ffn_dim=128, d_ff=128, n_positions=4096, max_seq_len=4096, seq_length=4096,
+              # rarer size fields: MoE experts, per-layer embeddings, byte-level (BLT) hash tables
+              ffn_hidden_size=128, expert_ffn_hidden_size=32, shared_experts_intermediate_size=32,
+              router_hidden_size=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
+              hidden_size_global=64, encoder_hash_byte_group_vocab=128, local_attention_window_len=_WINDOW)
+# counts that must not exceed the tiny expert count: lowered to these, never raised, never set where unset
+# (expert groups for group-limited routing; experts per token and zero-computation experts of LongCat)
+_AT_MOST = dict(n_group=1, num_expert_group=1, topk_group=1, moe_topk=2, zero_expert_num=2)
 _MAX_PARAMETERS = 20_000_000  # a config the shrinker could not make small is skipped, not built
 _LENGTH = 300
 
@@ -70,34 +78,101 @@ def _not_decoder_only(model_type: str, config) -> str:
         return "encoder-decoder model"
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "an encoder (masked LM) that can also be run as a decoder"
+    declared = getattr(config, "sub_configs", None) or {}
     for key in ("vision_config", "audio_config", "speech_config", "depth_decoder_config"):
-        if getattr(config, key, None) is not None:
+        if getattr(config, key, None) is not None or key in declared:
             return f"multimodal ({key}); its text model is censused under its own type where it has one"
-    return ""
+    return _FAMILY.get(model_type, {}).get("skip", "")
 
 
 def tiny_config(model_type: str):
     """A tiny random config of `model_type` (generic shrinking of the common fields)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    family = _FAMILY.get(model_type, {})
+    return _shrink(AutoConfig.for_model(model_type), family.get("tiny", {}))
+
+
+# Per-family settings the generic shrinker cannot infer, each with why. "default": passed when building the
+# type's default config; "tiny": set on the tiny config last.
+_FAMILY = {
+    # a drafter for speculative decoding: its forward needs the target model's embeddings and key/value states
+    "gemma4_assistant": dict(skip="a drafter (assistant) model: its forward needs the target model's inputs_embeds "
+                                  "and shared_kv_states, it does not run on token ids alone"),
+    "gemma4_unified_assistant": dict(skip="a drafter (assistant) model: its forward needs the target model's "
+                                          "inputs_embeds and shared_kv_states, it does not run on token ids alone"),
+    # the per-layer-type RoPE table is empty by default and the model reads the "full_attention" entry
+    "cohere_compass_text": dict(tiny=dict(rope_parameters={"full_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0}})),
+    # transformers' attention reads attn_config.rope_theta, which the default attention sub-config lacks, and
+    # clamps q/k/v with clip_qkv, which fails at its default None
+    "dbrx": dict(tiny=dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0))),
+    # sliding layers take their sizes from swa_* fields (defaults of the released checkpoint, 64 heads of 256)
+    "dots3_note_text": dict(tiny=dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16,
+                                      swa_kv_lora_rank=16, swa_head_dim=16, swa_qk_nope_head_dim=8,
+                                      swa_v_head_dim=16)),
+    # no default layer pattern: the modeling code reads layer_types (convolution / attention per layer)
+    "lfm2_moe": dict(tiny=dict(layer_types=["conv", "full_attention", "conv", "full_attention"])),
+    # Mamba-2 checks hidden_size * expand == num_heads * head_dim
+    "mamba2": dict(tiny=dict(num_heads=8)),
+    # the indexed (QSA) attention's sizes have no defaults; the indexer needs one key/value head
+    "qwen4_exp_text": dict(tiny=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                                     indexer_budget=64, indexer_compress_ratio=4)),
+    # the config validator allows one expert per token only
+    "zaya": dict(tiny=dict(num_experts_per_tok=1)),
+}
+
+
+def _uses_window(default) -> bool:
+    """Whether the default config has sliding-window layers: a window size that is set and not switched off
+    (`use_sliding_window`), or a layer pattern that names sliding layers."""
+    pattern = getattr(default, "layer_types", None) or ()
+    if any("sliding" in str(t) for t in pattern):
+        return True
+    if not getattr(default, "sliding_window", None):
+        return False
+    return bool(getattr(default, "use_sliding_window", True))
+
+
+def _shrink(default, extra: dict | None = None):
+    """`default` with its size fields made small, its sub-configs shrunk the same way and its layer
+    pattern cut to the new depth; `extra` (per-family settings) is applied last."""
     params = set(inspect.signature(type(default).__init__).parameters)
     keys = set(vars(default)) | params
     overrides = {k: v for k, v in _SMALL.items() if k in keys}
     layers = overrides.get("num_hidden_layers", 4)
+    for key, most in _AT_MOST.items():
+        if isinstance(vars(default).get(key), int):
+            overrides[key] = min(vars(default)[key], most)
+    if "sliding_window" in keys and _uses_window(default):
+        overrides["sliding_window"] = _WINDOW
+    if isinstance(vars(default).get("rotary_dim"), int):  # a rotary part of each head (CodeGen, GPT-J): half
+        overrides["rotary_dim"] = overrides.get("head_dim", 16) // 2
     if "kv_lora_rank" in keys:  # MLA: transformers' SDPA path expands no key/value groups there
         overrides["num_key_value_heads"] = overrides.get("num_attention_heads", 4)
+        if vars(default).get("head_dim") == vars(default).get("qk_rope_head_dim") is not None:
+            overrides["head_dim"] = overrides["qk_rope_head_dim"]  # head_dim names the rotary part (DeepSeek-V3)
+    if vars(default).get("num_kv_shared_layers"):  # layers reusing an earlier layer's cache: half the depth
+        overrides["num_kv_shared_layers"] = layers // 2
+    for key in getattr(default, "sub_configs", None) or {}:
+        sub = vars(default).get(key)
+        if sub is not None and hasattr(sub, "to_dict"):
+            try:
+                overrides[key] = _shrink(sub)
+            except Exception:  # noqa: BLE001  (a sub-config that cannot be shrunk alone is left as it is)
+                pass
     overrides = {k: v for k, v in overrides.items() if not isinstance(getattr(type(default), k, None), property)}
     pattern = _layer_pattern(default, layers)
+    extra = extra or {}
     # a field this config derives or validates otherwise: without the layer pattern, then the core sizes only
     core = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "max_position_embeddings", "pad_token_id")
-    for attempt in ({**overrides, **pattern}, overrides):
+    for attempt in ({**overrides, **pattern, **extra}, {**overrides, **extra}):
         try:
             return type(default)(**attempt)
         except Exception:  # noqa: BLE001
             pass
-    return type(default)(**{k: v for k, v in overrides.items() if k in core})
+    return type(default)(**{k: v for k, v in overrides.items() if k in core}, **extra)
 
 
 _FULL_MARKERS = ("full", "global")
@@ -136,6 +211,8 @@ def _layer_pattern(default, layers: int) -> dict:
 def _build(model_type: str):
     from transformers import AutoModelForCausalLM
 
+    if _FAMILY.get(model_type, {}).get("skip"):
+        return None, _FAMILY[model_type]["skip"]
     config = tiny_config(model_type)
     why = _not_decoder_only(model_type, config)
     if why:
