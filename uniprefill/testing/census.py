@@ -1,8 +1,10 @@
 """Architecture census: every causal LM type of the installed transformers, tiny and random.
 
 For each model type that maps to a causal-LM class and is a decoder-only text model, a tiny
-random config is built by a generic shrinker (common size fields set small, `layer_types`
-cut to the new depth; no per-model code in the pass), and then:
+random config is built by a generic shrinker (common size fields set small, sub-configs shrunk
+alike, `layer_types` cut to the new depth, a sliding window shortened only where the default config
+has one, so the tiny model keeps the default's kind of attention), plus a few per-family settings
+in `_FAMILY` (none in the pass), and then:
 
 (a) p = 1 prefill equals the plain model, one row and a left-padded batch of two;
 (b) p = 1 greedy generation equals the plain model's;
@@ -12,7 +14,9 @@ cut to the new depth; no per-model code in the pass), and then:
 
 Each type ends as `accelerated`, `unaccelerated` (with the backend's reason), `mismatch`,
 `error` or `skipped` (not a decoder-only text model, or no tiny config could be built, with
-the reason). `uniprefill census` runs it and writes the table (`docs/architectures.md`).
+the reason). Each run row also says whether the type has a full-attention layer
+(`census_attention.py`); the table states the accelerated share among those that have one.
+`uniprefill census` runs it and writes the table (`docs/architectures.md`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..unaccelerated import Kind, kind_of
+from .census_attention import full_attention, share_line
 
 SETTINGS = dict(sink=16, last_q=16, block_size=16)
 _WINDOW = 24  # a sliding window shorter than the prompt, set only where the default config has one
@@ -63,6 +68,8 @@ class CensusRow:
     dropped: str = ""
     seconds: float = 0.0
     checks: dict = field(default_factory=dict)
+    full_attention: bool | None = None  # has a full-attention layer (census_attention.py); None: not run
+    full_attention_basis: str = ""  # the evidence: "graph", "config (...)", or why there is none
 
 
 def causal_lm_types() -> list[str]:
@@ -189,7 +196,8 @@ def _layer_pattern(default, layers: int) -> dict:
     as the default depth (`layer_types`, `layers_block_type`, `mlp_layer_types`), periodic patterns
     (`attn_layer_period` / `attn_layer_offset`: Jamba, Zamba) and explicit indices
     (`attn_layer_indices`: Bamba). A hybrid whose default is attention-free (GraniteMoeHybrid)
-    gets the first full-attention name its pattern uses, or "full_attention"."""
+    gets the first full-attention name its pattern uses, or "full_attention"; a pattern of sliding
+    layers only (Ministral) is kept: the model has no full-attention layer to find."""
     depth = getattr(default, "num_hidden_layers", None)
     out = {}
     for key, value in vars(default).items():
@@ -197,7 +205,8 @@ def _layer_pattern(default, layers: int) -> dict:
             continue
         if isinstance(value, (list, tuple)) and value and len(value) == depth and all(isinstance(v, str) for v in value):
             cut = list(value)[:layers]
-            if key in ("layer_types", "layers_block_type") and not any(_is_full(t) for t in cut):
+            all_sliding = all("sliding" in str(t) for t in value)  # Ministral: stays sliding-only, like Mistral
+            if key in ("layer_types", "layers_block_type") and not any(_is_full(t) for t in cut) and not all_sliding:
                 full = next((t for t in value if _is_full(t)), "full_attention")
                 cut[min(1, layers - 1)] = full
             out[key] = cut
@@ -312,6 +321,7 @@ def census_one(model_type: str) -> CensusRow:
         row.checks["traceback"] = traceback.format_exc(limit=3)[-600:]
     finally:
         torch._dynamo.reset()
+        row.full_attention, row.full_attention_basis = full_attention(model_type, model.config, row.layer_kinds)
         row.seconds = round(time.perf_counter() - start, 1)
     return row
 
@@ -328,6 +338,7 @@ def table(rows: list[CensusRow], versions: str) -> str:
              "Every causal-LM model type of the installed transformers, tiny random weights, 300-token prompts "
              "(`uniprefill census`; what each check means: `uniprefill/testing/census.py`).", "",
              "Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f" (of {len(rows)})", "",
+             share_line(rows), "",
              "Eager attention (transformers runs these models without SDPA) is recognised in the graph as one "
              "attention site (`uniprefill/passes/sink_attention.py`): with learned per-head sinks (GPT-OSS, Flint, "
              "MiMo-V2-Flash's sliding layers; Granite-SWA's sinks applied after the attention), with soft-capped "
@@ -337,12 +348,23 @@ def table(rows: list[CensusRow], versions: str) -> str:
              "attention written out by hand with its own masking) are not matched, and the reason says so. Several "
              "attention calls in one layer that share the queries, mask and scale (DiffLlama's differential "
              "attention) make one drop point scored with the first call.", "",
-             "| model type | result | layer kinds | generation (p = 1) | retention at keep 0.5 | reason | s |",
-             "|---|---|---|---|---|---|---|"]
+             "| model type | result | layer kinds | full attention | generation (p = 1) | retention at keep 0.5 "
+             "| reason | s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         reason = r.reason.replace("|", "/").replace("\n", " ")[:220]
-        lines.append(f"| {r.model_type} | {r.status} | {r.layer_kinds} | {r.generation} | {r.dropped} | {reason} | {r.seconds} |")
+        lines.append(f"| {r.model_type} | {r.status} | {r.layer_kinds} | {_full_cell(r)} | {r.generation} | {r.dropped} "
+                     f"| {reason} | {r.seconds} |")
     return "\n".join(lines) + "\n"
+
+
+def _full_cell(row: CensusRow) -> str:
+    if row.full_attention is None:
+        return "" if row.status == "skipped" else "?"
+    basis = row.full_attention_basis.replace("|", "/")
+    if row.full_attention:
+        return "yes (graph)" if basis == "graph" else "yes (config)"
+    return f"no: {basis}"
 
 
 def as_dict(row: CensusRow) -> dict:
