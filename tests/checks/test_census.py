@@ -16,6 +16,8 @@ from uniprefill.testing.census_attention import accelerated_share, full_attentio
     # unaccelerated (decode after a drop does not model chunks), equal to the plain model
     ("llama4_text", "accelerated"),
     ("gpt_oss", "accelerated"),  # eager attention with learned sinks, recognised as one attention site
+    ("mixtral", "accelerated"),  # no sliding window by default: the tiny config keeps full attention
+    ("deepseek_v3", "accelerated"),  # MLA (head_dim = the rotary part of a head), group-limited routing
     ("gpt_neo", "unaccelerated"),  # eager attention only (no SDPA path in transformers)
     ("bert", "skipped"),
 ])
@@ -28,6 +30,7 @@ def test_census_rows(model_type, status):
         expected = "equal (generation unaccelerated)" if model_type == "llama4_text" else "equal"
         assert row.generation == expected and row.dropped not in ("", "none"), row
         assert all(v is True for v in row.checks.values()), row.checks
+        assert row.full_attention is True and row.full_attention_basis == "graph", row
     assert f"| {model_type} | {status} |" in table([row], "test")
 
 

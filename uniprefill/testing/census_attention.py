@@ -63,7 +63,10 @@ def full_attention(model_type: str, config, layer_kinds: str = "") -> tuple[bool
         config = config.get_text_config()
     window = _window(config)
     for key in _PATTERNS:
-        pattern = vars(config).get(key)
+        try:  # a property on some configs (Jamba's layers_block_type)
+            pattern = getattr(config, key, None)
+        except Exception:  # noqa: BLE001  (a per-layer attribute that refuses global access)
+            pattern = None
         if isinstance(pattern, (list, tuple)) and pattern and all(isinstance(k, str) for k in pattern):
             if any(_kind_is_full(k, window) is not False for k in pattern):
                 return True, f"config ({key})"
@@ -71,7 +74,7 @@ def full_attention(model_type: str, config, layer_kinds: str = "") -> tuple[bool
             return False, f"every layer in {key} is {kinds}" + (f" ({window[0]}={window[1]})" if window else "")
     if window:
         return False, f"every attention layer is sliding-window ({window[0]}={window[1]})"
-    return True, "config (attention in every layer)"
+    return True, "config (attention layers, no window, no layer pattern)"
 
 
 def accelerated_share(rows) -> tuple[int, int]:
