@@ -52,23 +52,41 @@ def sinks_of(column, chain):
 
 def scores_of(logits, chain):
     """`matmul(q, k.transpose(2, 3)) * scale [soft-capped] (+ mask)` -> (q, k, scale, mask, softcap),
-    else None (softcap None: not capped)."""
-    mask = None
+    else None (softcap None: not capped). The batched forms of `eager_attention_forms` (`bmm` /
+    `baddbmm` on heads merged into the batch axis) are read as the same."""
     if is_call(logits, "add") and (len(logits.args) != 2 or logits.kwargs):  # torch.add(x, m, alpha=...)
         return None
-    if is_call(logits, "add"):
-        scaled, mask = logits.args if is_call(logits.args[0], "mul") else logits.args[::-1]
-        if not (is_call(scaled, "mul") and isinstance(mask, fx.Node)):
-            return None
+    if not is_call(logits, "add"):
+        return _unmasked_scores(logits, chain)
+    for scaled, mask in (logits.args, logits.args[::-1]):
         m = example_value(mask)
-        if not (isinstance(m, torch.Tensor) and m.is_floating_point() and m.dim() == 4):
-            return None
-        chain.append(logits)
-    else:
-        scaled = logits
+        if not (isinstance(mask, fx.Node) and isinstance(m, torch.Tensor) and m.is_floating_point() and m.dim() == 4):
+            continue
+        tried = [logits]
+        found = _unmasked_scores(scaled, tried)
+        if found is not None:
+            chain += tried
+            q, k, scale, _, softcap = found
+            return q, k, scale, mask, softcap
+    return None
+
+
+def _unmasked_scores(scaled, chain):
+    from .eager_attention_forms import batched_scores
+
     scaled, softcap = _without_softcap(scaled, chain)
+    if is_call(scaled, "matmul"):  # no scale (GPT-Neo)
+        q, kt = scaled.args
+        if not (is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}):
+            return None
+        chain += [scaled, kt]
+        return q, kt.args[0], 1.0, None, softcap
     if not (is_call(scaled, "mul") and len(scaled.args) == 2):
-        return None
+        batched = batched_scores(scaled, chain)
+        if batched is None or batched[3] is not None:  # a bias besides the mask: `key_bias_of`'s
+            return None
+        q, k, scale, _ = batched
+        return q, k, scale, None, softcap
     a, b = scaled.args
     product, scale = (a, b) if is_call(a, "matmul") else (b, a)
     if not is_call(product, "matmul") or isinstance(example_value(scale), torch.Tensor) or isinstance(scale, (bool, str)):
@@ -77,7 +95,7 @@ def scores_of(logits, chain):
     if not (is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}):
         return None
     chain += [scaled, product, kt]
-    return q, kt.args[0], scale, mask, softcap
+    return q, kt.args[0], scale, None, softcap
 
 
 def _without_softcap(node, chain):
@@ -217,7 +235,9 @@ def drops_last_column(node: fx.Node) -> bool:
 def dropout_off(node: fx.Node) -> bool:
     p = arg_of(node, 1, "p", 0.5)
     training = arg_of(node, 2, "training", True)
-    return isinstance(p, (int, float)) and isinstance(training, bool) and (p == 0 or not training)
+    if training is False:  # off whatever p is (a float attribute dynamo made an input: a SymFloat node)
+        return True
+    return isinstance(p, (int, float)) and isinstance(training, bool) and p == 0
 
 
 def casts_to(node: fx.Node, value) -> bool:

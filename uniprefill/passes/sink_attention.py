@@ -50,6 +50,7 @@ from .eager_attention_pieces import (
     arg_of, before_repeat, boolean_form, casts_to, dropout_off, drops_last_column, is_call, is_last_dim, scores_of,
     shapes_fit, sinks_of, without_max, visible_of_additive,
 )
+from .eager_attention_forms import bmm_output, is_head_view, through_head_views, without_clamp
 from .fx_utils import example_value
 from .graph_calls import keep_node
 
@@ -177,12 +178,20 @@ def _casts_to_float(node: fx.Node) -> bool:
 def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) -> SinkSite | None:
     """The pattern whose final matmul is `node`, or None. `readers`: nodes outside the pattern
     allowed to read its intermediate values (`match_lse_sink_attention`'s)."""
-    if not is_call(node, "matmul") or len(node.args) != 2:
-        return None
-    weights, v_rep = node.args
-    chain = [node]
-    # weights: [dropout] [.to(dtype)] in either order, then the slice that drops the sink column
-    while is_call(weights, "to", "dropout"):
+    chain = []
+    if is_call(node, "matmul") and len(node.args) == 2:
+        weights, v_rep = node.args
+        chain.append(node)
+    else:  # bmm on heads merged into the batch axis, viewed back to [B, H, N, d]
+        found = bmm_output(node, chain)
+        if found is None:
+            return None
+        weights, v_rep = found
+    # weights: [dropout] [.to(dtype)] [views merging heads] in any order, then the slice that drops the sink column
+    while is_call(weights, "to", "dropout") or is_head_view(weights):
+        if is_head_view(weights):
+            weights = through_head_views(weights, chain)
+            continue
         if is_call(weights, "dropout") and not dropout_off(weights):
             return None
         if is_call(weights, "to") and not casts_to(weights, example_value(v_rep)):
@@ -197,7 +206,7 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
     if not (is_call(probs, "softmax") and is_last_dim(probs, arg_of(probs, 1, "dim"))):
         return None
     chain.append(probs)
-    combined = probs.args[0]
+    combined = through_head_views(probs.args[0], chain)
     dtype, scores_dtype = arg_of(probs, 2, "dtype"), example_value(combined).dtype
     # softmax in float32 on half-precision logits (transformers' eager functions): the op does the same
     upcast = dtype == torch.float32 and scores_dtype in (torch.float16, torch.bfloat16)
@@ -217,7 +226,7 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
         if sinks is None:
             return None
     else:
-        logits = without_max(combined, chain)
+        logits = without_clamp(without_max(combined, chain), chain)
     scores = scores_of(logits, chain)
     if scores is None:
         return None
