@@ -14,7 +14,8 @@ Every view merely merges or splits the batch and head axes (checked on the trace
 symbolically), which no softmax over the last axis sees, so the site is the 4-D pattern on `q`, `k`,
 `v`. `baddbmm(bias, q3, kT3, beta=b, alpha=a)` is `a * q3 @ kT3 + b * bias`; it is read as the
 scale `a` when `bias` is a `zeros` tensor (GPT-NeoX-Japanese), and as a per-key bias (ALiBi) when
-`bias` has one row per query (`[B * H, 1, N]`, Bloom): `key_bias_of` reads that bias.
+`bias` has one row for every query (`[B * H, 1, N]`, Bloom's ALiBi): a per-key bias, which
+`sink_ops` applies at the kept keys' original positions after a drop.
 
 The helpers follow the conventions of `eager_attention_pieces`: each reads one step backwards from
 a node, checks it against the traced values, appends the nodes it consumed to `chain` and returns
@@ -107,6 +108,19 @@ def without_clamp(node, chain):
     return x
 
 
+def _per_key(bias, qv, kv, beta) -> bool:
+    """`bias` `[B * H, 1, K]` (`kv` the keys `[B * H, K, d]`): one value per key for every query of a row and head (ALiBi), `beta` a
+    number or a SymFloat node (a float attribute dynamo made an input)."""
+    bv = example_value(bias)
+    if isinstance(beta, fx.Node):
+        if not isinstance(example_value(beta), torch.SymFloat):
+            return False
+    elif not isinstance(beta, (int, float)) or isinstance(beta, bool):
+        return False
+    return (isinstance(bias, fx.Node) and isinstance(bv, torch.Tensor) and bv.dim() == 3 and bv.dtype == qv.dtype
+            and _same(bv.shape[0], qv.shape[0]) and _same(bv.shape[1], 1) and _same(bv.shape[2], kv.shape[1]))
+
+
 def batched_scores(node, chain):
     """`bmm(q3, k3.transpose(1, 2))` (scale 1) or `baddbmm(zeros, q3, kT3, beta=b, alpha=a)` (scale a),
     read through the views that merge heads -> (q, k `[B, H, N, d]`, scale, bias), else None. `bias`
@@ -135,6 +149,8 @@ def batched_scores(node, chain):
         return None
     q, k = lifted(q3), lifted(kt3.args[0])
     if q is None or k is None:
+        return None
+    if bias is not None and not _per_key(bias[0], example_value(q3), kv, bias[1]):
         return None
     chain += [product, kt3]
     return q, k, scale, bias

@@ -51,9 +51,10 @@ def sinks_of(column, chain):
 
 
 def scores_of(logits, chain):
-    """`matmul(q, k.transpose(2, 3)) * scale [soft-capped] (+ mask)` -> (q, k, scale, mask, softcap),
-    else None (softcap None: not capped). The batched forms of `eager_attention_forms` (`bmm` /
-    `baddbmm` on heads merged into the batch axis) are read as the same."""
+    """`matmul(q, k.transpose(2, 3)) * scale [soft-capped] (+ mask)` -> (q, k, scale, mask, softcap,
+    key_bias), else None (softcap None: not capped). The batched forms of `eager_attention_forms`
+    (`bmm` / `baddbmm` on heads merged into the batch axis) are read as the same; `key_bias` is
+    `(bias, beta)` of a `baddbmm` that adds a per-key bias (ALiBi), else None."""
     if is_call(logits, "add") and (len(logits.args) != 2 or logits.kwargs):  # torch.add(x, m, alpha=...)
         return None
     if not is_call(logits, "add"):
@@ -66,8 +67,8 @@ def scores_of(logits, chain):
         found = _unmasked_scores(scaled, tried)
         if found is not None:
             chain += tried
-            q, k, scale, _, softcap = found
-            return q, k, scale, mask, softcap
+            q, k, scale, _, softcap, key_bias = found
+            return q, k, scale, mask, softcap, key_bias
     return None
 
 
@@ -80,13 +81,13 @@ def _unmasked_scores(scaled, chain):
         if not (is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}):
             return None
         chain += [scaled, kt]
-        return q, kt.args[0], 1.0, None, softcap
+        return q, kt.args[0], 1.0, None, softcap, None
     if not (is_call(scaled, "mul") and len(scaled.args) == 2):
         batched = batched_scores(scaled, chain)
-        if batched is None or batched[3] is not None:  # a bias besides the mask: `key_bias_of`'s
+        if batched is None:
             return None
-        q, k, scale, _ = batched
-        return q, k, scale, None, softcap
+        q, k, scale, key_bias = batched
+        return q, k, scale, None, softcap, key_bias
     a, b = scaled.args
     product, scale = (a, b) if is_call(a, "matmul") else (b, a)
     if not is_call(product, "matmul") or isinstance(example_value(scale), torch.Tensor) or isinstance(scale, (bool, str)):
@@ -95,7 +96,7 @@ def _unmasked_scores(scaled, chain):
     if not (is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}):
         return None
     chain += [scaled, product, kt]
-    return q, kt.args[0], scale, None, softcap
+    return q, kt.args[0], scale, None, softcap, None
 
 
 def _without_softcap(node, chain):

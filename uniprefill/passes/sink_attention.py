@@ -73,6 +73,8 @@ class SinkSite:
     softcap: object = None  # float or SymFloat node: logits capped as softcap * tanh(logits / softcap) (Gemma-2)
     upcast: bool = False  # the softmax runs in float32 on half-precision logits
     logits: fx.Node | None = None  # the softmax's input before any sink column (scaled, capped, masked)
+    key_bias: fx.Node | None = None  # a per-key bias added to the scaled logits (ALiBi), `sink_ops.key_bias_4d`
+    bias_scale: object = 1.0  # float or a SymFloat node: the bias's factor (`baddbmm`'s beta)
 
 
 def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int, int]:
@@ -91,7 +93,7 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
         mapped = lambda a: env[a] if isinstance(a, fx.Node) else a  # noqa: E731
         kwargs = {"attn_mask": mapped(site.mask), "dropout_p": 0.0, "is_causal": False, "scale": mapped(site.scale),
                   "enable_gqa": example_value(site.k).shape[1] != example_value(site.q).shape[1]}
-        if site.sinks is not None or site.softcap is not None or site.upcast:
+        if site.sinks is not None or site.softcap is not None or site.upcast or site.key_bias is not None:
             # the op computes what the eager code computes; SDPA would take the softmax in its own precision
             op = torch.ops.uniprefill.sink_attention.default
             kwargs["sinks"] = env[site.sinks] if site.sinks is not None else None
@@ -99,6 +101,8 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
                 kwargs["softcap"] = mapped(site.softcap)
             if site.upcast:
                 kwargs["upcast"] = True
+            if site.key_bias is not None:
+                kwargs["key_bias"], kwargs["bias_scale"] = env[site.key_bias], mapped(site.bias_scale)
         else:  # plain eager attention: an SDPA call computes the same
             op = torch.nn.functional.scaled_dot_product_attention
         with graph.inserting_before(old):
@@ -110,7 +114,8 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
                 graph.erase_node(env[dead])
     graph.eliminate_dead_code(is_impure_node=keep_node)  # the additive masks no site reads any more
     graph.lint()
-    with_op = sum(site.sinks is not None or site.softcap is not None or site.upcast for site in sites)
+    with_op = sum(site.sinks is not None or site.softcap is not None or site.upcast or site.key_bias is not None
+                  for site in sites)
     return fx.GraphModule(gm, graph), with_op, len(sites) - with_op
 
 
@@ -165,7 +170,7 @@ def match_lse_sink_attention(node: fx.Node) -> SinkSite | None:
     if any(u not in set(chain) | set(inner.internal) for n in chain[1:] for u in n.users):
         return None
     return SinkSite(inner.q, inner.k, inner.v, inner.mask, inner.scale, sinks, node, tuple(chain) + inner.internal,
-                    inner.softcap, inner.upcast, inner.logits)
+                    inner.softcap, inner.upcast, inner.logits, inner.key_bias, inner.bias_scale)
 
 
 def _casts_to_float(node: fx.Node) -> bool:
@@ -230,7 +235,7 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
     scores = scores_of(logits, chain)
     if scores is None:
         return None
-    q, k_rep, scale, mask, softcap = scores
+    q, k_rep, scale, mask, softcap, key_bias = scores
     (k, k_nodes), (v, v_nodes) = before_repeat(k_rep), before_repeat(v_rep)
     if k is None or v is None:
         return None
@@ -247,7 +252,8 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
         # without sinks the additive form stays: a row with no visible key then gets finite
         # weights, as in the eager code (a boolean mask would give NaN there, and 0 * NaN leaks)
         mask = boolean_form(mask, logits, scores_dtype=example_value(logits).dtype)
-    return SinkSite(q, k, v, mask, scale, sinks, node, tuple(chain), softcap, upcast, logits)
+    bias, beta = key_bias if key_bias is not None else (None, 1.0)
+    return SinkSite(q, k, v, mask, scale, sinks, node, tuple(chain), softcap, upcast, logits, bias, beta)
 
 
 # ------------------------------------------------------------------ the copy (token_drop.TokenDropPass)
@@ -264,6 +270,11 @@ class SinkAttentionCopy:
         softcap = {} if cap is None else {"softcap": self.env[cap] if isinstance(cap, fx.Node) else cap}
         if node.kwargs.get("upcast"):
             softcap["upcast"] = True
+        bias = node.kwargs.get("key_bias")
+        if bias is not None:  # over all N keys (layout 0); the packed op reads it at the kept keys' positions
+            scale_of_bias = node.kwargs.get("bias_scale", 1.0)
+            softcap["key_bias"] = self._value_at(bias, 0)
+            softcap["bias_scale"] = self.env[scale_of_bias] if isinstance(scale_of_bias, fx.Node) else scale_of_bias
         self._ensure_layout0()  # the recorder's begin_prefill comes first
         # decode steps after this prefill compute the same form (runtime.decode_attention)
         self.new.call_function(ops.record_attention.default, (
