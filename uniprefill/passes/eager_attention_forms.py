@@ -42,6 +42,12 @@ def _same(a, b) -> bool:
     return sympy.expand(_expr(a) - _expr(b)) == 0
 
 
+def _hint(size):
+    if isinstance(size, torch.SymInt):
+        return size.node.hint if size.node.has_hint() else None
+    return int(size)
+
+
 def merges_heads(four, three) -> bool:
     """`four` `[B, H, X, Y]` and `three` `[B * H, X, Y]` (traced values)."""
     if not (isinstance(four, torch.Tensor) and isinstance(three, torch.Tensor) and four.dim() == 4 and three.dim() == 3):
@@ -121,6 +127,18 @@ def _per_key(bias, qv, kv, beta) -> bool:
             and _same(bv.shape[0], qv.shape[0]) and _same(bv.shape[1], 1) and _same(bv.shape[2], kv.shape[1]))
 
 
+def per_key_bias(node, keys=None) -> bool:
+    """A float `[X, 1, K]` or `[B | 1, H | 1, 1, K]` value added to the logits: one value per key for
+    every query (ALiBi); `keys` the key count K must equal, when known."""
+    v = example_value(node)
+    if not (isinstance(node, fx.Node) and isinstance(v, torch.Tensor) and v.is_floating_point()
+            and v.dim() in (3, 4) and _same(v.shape[-2], 1) and isinstance(v.shape[-1], torch.SymInt)):
+        return False
+    # MPT's is `4096 - Max(0, 4096 - N)` keys wide: N wherever the model runs (elsewhere its own add fails,
+    # and so do the ops that read the bias), so equal sizes at the trace suffice here
+    return keys is None or _same(v.shape[-1], keys) or _hint(v.shape[-1]) == _hint(keys) is not None
+
+
 def batched_scores(node, chain):
     """`bmm(q3, k3.transpose(1, 2))` (scale 1) or `baddbmm(zeros, q3, kT3, beta=b, alpha=a)` (scale a),
     read through the views that merge heads -> (q, k `[B, H, N, d]`, scale, bias), else None. `bias`
@@ -154,3 +172,44 @@ def batched_scores(node, chain):
         return None
     chain += [product, kt3]
     return q, k, scale, bias
+
+
+# ------------------------------------------------------------------ what was not matched, in words
+_PRODUCTS = ("matmul", "bmm", "baddbmm")
+
+
+def unmatched_eager_attention(graph: fx.Graph) -> str:
+    """Why the first softmax over `[.., N, N]` logits left in a graph (an eager attention no pattern
+    matched) was not read as attention, naming the form; "" when there is none."""
+    for node in graph.nodes:
+        val = example_value(node)
+        if not (is_call(node, "softmax") and isinstance(val, torch.Tensor) and val.dim() >= 3
+                and _same(val.shape[-1], val.shape[-2]) and isinstance(val.shape[-1], torch.SymInt)):
+            continue
+        seen, todo = set(), [node.args[0]]
+        while todo:  # the logits' subgraph, down to the q @ k^T product
+            n = todo.pop()
+            if not isinstance(n, fx.Node) or n in seen:
+                continue
+            seen.add(n)
+            if not is_call(n, *_PRODUCTS):
+                todo += [a for a in n.all_input_nodes]
+        forms = []
+        for n in seen:
+            v = example_value(n)
+            if n.op in ("placeholder", "get_attr") and isinstance(v, torch.Tensor) and v.dim() >= 2 \
+                    and not isinstance(v.shape[-1], torch.SymInt) and v.shape[-1] == v.shape[-2]:
+                forms.append(f"a causal mask sliced from a precomputed {list(v.shape)} matrix the model holds "
+                             "(a registered buffer, whose values the pass cannot prove causal)")
+            if is_call(n, "add") and any(_is_key_bias(a) for a in n.args):
+                forms.append("a per-key position bias (ALiBi) added to the logits in a form not matched (the "
+                             "matched form is a baddbmm on a bias built before the layers, as Bloom's)")
+        what = "; ".join(sorted(set(forms))) or "the logits are built with ops no pattern reads"
+        return f"eager attention (softmax over the N x N logits, {node.name}) not matched: {what}"
+    return ""
+
+
+def _is_key_bias(node) -> bool:
+    v = example_value(node)
+    return (isinstance(node, fx.Node) and isinstance(v, torch.Tensor) and v.dim() >= 3 and _same(v.shape[-2], 1)
+            and isinstance(v.shape[-1], torch.SymInt))

@@ -55,6 +55,15 @@ def scores_of(logits, chain):
     key_bias), else None (softcap None: not capped). The batched forms of `eager_attention_forms`
     (`bmm` / `baddbmm` on heads merged into the batch axis) are read as the same; `key_bias` is
     `(bias, beta)` of a `baddbmm` that adds a per-key bias (ALiBi), else None."""
+    if is_call(logits, "masked_fill"):  # masked_fill(x, additive_mask.to(bool), most negative) (MPT)
+        mask = _additive_of_hidden(logits)
+        tried = [logits]
+        found = _unmasked_scores(logits.args[0], tried) if mask is not None else None
+        if found is None:
+            return None
+        chain += tried
+        q, k, scale, _, softcap, key_bias = found
+        return q, k, scale, mask, softcap, key_bias
     if is_call(logits, "add") and (len(logits.args) != 2 or logits.kwargs):  # torch.add(x, m, alpha=...)
         return None
     if not is_call(logits, "add"):
@@ -72,7 +81,45 @@ def scores_of(logits, chain):
     return None
 
 
+def _additive_of_hidden(node):
+    """`masked_fill(x, where(visible, 0, min).to(bool), fill)` with fill the most negative float ->
+    `where(visible, 0, min)` (the `to(bool)` of that mask is exactly the hidden keys), else None.
+    Adding the mask instead of filling gives the same weights to every row with a visible key."""
+    if not (len(node.args) == 3 and not node.kwargs):
+        return None
+    _, hidden, fill = node.args
+    if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= _NEGATIVE_FILL):
+        return None
+    if not (is_call(hidden, "to") and hidden.args[1:] == (torch.bool,) and not hidden.kwargs):
+        return None
+    additive = hidden.args[0]
+    return additive if visible_of_additive(additive) is not None else None
+
+
 def _unmasked_scores(scaled, chain):
+    from .eager_attention_forms import per_key_bias
+
+    key_bias = None
+    if is_call(scaled, "add"):  # + a per-key bias (MPT's ALiBi), matched against the keys below
+        if len(scaled.args) != 2 or scaled.kwargs:
+            return None
+        a, b = scaled.args
+        base, bias = (a, b) if per_key_bias(b) else (b, a)
+        if not per_key_bias(bias):
+            return None
+        chain.append(scaled)
+        scaled, key_bias = base, (bias, 1.0)
+    found = _scores_without_bias(scaled, chain)
+    if found is None or key_bias is None:
+        return found
+    q, k, scale, _, softcap, inner_bias = found
+    bv, qv, kv = example_value(key_bias[0]), example_value(q), example_value(k)
+    if inner_bias is not None or not (per_key_bias(key_bias[0], kv.shape[-2]) and bv.dtype == qv.dtype):
+        return None
+    return q, k, scale, None, softcap, key_bias
+
+
+def _scores_without_bias(scaled, chain):
     from .eager_attention_forms import batched_scores
 
     scaled, softcap = _without_softcap(scaled, chain)

@@ -51,7 +51,7 @@ from .eager_attention_pieces import (
     shapes_fit, sinks_of, without_max, visible_of_additive,
 )
 from .eager_attention_forms import bmm_output, is_head_view, through_head_views, without_clamp
-from .fx_utils import example_value
+from .fx_utils import ancestors, example_value, is_sink_attention
 from .graph_calls import keep_node
 
 __all__ = ["SinkAttentionCopy", "SinkSite", "canonicalize_sink_attention", "match_lse_sink_attention",
@@ -212,6 +212,9 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
         return None
     chain.append(probs)
     combined = through_head_views(probs.args[0], chain)
+    while is_call(combined, "float") and example_value(combined.args[0]).dtype == example_value(combined).dtype:
+        chain.append(combined)  # a cast that changes nothing (MPT's .float() on float32 logits)
+        combined = combined.args[0]
     dtype, scores_dtype = arg_of(probs, 2, "dtype"), example_value(combined).dtype
     # softmax in float32 on half-precision logits (transformers' eager functions): the op does the same
     upcast = dtype == torch.float32 and scores_dtype in (torch.float16, torch.bfloat16)
@@ -273,7 +276,7 @@ class SinkAttentionCopy:
         bias = node.kwargs.get("key_bias")
         if bias is not None:  # over all N keys (layout 0); the packed op reads it at the kept keys' positions
             scale_of_bias = node.kwargs.get("bias_scale", 1.0)
-            softcap["key_bias"] = self._value_at(bias, 0)
+            softcap["key_bias"] = self._value_at(bias, 0)  # raises when the bias was built on kept tokens
             softcap["bias_scale"] = self.env[scale_of_bias] if isinstance(scale_of_bias, fx.Node) else scale_of_bias
         self._ensure_layout0()  # the recorder's begin_prefill comes first
         # decode steps after this prefill compute the same form (runtime.decode_attention)
@@ -294,3 +297,19 @@ class SinkAttentionCopy:
         out.meta = dict(node.meta)
         self.env[node] = out
         self.layout_of[node] = j
+
+    def _bias_nodes_on_all_tokens(self) -> set:
+        """Nodes that build a per-key attention bias (`key_bias`) inside a layer, copied on all tokens
+        even after a drop (MPT slices its ALiBi table by the prompt length in each layer): the packed
+        op reads the bias at the kept keys' original positions. Only a bias that does not read the
+        prompt's content (its subgraph does not reach the token input) and whose nodes feed nothing
+        else; any other stays with the layer's layout (and is refused if it ends on kept tokens)."""
+        graph_inputs = {n for n in self.gm.graph.nodes if n.op in ("placeholder", "get_attr")}
+        keep = set()
+        for node in self.gm.graph.nodes:
+            bias = node.kwargs.get("key_bias") if is_sink_attention(node) else None
+            if isinstance(bias, fx.Node) and self.plan.tokens not in ancestors(bias):
+                keep |= (ancestors(bias) | {bias}) - graph_inputs
+        if any(u not in keep and not is_sink_attention(u) for n in keep for u in n.users):
+            return set()  # a node of a bias feeds something else: all keep the layers' layouts
+        return keep
