@@ -15,7 +15,8 @@ from uniprefill.testing.census import census_one, table
     # unaccelerated (decode after a drop does not model chunks), equal to the plain model
     ("llama4_text", "accelerated"),
     ("gpt_oss", "accelerated"),  # eager attention with learned sinks, recognised as one attention site
-    ("gpt_neo", "unaccelerated"),  # eager attention only (no SDPA path in transformers)
+    ("bloom", "accelerated"),  # eager attention with ALiBi (a per-key bias); its attention bypasses the interface
+    ("gpt_neo", "unaccelerated"),  # eager attention whose causal mask is sliced from a registered buffer
     ("bert", "skipped"),
 ])
 def test_census_rows(model_type, status):
@@ -23,8 +24,10 @@ def test_census_rows(model_type, status):
     assert row.status == status, row
     if status in ("unaccelerated", "skipped"):
         assert row.reason, "a type that is not accelerated says why"
+    if model_type == "gpt_neo":
+        assert "registered buffer" in row.reason, row.reason  # the form is named
     if status == "accelerated":
-        expected = "equal (generation unaccelerated)" if model_type == "llama4_text" else "equal"
+        expected = "equal (generation unaccelerated)" if model_type in ("llama4_text", "bloom") else "equal"
         assert row.generation == expected and row.dropped not in ("", "none"), row
         assert all(v is True for v in row.checks.values()), row.checks
     assert f"| {model_type} | {status} |" in table([row], "test")

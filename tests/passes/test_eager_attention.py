@@ -143,3 +143,44 @@ def test_eager_forms_are_accelerated_and_equal_the_plain_model(build, sites_key,
     history = uniprefill.last_drop_report(fast)
     assert history is not None and history.points and history.overall_retention < 0.75
     torch._dynamo.reset()
+
+
+def _captured(fn, *args):
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture)(*args)
+    torch._dynamo.reset()
+    return graphs[0]
+
+
+def _bloom_like(q, k, v, bias, mask):
+    """Bloom's attention: heads merged into the batch axis, the bias added by baddbmm."""
+    b, h, n, d = q.shape
+    scores = bias.baddbmm(q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(-1, -2), beta=1.0, alpha=0.25)
+    probs = torch.softmax(scores.view(b, h, n, -1) + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(probs.view(b * h, n, -1), v.reshape(b * h, n, d)).view(b, h, n, d)
+
+
+@pytest.mark.parametrize("per_key", [True, False], ids=["per_key_bias", "full_bias"])
+def test_only_a_per_key_bias_is_read_as_alibi(per_key):
+    """A bias with one value per key (`[B * H, 1, N]`) becomes `key_bias`; one that differs per query
+    (`[B * H, N, N]`) is not a per-key bias, and the pattern is left alone."""
+    from uniprefill.passes.sink_attention import canonicalize_sink_attention
+
+    b, h, n, d = 1, 4, 24, 8
+    q, k, v = (torch.randn(b, h, n, d) for _ in range(3))
+    bias = torch.randn(b * h, 1 if per_key else n, n)
+    mask = torch.zeros(b, 1, n, n).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), torch.finfo(torch.float32).min)
+    gm = _captured(_bloom_like, q, k, v, bias, mask)
+    new, with_op, plain = canonicalize_sink_attention(gm)
+    assert (with_op, plain) == ((1, 0) if per_key else (0, 0))
+    if per_key:
+        site = next(n for n in new.graph.nodes if n.target is U.sink_attention.default)
+        assert site.kwargs["key_bias"] is not None and site.kwargs["scale"] == 0.25
+        torch.testing.assert_close(U.sink_attention(q, k, v, mask, scale=0.25, key_bias=bias),
+                                   _bloom_like(q, k, v, bias, mask), atol=ATOL, rtol=0)

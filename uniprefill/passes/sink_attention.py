@@ -36,6 +36,17 @@ logits are soft-capped, or its softmax runs in float32 on half-precision logits,
 `uniprefill::sink_attention` with `sinks=None` instead (SDPA computes neither). Its mask stays additive (a row
 with no visible key then gets the same finite weights as in the eager code); `classify` reads it
 through `visible_of_additive`.
+
+Older models write the same attention over heads merged into the batch axis (`bmm` / `baddbmm`,
+views either side: `eager_attention_forms`), and some add a per-key bias to the logits: ALiBi,
+Bloom's `baddbmm(alibi, q, k^T, beta, alpha)` and MPT's `logits + table[:, :, -N:]` (with
+`masked_fill(logits, mask.to(bool), min)` for the mask). A value per key that every query adds is
+`key_bias` of `uniprefill::sink_attention` (`bias_scale` its beta). After a drop the packed op reads
+it at the kept keys' ORIGINAL positions, so each kept key keeps the bias the model gave it; the
+nodes that build a bias inside a layer stay on all tokens (`_bias_nodes_on_all_tokens`). Decode
+steps after a drop do not model a bias: these models compute attention themselves, and
+`runtime.generation.decode_unsupported` runs their cache-filling calls unaccelerated (and a decode
+step through the attention interface after such a prefill raises rather than drop the bias).
 """
 
 from __future__ import annotations
@@ -281,7 +292,8 @@ class SinkAttentionCopy:
         self._ensure_layout0()  # the recorder's begin_prefill comes first
         # decode steps after this prefill compute the same form (runtime.decode_attention)
         self.new.call_function(ops.record_attention.default, (
-            layer, softcap.get("softcap", 0.0), bool(softcap.get("upcast", False)), sinks is not None))
+            layer, softcap.get("softcap", 0.0), bool(softcap.get("upcast", False)), sinks is not None,
+            bias is not None))
         if j == 0:
             key_valid, shared = self._dense_mask_for(qn, mask)
             out = self.new.call_function(ops.dense_sink_attention.default,
