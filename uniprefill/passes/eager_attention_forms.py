@@ -49,8 +49,11 @@ def _hint(size):
 
 
 def merges_heads(four, three) -> bool:
-    """`four` `[B, H, X, Y]` and `three` `[B * H, X, Y]` (traced values)."""
+    """`four` `[B, H, X, Y]` and `three` `[B * H, X, Y]` (traced values). The head count H must be a
+    number (the batch is the axis that may be symbolic), so the batch stays the first axis."""
     if not (isinstance(four, torch.Tensor) and isinstance(three, torch.Tensor) and four.dim() == 4 and three.dim() == 3):
+        return False
+    if isinstance(four.shape[1], torch.SymInt):
         return False
     return (_same(four.shape[0] * four.shape[1], three.shape[0]) and _same(four.shape[2], three.shape[1])
             and _same(four.shape[3], three.shape[2]))
