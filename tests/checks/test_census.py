@@ -18,7 +18,8 @@ from uniprefill.testing.census_attention import accelerated_share, full_attentio
     ("gpt_oss", "accelerated"),  # eager attention with learned sinks, recognised as one attention site
     ("mixtral", "accelerated"),  # no sliding window by default: the tiny config keeps full attention
     ("deepseek_v3", "accelerated"),  # MLA (head_dim = the rotary part of a head), group-limited routing
-    ("gpt_neo", "unaccelerated"),  # eager attention only (no SDPA path in transformers)
+    ("bloom", "accelerated"),  # eager attention with ALiBi (a per-key bias); its attention bypasses the interface
+    ("gpt_neo", "unaccelerated"),  # eager attention whose causal mask is sliced from a registered buffer
     ("bert", "skipped"),
 ])
 def test_census_rows(model_type, status):
@@ -26,8 +27,10 @@ def test_census_rows(model_type, status):
     assert row.status == status, row
     if status in ("unaccelerated", "skipped"):
         assert row.reason, "a type that is not accelerated says why"
+    if model_type == "gpt_neo":
+        assert "registered buffer" in row.reason, row.reason  # the form is named
     if status == "accelerated":
-        expected = "equal (generation unaccelerated)" if model_type == "llama4_text" else "equal"
+        expected = "equal (generation unaccelerated)" if model_type in ("llama4_text", "bloom") else "equal"
         assert row.generation == expected and row.dropped not in ("", "none"), row
         assert all(v is True for v in row.checks.values()), row.checks
         assert row.full_attention is True and row.full_attention_basis == "graph", row

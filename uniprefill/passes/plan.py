@@ -128,6 +128,11 @@ class _Analysis:
             if any(info.sdpa for info in self.layers.values()):
                 raise RewriteSkipped(f"no full-attention layer in this graph: its attention layers are sliding-window "
                                      f"or use masks the rewrite does not model (layers: {kinds})")
+            from .eager_attention_forms import unmatched_eager_attention
+
+            eager = unmatched_eager_attention(graph)
+            if eager:  # attention written out by hand (transformers has no SDPA path for it)
+                raise RewriteSkipped(f"no full-attention layer in this graph: {eager} (layers: {kinds})")
             raise RewriteSkipped("no full-attention layer (no scaled_dot_product_attention call) in this graph; "
                                  f"if the model has attention, load it with attn_implementation='sdpa' (layers: {kinds})")
         self.drop_layers = resolve_drop_layers(self.config.drop_layers, self.layers)

@@ -344,8 +344,11 @@ def table(rows: list[CensusRow], versions: str) -> str:
              "MiMo-V2-Flash's sliding layers; Granite-SWA's sinks applied after the attention), with soft-capped "
              "logits (Gemma-2, VaultGemma) or with a float32 softmax on half-precision logits, it runs as the "
              "`*_sink_attention` ops of `uniprefill/sink_ops.py`, in the prefill and in decode steps after a drop; "
-             "plain eager attention (a max subtracted or not) becomes an SDPA call. Other eager forms (ALiBi, "
-             "attention written out by hand with its own masking) are not matched, and the reason says so. Several "
+             "plain eager attention (a max subtracted or not, also in the batched-matmul form of XGLM, TrOCR and "
+             "GPT-NeoX-Japanese: `passes/eager_attention_forms.py`) becomes an SDPA call; ALiBi (Bloom's "
+             "`baddbmm` bias, MPT's table sliced in each layer) is a per-key bias the sink ops read at the kept "
+             "keys' original positions. Other eager forms (a causal mask sliced from a buffer the model registers: "
+             "GPT-Neo, OpenAI-GPT) are not matched, and the reason names the form. Several "
              "attention calls in one layer that share the queries, mask and scale (DiffLlama's differential "
              "attention) make one drop point scored with the first call.", "",
              "| model type | result | layer kinds | full attention | generation (p = 1) | retention at keep 0.5 "
