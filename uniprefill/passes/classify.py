@@ -81,6 +81,8 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
             role = input_roles.get(node)
             if role is InputRole.PADDING:
                 padding = node
+            elif role is InputRole.CAUSAL_MASK:  # checked to be causal at run time (mask_inputs)
+                causal = True
             elif role is None and isinstance(node.meta.get("example_value"), torch.Tensor):
                 unknown_inputs.append(node)
             continue
