@@ -81,3 +81,38 @@ def test_only_the_exact_causal_mask_passes_the_check():
             soft[..., 0, 1] = -5.0  # a later key penalised, not hidden
             assert not is_causal_mask(soft)
             assert not is_causal_mask(torch.zeros(1, 1, n, n, dtype=like.dtype))  # every key visible
+
+
+def _llama():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def test_a_4d_mask_given_by_the_caller_is_accelerated_only_when_it_is_causal():
+    """The same input role serves a caller's own `[rows, 1, N, N]` mask: a causal one is
+    accelerated, any other (here every key hidden from query 5 on but the first five) runs the
+    original graph; both equal the plain model."""
+    model = _llama()
+    ids = _ids(1)
+    n = ids.shape[1]
+    causal = causal_view(n, torch.zeros(0, dtype=torch.bool))[None, None]
+    other = causal.clone()
+    other[..., 5:, 5:] = False
+    other[..., torch.arange(n), torch.arange(n)] = True
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers="all", **SMALL))
+        for mask, accelerated in ((causal, True), (other, False)):
+            out = exact(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+            why = exact.backend.last_unaccelerated
+            assert (why is None) == accelerated, why
+            if not accelerated:
+                assert why.kind is Kind.INPUT_NOT_MODELLED and "not the plain causal mask" in why, why
+    torch._dynamo.reset()
