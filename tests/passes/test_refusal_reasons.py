@@ -184,3 +184,22 @@ def _embedding_graph(prepare):
 def test_an_embedding_off_the_prompts_token_axis_names_the_ops(prepare, ops):
     reason = why_no_tokens(_embedding_graph(prepare), None)
     assert reason.startswith(f"the embedding reads the prompt's token ids through {ops}"), reason
+
+
+class _RoutedMLP(nn.Module):
+    """An MLP behind a top-k router (as an MoE layer's): its top-k is no attention's selection."""
+
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x):
+        gate = torch.zeros_like(x).scatter(-1, x.topk(8, dim=-1).indices, 1.0)
+        return self.mlp(x) * (1 + gate)
+
+
+def test_a_routers_top_k_upstream_is_not_read_as_sparse_attention():
+    model = _with_attention("uniprefill_test_key_bias_routed", _per_key_bias)
+    model.model.layers[0].mlp = _RoutedMLP(model.model.layers[0].mlp)
+    reason = _compiled_run(model).graphs[-1].reason
+    assert "a data-dependent mask" in reason and "sparse attention" not in reason, reason

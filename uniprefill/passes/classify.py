@@ -99,7 +99,7 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
             if any(u.op == "call_function" and u.target in _COMPARISONS for u in node.users):
                 window = node.args[1] if window == 0 else min(window, node.args[1])
     if unknown or unknown_inputs:
-        return MaskInfo(False, reason=unknown_mask_reason(nodes, unknown, unknown_inputs))
+        return MaskInfo(False, reason=unknown_mask_reason(sdpa, nodes, unknown, unknown_inputs))
     if not causal:
         return MaskInfo(False, reason="mask has no causal comparison")
     return MaskInfo(True, causal=True, window=window, padding=padding)

@@ -4,7 +4,7 @@
 indices and reads the padding mask. When it reads anything else, this module says what the
 mask is, from the same subgraph (never from the model's name):
 
-* keys chosen by `topk` / `sort` per query: sparse attention (DeepSeek sparse attention's
+* keys chosen by `topk` / `sort` per query, inside the attention module: sparse attention (DeepSeek sparse attention's
   indexer, a dynamic top-k mask). Which keys win depends on every key present, so after a drop
   the kept tokens would attend a different set than in the plain model;
 * a mask computed from the layer's activations through learned weights (a per-key bias or a
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .fx_utils import example_value, target_name
+from .fx_utils import example_value, module_paths, target_name
 
 _SELECTION_OPS = ("topk", "sort", "argsort", "kthvalue")
 _PROJECTIONS = ("linear", "matmul", "bmm", "einsum", "conv")
@@ -39,12 +39,12 @@ def is_weight(node: fx.Node) -> bool:
     return "_parameters" in name or "_buffers" in name or ".weight" in name
 
 
-def unknown_mask_reason(nodes: set[fx.Node], unknown_ops: set[str], unknown_inputs: list[fx.Node]) -> str:
-    """The reason a mask built by `nodes` (its ancestors) is not understood."""
+def unknown_mask_reason(sdpa: fx.Node, nodes: set[fx.Node], unknown_ops: set[str], unknown_inputs: list[fx.Node]) -> str:
+    """The reason the mask of `sdpa`, built by `nodes` (its ancestors), is not understood."""
     ops = {target_name(n).rsplit(".", 1)[-1] for n in nodes if n.op in ("call_function", "call_method")}
     weights = [n for n in unknown_inputs if is_weight(n)]
     activations = weights and any(any(p in op for p in _PROJECTIONS) for op in ops | unknown_ops)
-    if any(is_selection(n) for n in nodes):
+    if any(is_selection(n) and _inside(n, sdpa) for n in nodes):
         how = " by a learned scorer (an indexer)" if activations else ""
         return ("sparse attention: the keys each query attends are chosen by top-k over data-dependent scores"
                 f"{how}; after a drop the kept tokens would compete for other keys than in the plain model")
@@ -59,6 +59,16 @@ def unknown_mask_reason(nodes: set[fx.Node], unknown_ops: set[str], unknown_inpu
     listed = sorted(unknown_ops)
     more = f" and {len(listed) - 8} more" if len(listed) > 8 else ""
     return f"mask built with {', '.join(listed[:8])}{more}"
+
+
+def _inside(node: fx.Node, sdpa: fx.Node) -> bool:
+    """`node` was traced inside the module that calls the attention (its indexer, say): a top-k of
+    an earlier layer's router, which the mask reads through the hidden states, is not."""
+    paths = module_paths(sdpa)
+    if not paths:
+        return False
+    attention = paths[-1][0]
+    return any(path == attention or path.startswith(attention + ".") for path, _ in module_paths(node))
 
 
 def _shape(node: fx.Node) -> str:
