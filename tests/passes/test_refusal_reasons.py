@@ -203,3 +203,25 @@ def test_a_routers_top_k_upstream_is_not_read_as_sparse_attention():
     model.model.layers[0].mlp = _RoutedMLP(model.model.layers[0].mlp)
     reason = _compiled_run(model).graphs[-1].reason
     assert "a data-dependent mask" in reason and "sparse attention" not in reason, reason
+
+
+def _with_block_keys(name):
+    """Attention over the tokens and one extra key per 16 tokens (a pooled block, as DeepSeek-V4's
+    compressed entries), every extra key visible."""
+    def attention(module, q, k, v, attention_mask, scaling, dropout=0.0, **kwargs):
+        k = torch.cat([k, k[:, :, ::16]], dim=2)
+        v = torch.cat([v, v[:, :, ::16]], dim=2)
+        n = q.shape[-2]
+        mask = torch.cat([_causal(q, q), torch.ones(n, k.shape[2] - n, dtype=torch.bool)], dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)
+    return _llama(name)
+
+
+def test_keys_beside_the_tokens_are_named():
+    reason = _compiled_run(_with_block_keys("uniprefill_test_block_keys")).graphs[-1].reason
+    assert "in every attention layer, its keys are more than the prompt's tokens (N + " in reason, reason
+    assert "key entries for N tokens" in reason, reason

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .fx_utils import example_value, module_paths, target_name
+from .fx_utils import example_value, is_sdpa, module_paths, target_name
 
 _SELECTION_OPS = ("topk", "sort", "argsort", "kthvalue")
 _PROJECTIONS = ("linear", "matmul", "bmm", "einsum", "conv")
@@ -62,13 +62,11 @@ def unknown_mask_reason(sdpa: fx.Node, nodes: set[fx.Node], unknown_ops: set[str
 
 
 def _inside(node: fx.Node, sdpa: fx.Node) -> bool:
-    """`node` was traced inside the module that calls the attention (its indexer, say): a top-k of
-    an earlier layer's router, which the mask reads through the hidden states, is not."""
-    paths = module_paths(sdpa)
-    if not paths:
-        return False
-    attention = paths[-1][0]
-    return any(path == attention or path.startswith(attention + ".") for path, _ in module_paths(node))
+    """`node` was traced inside a module that calls attention (an indexer, this layer's or one
+    whose choice later layers share): a top-k of a router, which the mask reads through the
+    hidden states, is not."""
+    modules = {paths[-1][0] for paths in (module_paths(n) for n in sdpa.graph.nodes if is_sdpa(n)) if paths}
+    return any(path == m or path.startswith(m + ".") for path, _ in module_paths(node) for m in modules)
 
 
 def _shape(node: fx.Node) -> str:

@@ -130,6 +130,7 @@ class _Analysis:
         if not self.layers:
             raise RewriteSkipped("no decoder layers found (no module list of attention layers in the graph)")
         self._check_mask_meanings()
+        self._name_extra_keys()
         present = sorted(self.layers)
         if present != list(range(present[-1] + 1)):
             raise RewriteSkipped(f"graph break inside the decoder stack: this graph holds layers {present}")
@@ -220,6 +221,19 @@ class _Analysis:
                 if verdicts[key]:
                     info.masks[k] = MaskInfo(False, reason=verdicts[key])
                     info.kind, info.window, info.detail = LayerKind.OTHER, 0, verdicts[key]
+
+    def _name_extra_keys(self) -> None:
+        """A layer left as "other" whose keys are more than the prompt's tokens (N + N / 128 entries:
+        compressed blocks beside the tokens, DeepSeek-V4's) is named for that, the first fact a
+        rewrite over tokens cannot follow."""
+        for info in self.layers.values():
+            keys = [example_value(n.args[1]) for n in info.sdpa if len(n.args) > 1]
+            sizes = {self.axes.size_expr(k.shape[-2]) for k in keys if isinstance(k, torch.Tensor) and k.dim() >= 2}
+            extra = [e for e in sizes if e != self.axes.seq and self.axes.seq in sympy.sympify(e).free_symbols]
+            if info.kind == "other" and extra:
+                entries = str(sympy.sympify(extra[0]).xreplace({self.axes.seq: sympy.Symbol("N")}))
+                info.detail = (f"its keys are more than the prompt's tokens ({entries} key entries for N tokens: "
+                               "entries added beside the tokens, e.g. compressed blocks), which the rewrite does not model")
 
     def _residual_add(self, layer: int) -> fx.Node:
         info = self.layers[layer]
