@@ -143,7 +143,7 @@ class _Analysis:
         if not full:
             kinds = "; ".join(f"{i}: {info.kind} ({info.detail})" for i, info in list(self.layers.items())[:4])
             details = {info.detail for info in self.layers.values() if info.sdpa}
-            if len(details) == 1 and all(info.kind == "other" for info in self.layers.values() if info.sdpa):
+            if len(details) == 1 and all(info.kind is LayerKind.OTHER for info in self.layers.values() if info.sdpa):
                 raise RewriteSkipped(f"no full-attention layer the rewrite can follow: in every attention layer, "
                                      f"{details.pop()}")
             if any(info.sdpa for info in self.layers.values()):
@@ -230,7 +230,7 @@ class _Analysis:
             keys = [example_value(n.args[1]) for n in info.sdpa if len(n.args) > 1]
             sizes = {self.axes.size_expr(k.shape[-2]) for k in keys if isinstance(k, torch.Tensor) and k.dim() >= 2}
             extra = [e for e in sizes if e != self.axes.seq and self.axes.seq in sympy.sympify(e).free_symbols]
-            if info.kind == "other" and extra:
+            if info.kind is LayerKind.OTHER and extra:
                 entries = str(sympy.sympify(extra[0]).xreplace({self.axes.seq: sympy.Symbol("N")}))
                 info.detail = (f"its keys are more than the prompt's tokens ({entries} key entries for N tokens: "
                                "entries added beside the tokens, e.g. compressed blocks), which the rewrite does not model")
