@@ -79,6 +79,7 @@ class UniPrefillBackend:
         self.recorder = DropRecorder(self.config.policy)
         self.graphs: list[GraphReport] = []
         self._warned: set[str] = set()
+        self.graphs_with_layers = 0  # graphs compiled that are not pieces without decoder layers
         self.graph_calls = 0  # calls that reached a graph this backend compiled (rewritten or not)
         # why the latest call ran unaccelerated (None: it ran the rewritten graph, or nothing ran yet)
         self.last_unaccelerated: Unaccelerated | None = None  # why the latest call ran unaccelerated
@@ -94,6 +95,7 @@ class UniPrefillBackend:
         return pass_uuid(self.config)
 
     def __call__(self, gm: fx.GraphModule, example_inputs):
+        from .passes.plan import NoDecoderLayers
         from .passes.token_drop import LengthSpecialized, NothingToDrop, RewriteSkipped, TokenDropPass
 
         from .first_call import restart_with_dynamic_length
@@ -107,6 +109,9 @@ class UniPrefillBackend:
         except RewriteSkipped as exc:
             reason = Unaccelerated(str(exc), exc.kind)
             self.graphs.append(GraphReport(False, reason))
+            if isinstance(exc, NoDecoderLayers):
+                return self._piece(gm.forward, reason)
+            self.graphs_with_layers += 1
             if isinstance(exc, NothingToDrop):
                 return self._counted(gm.forward, reason)
             if isinstance(exc, LengthSpecialized):
@@ -115,6 +120,7 @@ class UniPrefillBackend:
                 raise RuntimeError(f"uniprefill cannot rewrite this graph: {reason}") from exc
             self._warn(f"uniprefill: running a graph unaccelerated: {reason}")
             return self._counted(gm.forward, reason)
+        self.graphs_with_layers += 1
         report = GraphReport(True, "", result.layers, result.drop_layers, result.counts,
                              result.single_row_only, result.single_row_reason)
         self.graphs.append(report)
@@ -132,6 +138,23 @@ class UniPrefillBackend:
         def run(*args):
             self.graph_calls += 1
             self.last_unaccelerated = reason.prefixed("graph not rewritten: ")
+            return forward(*args)
+
+        return run
+
+    def _piece(self, forward, reason: Unaccelerated):
+        """A graph without decoder layers (a piece between graph breaks): its reason is the model's
+        only while no graph with layers was compiled; otherwise that graph's reason stands. The first
+        piece (the embedding) runs before dynamo traces the next graph, so only a later piece, with
+        still no graph of layers, warns (or raises under `strict`)."""
+        def run(*args):
+            self.graph_calls += 1
+            if not self.graphs_with_layers:
+                self.last_unaccelerated = reason.prefixed("graph not rewritten: ")
+            if not self.graphs_with_layers and len(self.graphs) > 1:
+                if self.config.strict:
+                    raise RuntimeError(f"uniprefill cannot rewrite this graph: {reason}")
+                self._warn(f"uniprefill: running a graph unaccelerated: {reason}")
             return forward(*args)
 
         return run

@@ -92,16 +92,16 @@ def _(layer, density):
 
 
 @torch.library.custom_op(f"{LIB}::record_attention", mutates_args=())
-def record_attention(layer: int, softcap: float, upcast: bool, sinks: bool) -> None:
+def record_attention(layer: int, softcap: float, upcast: bool, sinks: bool, key_bias: bool = False) -> None:
     """The prefill ran `layer`'s attention as `sink_ops` eager attention of this form (logit
-    soft-capping, float32 softmax, learned sinks): its decode steps must compute the same."""
+    soft-capping, float32 softmax, learned sinks, a per-key bias): its decode steps must compute the same."""
     recorder = active_recorder()
     if recorder is not None:
-        recorder.record_attention(layer, softcap, upcast, sinks)
+        recorder.record_attention(layer, softcap, upcast, sinks, key_bias)
 
 
 @record_attention.register_fake
-def _(layer, softcap, upcast, sinks):
+def _(layer, softcap, upcast, sinks, key_bias=False):
     return None
 
 

@@ -11,7 +11,10 @@ A query that sees no key at all gets the zero vector (only the sink), not NaN.
 
 The same ops compute the other eager forms SDPA cannot: logits soft-capped as
 `softcap * tanh(logits / softcap)` (Gemma-2, `softcap` != 0), with or without sinks (`sinks` None),
-and a softmax taken in float32 on half-precision logits (`upcast`).
+and a softmax taken in float32 on half-precision logits (`upcast`), and a per-key bias added to
+the scaled logits (`key_bias`, times `bias_scale`: ALiBi, Bloom's `baddbmm(alibi, q, k^T, beta, alpha)`).
+A per-key bias is the same for every query, so after a drop each kept key keeps its own value:
+the packed op reads it at the kept keys' ORIGINAL positions (the model's own values, exact).
 
 Ops (each with a fake; `sink_attention_reference` is the one PyTorch implementation they share):
 
@@ -42,7 +45,8 @@ _BLOCK_ELEMENTS = 1 << 24  # logits of one block of query rows (B * H * rows * K
 
 def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                              scale: float, sinks: torch.Tensor | None, causal: bool = False,
-                             softcap: float = 0.0, upcast: bool = False) -> torch.Tensor:
+                             softcap: float = 0.0, upcast: bool = False, key_bias: torch.Tensor | None = None,
+                             bias_scale: float = 1.0) -> torch.Tensor:
     """`[B, H, Q, d]` queries against `[B, Hk, K, d]` keys/values (Hk divides H) with sinks `[H]`.
 
     `mask` broadcasts to `[B, H, Q, K]`: boolean (True = visible) or additive; None: all visible.
@@ -52,6 +56,8 @@ def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     negative finite logit, as transformers' additive masks give them, so a query that sees no key
     gets finite weights (a padding row) instead of NaN. `upcast`: the softmax runs in float32 and its
     weights are cast back (transformers' `softmax(..., dtype=torch.float32).to(query.dtype)`).
+    `key_bias` (`key_bias_4d`: one value per key, per head and row) times `bias_scale` is added to the
+    scaled logits before the mask (ALiBi).
     """
     b, h, rows, _ = q.shape
     groups = h // k.shape[1]
@@ -66,6 +72,8 @@ def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         logits = torch.matmul(q[:, :, start:stop], k.transpose(2, 3)) * scale
         if softcap != 0:  # c * tanh(x / c) is the same function for c and -c
             logits = torch.tanh(logits / softcap) * softcap
+        if key_bias is not None:
+            logits = logits + key_bias_4d(key_bias, h) * bias_scale
         hidden_logit = float("-inf") if sinks is not None else torch.finfo(logits.dtype).min
         if causal:
             hidden = _position_mask(torch.arange(start, stop, device=q.device), torch.arange(keys, device=q.device), 0)
@@ -88,6 +96,16 @@ def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
 
 
+def key_bias_4d(bias: torch.Tensor, heads: int) -> torch.Tensor:
+    """A per-key bias as `[B | 1, H | 1, 1, K]`: 4-D as it is; 3-D `[B * H, 1, K]` (heads merged into
+    the batch axis, Bloom's) split; any other 3-D one broadcast as a 4-D add broadcasts it."""
+    if bias.dim() == 4:
+        return bias
+    if bias.dim() == 3 and bias.shape[0] % heads == 0 and bias.shape[1] == 1:
+        return bias.view(bias.shape[0] // heads, heads, 1, bias.shape[-1])
+    return bias[None]
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor | None) -> None:
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != q.shape[1]):
         raise ValueError(f"sinks must be [H] = [{q.shape[1]}] (one per query head), got {tuple(sinks.shape)}")
@@ -105,18 +123,20 @@ def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op(f"{LIB}::sink_attention", mutates_args=())
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = False,
-                   sinks: torch.Tensor | None = None, softcap: float = 0.0, upcast: bool = False) -> torch.Tensor:
-    """Eager attention with sinks `[H]` and / or logit soft-capping, SDPA's arguments plus `sinks`
-    and `softcap` (`dropout_p` must be 0)."""
+                   sinks: torch.Tensor | None = None, softcap: float = 0.0, upcast: bool = False,
+                   key_bias: torch.Tensor | None = None, bias_scale: float = 1.0) -> torch.Tensor:
+    """Eager attention with sinks `[H]`, logit soft-capping and / or a per-key bias, SDPA's arguments
+    plus `sinks`, `softcap`, `key_bias` and `bias_scale` (`dropout_p` must be 0)."""
     if dropout_p != 0.0:
         raise ValueError(f"uniprefill::sink_attention runs inference only (dropout_p={dropout_p})")
     _check(q, k, sinks)
-    return sink_attention_reference(q, k, v, attn_mask, scale, sinks, causal=is_causal, softcap=softcap, upcast=upcast)
+    return sink_attention_reference(q, k, v, attn_mask, scale, sinks, causal=is_causal, softcap=softcap, upcast=upcast,
+                                    key_bias=key_bias, bias_scale=bias_scale)
 
 
 @sink_attention.register_fake
 def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=1.0, enable_gqa=False, sinks=None, softcap=0.0,
-      upcast=False):
+      upcast=False, key_bias=None, bias_scale=1.0):
     return _out_like(q, v)
 
 
@@ -126,21 +146,24 @@ def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=1.0, enable
 @torch.library.custom_op(f"{LIB}::dense_sink_attention", mutates_args=())
 def dense_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: torch.Tensor | None,
                          window: int, scale: float, sinks: torch.Tensor | None,
-                         mask: torch.Tensor | None = None, softcap: float = 0.0, upcast: bool = False) -> torch.Tensor:
+                         mask: torch.Tensor | None = None, softcap: float = 0.0, upcast: bool = False,
+                         key_bias: torch.Tensor | None = None, bias_scale: float = 1.0) -> torch.Tensor:
     """`attention_ops.dense_attention` with sinks `[H]`: causal attention on dense `[B, H, N, d]` tensors, key j
     visible to query i when `0 <= i - j < window` (0: unbounded) and `key_valid[b, j]`. `mask` is
-    the shared `attention_ops.dense_mask(q, key_valid, window, live_counts)`; an empty one: causal only."""
+    the shared `attention_ops.dense_mask(q, key_valid, window, live_counts)`; an empty one: causal only.
+    `key_bias`: the model's per-key bias over all N keys (`key_bias_4d`), times `bias_scale`."""
     _check(q, k, sinks)
     n = q.shape[-2]
+    extra = dict(softcap=softcap, upcast=upcast, key_bias=key_bias, bias_scale=bias_scale)
     if mask is None and not (key_valid is None and (window <= 0 or window >= n)):
         mask = torch.ops.uniprefill.dense_mask(q, key_valid, window)
     if mask is None or mask.numel() == 0:  # causal, nothing padded
-        return sink_attention_reference(q, k, v, None, scale, sinks, causal=True, softcap=softcap, upcast=upcast)
-    return sink_attention_reference(q, k, v, mask, scale, sinks, softcap=softcap, upcast=upcast)
+        return sink_attention_reference(q, k, v, None, scale, sinks, causal=True, **extra)
+    return sink_attention_reference(q, k, v, mask, scale, sinks, **extra)
 
 
 @dense_sink_attention.register_fake
-def _(q, k, v, key_valid, window, scale, sinks, mask=None, softcap=0.0, upcast=False):
+def _(q, k, v, key_valid, window, scale, sinks, mask=None, softcap=0.0, upcast=False, key_bias=None, bias_scale=1.0):
     return _out_like(q, v)
 
 
@@ -148,11 +171,14 @@ def _(q, k, v, key_valid, window, scale, sinks, mask=None, softcap=0.0, upcast=F
 def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                           counts: torch.Tensor, window: int, scale: float, sinks: torch.Tensor | None,
                           masks: torch.Tensor | None = None, softcap: float = 0.0,
-                          upcast: bool = False) -> torch.Tensor:
+                          upcast: bool = False, key_bias: torch.Tensor | None = None,
+                          bias_scale: float = 1.0) -> torch.Tensor:
     """`attention_ops.packed_attention` with sinks `[H]`: block-diagonal causal attention on packed
     `[1, H, T, d]` tensors (row r owns `counts[r]` tokens), windows over ORIGINAL `positions`;
-    `masks` is the shared `ops.packed_masks(q, positions, counts, window, compacted)`."""
+    `masks` is the shared `ops.packed_masks(q, positions, counts, window, compacted)`. `key_bias`: the
+    model's per-key bias over the ORIGINAL `[B, N]` grid (`key_bias_4d`), read at each row's kept keys."""
     _check(q, k, sinks)
+    bias = key_bias_4d(key_bias, q.shape[1]) if key_bias is not None else None
     if window > 0 and masks is None:
         masks = torch.ops.uniprefill.packed_masks(q, positions, counts, window)
     outs = []
@@ -161,14 +187,20 @@ def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
         end = start + count
         # window 0: positions increase along a row, so causal in positions == causal in index
         mask = masks[offset:offset + count * count].view(1, 1, count, count) if window > 0 else None
+        row_bias = None
+        if bias is not None:  # the row's kept keys at their original positions
+            row = bias[len(outs) if bias.shape[0] > 1 else 0]
+            row_bias = row[None].index_select(-1, positions[start:end].to(row.device))
         outs.append(sink_attention_reference(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], mask,
-                                             scale, sinks, causal=window <= 0, softcap=softcap, upcast=upcast))
+                                             scale, sinks, causal=window <= 0, softcap=softcap, upcast=upcast,
+                                             key_bias=row_bias, bias_scale=bias_scale))
         start, offset = end, offset + count * count
     return torch.cat(outs, dim=2) if len(outs) != 1 else outs[0]
 
 
 @packed_sink_attention.register_fake
-def _(q, k, v, positions, counts, window, scale, sinks, masks=None, softcap=0.0, upcast=False):
+def _(q, k, v, positions, counts, window, scale, sinks, masks=None, softcap=0.0, upcast=False, key_bias=None,
+      bias_scale=1.0):
     return _out_like(q, v)
 
 

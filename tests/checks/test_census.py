@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from uniprefill.testing.census import census_one, table
+from uniprefill.testing.census import CensusRow, census_one, table
+from uniprefill.testing.census_attention import accelerated_share, full_attention
 
 
 @pytest.mark.parametrize("model_type, status", [
@@ -15,7 +16,10 @@ from uniprefill.testing.census import census_one, table
     # unaccelerated (decode after a drop does not model chunks), equal to the plain model
     ("llama4_text", "accelerated"),
     ("gpt_oss", "accelerated"),  # eager attention with learned sinks, recognised as one attention site
-    ("gpt_neo", "unaccelerated"),  # eager attention only (no SDPA path in transformers)
+    ("mixtral", "accelerated"),  # no sliding window by default: the tiny config keeps full attention
+    ("deepseek_v3", "accelerated"),  # MLA (head_dim = the rotary part of a head), group-limited routing
+    ("bloom", "accelerated"),  # eager attention with ALiBi (a per-key bias); its attention bypasses the interface
+    ("gpt_neo", "unaccelerated"),  # eager attention whose causal mask is sliced from a registered buffer
     ("bert", "skipped"),
 ])
 def test_census_rows(model_type, status):
@@ -23,8 +27,58 @@ def test_census_rows(model_type, status):
     assert row.status == status, row
     if status in ("unaccelerated", "skipped"):
         assert row.reason, "a type that is not accelerated says why"
+    if model_type == "gpt_neo":
+        assert "registered buffer" in row.reason, row.reason  # the form is named
     if status == "accelerated":
-        expected = "equal (generation unaccelerated)" if model_type == "llama4_text" else "equal"
+        expected = "equal (generation unaccelerated)" if model_type in ("llama4_text", "bloom") else "equal"
         assert row.generation == expected and row.dropped not in ("", "none"), row
         assert all(v is True for v in row.checks.values()), row.checks
+        assert row.full_attention is True and row.full_attention_basis == "graph", row
     assert f"| {model_type} | {status} |" in table([row], "test")
+
+
+def test_accelerated_share_counts_types_with_full_attention_only():
+    rows = [CensusRow("a", "accelerated", full_attention=True, full_attention_basis="graph"),
+            CensusRow("b", "accelerated", full_attention=True, full_attention_basis="graph"),
+            CensusRow("c", "unaccelerated", "eager attention", full_attention=True),
+            CensusRow("d", "error", "boom", full_attention=None),  # unknown: counted, never overstating
+            CensusRow("e", "mismatch", full_attention=True),
+            CensusRow("f", "unaccelerated", "a scan", full_attention=False,
+                      full_attention_basis="no attention layer (Mamba selective scan)"),
+            CensusRow("g", "unaccelerated", "sliding", full_attention=False,
+                      full_attention_basis="every attention layer is sliding-window (sliding_window=24)"),
+            CensusRow("h", "skipped", "encoder-decoder model")]
+    assert accelerated_share(rows) == (2, 5)
+    text = table(rows, "test")
+    assert "Accelerated share: 2 of 5 (40%)" in text and "2 run rows without one" in text
+    assert "| f | unaccelerated |  | no: no attention layer (Mamba selective scan) |" in text
+    assert "| a | accelerated |  | yes (graph) |" in text and "| d | error |  | ? |" in text
+
+
+@pytest.mark.parametrize("model_type, expected", [
+    ("mixtral", True),  # no window in the default config: full attention in every layer
+    ("mistral", False),  # a 4096-token window in every layer by default
+    ("ministral", False),  # layer_types of sliding layers only
+    ("gemma3_text", True),  # sliding / full pattern
+    ("recurrent_gemma", False),  # recurrent blocks and local attention (attention_window_size)
+    ("mamba", False),
+])
+def test_full_attention_from_the_tiny_config(model_type, expected):
+    from uniprefill.testing.census import tiny_config
+
+    found, basis = full_attention(model_type, tiny_config(model_type))
+    assert found is expected and basis, (found, basis)
+
+
+def test_tiny_configs_keep_the_default_attention_kind():
+    from uniprefill.testing.census import _build, tiny_config
+
+    for model_type in ("mixtral", "phi3", "phimoe", "starcoder2", "ministral3"):  # no window by default
+        assert tiny_config(model_type).sliding_window is None, model_type
+    assert tiny_config("mistral").sliding_window == 24 and tiny_config("gemma3_text").sliding_window == 24
+    assert tiny_config("qwen2").sliding_window is None  # use_sliding_window=False: left as it is
+    assert tiny_config("codegen").rotary_dim == 8  # half of a 16-wide head
+    mla = tiny_config("deepseek_v3")
+    assert (mla.head_dim, mla.qk_rope_head_dim, mla.n_group, mla.topk_group) == (8, 8, 1, 1)
+    assert _build("gemma4_assistant")[1].startswith("a drafter")
+    assert _build("gemma4")[1].startswith("multimodal")

@@ -40,7 +40,8 @@ def cmd_census(args, checks) -> int:
     if args.table:
         with open(args.table, "w", encoding="utf-8") as fh:
             fh.write(text)
-    print(text.split("\n")[4])
+    print(text.split("\n")[4])  # the counts
+    print(text.split("\n")[6])  # the accelerated share
     return 1 if any(r.status in ("mismatch", "error") for r in rows if r.model_type in types) else 0
 
 

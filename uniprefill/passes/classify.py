@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..models.layer_kinds import LayerKind
 from .fx_utils import ancestors, is_sdpa, layer_container, layer_index, layer_module_classes, target_name
+from .mask_words import is_selection, unknown_mask_reason
 
 _COMPARISONS = {operator.le, operator.lt, operator.gt, operator.ge, torch.le, torch.lt, torch.gt, torch.ge}
 _MASK_SAFE_NAMES = (
@@ -30,6 +31,7 @@ _MASK_SAFE_NAMES = (
     "sym_max", "sym_min", "maximum", "minimum", "clamp",
 )
 _MASK_SAFE = tuple(name.strip("_") for name in _MASK_SAFE_NAMES)
+BIDIRECTIONAL = "no mask and is_causal=False (bidirectional attention)"
 _LINEAR_HINTS = ("deltanet", "mamba", "ssm", "conv", "linearattention", "rwkv", "gla", "retention", "lightning")
 
 
@@ -66,26 +68,29 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
     if mask is None:
         if is_causal:
             return MaskInfo(True, causal=True)
-        return MaskInfo(False, reason="no mask and is_causal=False (bidirectional attention)")
+        return MaskInfo(False, reason=BIDIRECTIONAL)
     if not isinstance(mask, fx.Node):
         return MaskInfo(False, reason=f"constant attn_mask {type(mask).__name__}")
     nodes = ancestors(mask) | {mask}
     causal = False
     window = 0
     padding = None
-    unknown = set()
+    unknown, unknown_inputs = set(), []
     for node in nodes:
         if node.op == "placeholder":
             role = input_roles.get(node)
             if role is InputRole.PADDING:
                 padding = node
+            elif role is InputRole.CAUSAL_MASK:  # checked to be causal at run time (mask_inputs)
+                causal = True
             elif role is None and isinstance(node.meta.get("example_value"), torch.Tensor):
-                unknown.add(f"the input {node.name} (role not understood)")
+                unknown_inputs.append(node)
             continue
         if node.op == "get_attr":
             continue
         name = target_name(node).rsplit(".", 1)[-1].strip("_")
-        if node.op not in ("call_function", "call_method") or not any(name == s or name.startswith(s) for s in _MASK_SAFE):
+        if node.op not in ("call_function", "call_method") or is_selection(node) or not any(
+                name == s or name.startswith(s) for s in _MASK_SAFE):
             unknown.add(target_name(node))
             continue
         if node.op == "call_function" and node.target in _COMPARISONS:
@@ -93,8 +98,8 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
         if name in ("sub", "isub") and len(node.args) == 2 and isinstance(node.args[1], int) and node.args[1] > 0:
             if any(u.op == "call_function" and u.target in _COMPARISONS for u in node.users):
                 window = node.args[1] if window == 0 else min(window, node.args[1])
-    if unknown:
-        return MaskInfo(False, reason=f"mask built with {', '.join(sorted(unknown))}")
+    if unknown or unknown_inputs:
+        return MaskInfo(False, reason=unknown_mask_reason(sdpa, nodes, unknown, unknown_inputs))
     if not causal:
         return MaskInfo(False, reason="mask has no causal comparison")
     return MaskInfo(True, causal=True, window=window, padding=padding)

@@ -51,24 +51,90 @@ def sinks_of(column, chain):
 
 
 def scores_of(logits, chain):
-    """`matmul(q, k.transpose(2, 3)) * scale [soft-capped] (+ mask)` -> (q, k, scale, mask, softcap),
-    else None (softcap None: not capped)."""
-    mask = None
+    """`matmul(q, k.transpose(2, 3)) * scale [soft-capped] (+ mask)` -> (q, k, scale, mask, softcap,
+    key_bias), else None (softcap None: not capped). The batched forms of `eager_attention_forms`
+    (`bmm` / `baddbmm` on heads merged into the batch axis) are read as the same; `key_bias` is
+    `(bias, beta)` of a `baddbmm` that adds a per-key bias (ALiBi), else None."""
+    if is_call(logits, "masked_fill"):  # masked_fill(x, additive_mask.to(bool), most negative) (MPT)
+        mask = _additive_of_hidden(logits)
+        tried = [logits]
+        found = _unmasked_scores(logits.args[0], tried) if mask is not None else None
+        if found is None:
+            return None
+        chain += tried
+        q, k, scale, _, softcap, key_bias = found
+        return q, k, scale, mask, softcap, key_bias
     if is_call(logits, "add") and (len(logits.args) != 2 or logits.kwargs):  # torch.add(x, m, alpha=...)
         return None
-    if is_call(logits, "add"):
-        scaled, mask = logits.args if is_call(logits.args[0], "mul") else logits.args[::-1]
-        if not (is_call(scaled, "mul") and isinstance(mask, fx.Node)):
-            return None
+    if not is_call(logits, "add"):
+        return _unmasked_scores(logits, chain)
+    for scaled, mask in (logits.args, logits.args[::-1]):
         m = example_value(mask)
-        if not (isinstance(m, torch.Tensor) and m.is_floating_point() and m.dim() == 4):
-            return None
-        chain.append(logits)
-    else:
-        scaled = logits
-    scaled, softcap = _without_softcap(scaled, chain)
-    if not (is_call(scaled, "mul") and len(scaled.args) == 2):
+        if not (isinstance(mask, fx.Node) and isinstance(m, torch.Tensor) and m.is_floating_point() and m.dim() == 4):
+            continue
+        tried = [logits]
+        found = _unmasked_scores(scaled, tried)
+        if found is not None:
+            chain += tried
+            q, k, scale, _, softcap, key_bias = found
+            return q, k, scale, mask, softcap, key_bias
+    return None
+
+
+def _additive_of_hidden(node):
+    """`masked_fill(x, where(visible, 0, min).to(bool), fill)` with fill the most negative float ->
+    `where(visible, 0, min)` (the `to(bool)` of that mask is exactly the hidden keys), else None.
+    Adding the mask instead of filling gives the same weights to every row with a visible key."""
+    if not (len(node.args) == 3 and not node.kwargs):
         return None
+    _, hidden, fill = node.args
+    if not (isinstance(fill, (int, float)) and not isinstance(fill, bool) and fill <= _NEGATIVE_FILL):
+        return None
+    if not (is_call(hidden, "to") and hidden.args[1:] == (torch.bool,) and not hidden.kwargs):
+        return None
+    additive = hidden.args[0]
+    return additive if visible_of_additive(additive) is not None else None
+
+
+def _unmasked_scores(scaled, chain):
+    from .eager_attention_forms import per_key_bias
+
+    key_bias = None
+    if is_call(scaled, "add"):  # + a per-key bias (MPT's ALiBi), matched against the keys below
+        if len(scaled.args) != 2 or scaled.kwargs:
+            return None
+        a, b = scaled.args
+        base, bias = (a, b) if per_key_bias(b) else (b, a)
+        if not per_key_bias(bias):
+            return None
+        chain.append(scaled)
+        scaled, key_bias = base, (bias, 1.0)
+    found = _scores_without_bias(scaled, chain)
+    if found is None or key_bias is None:
+        return found
+    q, k, scale, _, softcap, inner_bias = found
+    bv, qv, kv = example_value(key_bias[0]), example_value(q), example_value(k)
+    if inner_bias is not None or not (per_key_bias(key_bias[0], kv.shape[-2]) and bv.dtype == qv.dtype):
+        return None
+    return q, k, scale, None, softcap, key_bias
+
+
+def _scores_without_bias(scaled, chain):
+    from .eager_attention_forms import batched_scores
+
+    scaled, softcap = _without_softcap(scaled, chain)
+    if is_call(scaled, "matmul"):  # no scale (GPT-Neo)
+        q, kt = scaled.args
+        if not (is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}):
+            return None
+        chain += [scaled, kt]
+        return q, kt.args[0], 1.0, None, softcap, None
+    if not (is_call(scaled, "mul") and len(scaled.args) == 2):
+        batched = batched_scores(scaled, chain)
+        if batched is None:
+            return None
+        q, k, scale, key_bias = batched
+        return q, k, scale, None, softcap, key_bias
     a, b = scaled.args
     product, scale = (a, b) if is_call(a, "matmul") else (b, a)
     if not is_call(product, "matmul") or isinstance(example_value(scale), torch.Tensor) or isinstance(scale, (bool, str)):
@@ -77,7 +143,7 @@ def scores_of(logits, chain):
     if not (is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}):
         return None
     chain += [scaled, product, kt]
-    return q, kt.args[0], scale, mask, softcap
+    return q, kt.args[0], scale, None, softcap, None
 
 
 def _without_softcap(node, chain):
@@ -217,7 +283,9 @@ def drops_last_column(node: fx.Node) -> bool:
 def dropout_off(node: fx.Node) -> bool:
     p = arg_of(node, 1, "p", 0.5)
     training = arg_of(node, 2, "training", True)
-    return isinstance(p, (int, float)) and isinstance(training, bool) and (p == 0 or not training)
+    if training is False:  # off whatever p is (a float attribute dynamo made an input: a SymFloat node)
+        return True
+    return isinstance(p, (int, float)) and isinstance(training, bool) and p == 0
 
 
 def casts_to(node: fx.Node, value) -> bool:

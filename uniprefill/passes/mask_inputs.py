@@ -15,6 +15,10 @@ a symbol of its own):
   `position_ids`). Sound only when every row is ONE document, i.e. its positions are
   consecutive; otherwise the call runs unaccelerated, naming the reason.
 * `CACHE_POSITION`: a 1-D `[N]` input; it must be `arange(N)` (a prefill from position 0).
+* `CAUSAL_MASK`: a `[rows or 1, 1, N, N]` input, a mask built in an earlier graph and passed in
+  across a graph break (CTRL). Read as the causal mask; at run time it must be exactly that
+  (boolean, or additive 0 / most negative), so a padded batch or any other mask runs the
+  original graph.
 
 A mask that reads any other tensor input is not understood and its layer is not
 rewritten (the reason names the input). Checks run before the rewritten graph; a failed
@@ -38,6 +42,7 @@ class InputRole(enum.Enum):
     PADDING = "padding mask"
     DOCUMENT_POSITIONS = "position ids (document boundaries)"
     CACHE_POSITION = "cache positions"
+    CAUSAL_MASK = "causal attention mask (built before the graph)"
     SAME_LENGTH = "token axis"  # axis `dim` must have the prompt's length
     SAME_ROWS = "batch axis"  # axis `dim` must have the prompt's row count
 
@@ -102,6 +107,8 @@ def mask_input_roles(graph: fx.Graph, masks: list[fx.Node], axes: TokenAxes) -> 
             roles[node] = InputRole.DOCUMENT_POSITIONS if reads_steps else InputRole.PADDING
         elif val.dim() == 1 and sizes[0] == axes.seq and not val.is_floating_point():
             roles[node] = InputRole.CACHE_POSITION
+        elif val.dim() == 4 and sizes[1] == 1 and sizes[2:] == [axes.seq, axes.seq] and sizes[0] in (axes.batch, 1):
+            roles[node] = InputRole.CAUSAL_MASK
         else:
             unknown[node] = f"the mask reads the input {node.name} of shape {list(val.shape)}, whose role is not understood"
     return roles, unknown
@@ -143,7 +150,35 @@ def failed_check(checks: tuple[InputCheck, ...], args, rows: int, seq: int, left
             if value.shape[-1] > 1 and not bool((torch.diff(value, dim=-1) == 1).all()):
                 return ("position_ids are not consecutive (packed documents or strided positions): "
                         "transformers then masks attention per document, which the rewrite does not model")
+        elif check.role is InputRole.CAUSAL_MASK:
+            if value.dim() != 4 or tuple(value.shape[1:]) != (1, seq, seq) or value.shape[0] not in (1, rows):
+                return f"the attention mask passed into the graph has shape {tuple(value.shape)}, not [rows, 1, N, N]"
+            if not is_causal_mask(value):
+                return ("the attention mask passed into the graph is not the plain causal mask (padding, packed "
+                        "documents or another mask, built before a graph break), which the rewrite does not model")
         elif check.role is InputRole.CACHE_POSITION:
             if not torch.equal(value.cpu(), torch.arange(seq, dtype=value.dtype)):
                 return "cache_position does not run 0..N-1 (a prefill that does not start at position 0)"
     return None
+
+
+HIDDEN = -1e30  # an additive mask value at most this (or the dtype's minimum) hides a key
+
+
+def causal_view(n: int, like: torch.Tensor) -> torch.Tensor:
+    """The causal mask of `n` tokens in the form of `like`: boolean, or additive (0 where visible,
+    the dtype's minimum elsewhere)."""
+    visible = torch.ones(n, n, dtype=torch.bool, device=like.device).tril()
+    if like.dtype == torch.bool:
+        return visible
+    return torch.zeros(n, n, dtype=like.dtype, device=like.device).masked_fill(~visible, torch.finfo(like.dtype).min)
+
+
+def is_causal_mask(value: torch.Tensor) -> bool:
+    """Every `[N, N]` plane of `value` is the causal mask (boolean, or additive 0 / at most `HIDDEN`)."""
+    n = value.shape[-1]
+    want = torch.ones(n, n, dtype=torch.bool, device=value.device).tril()
+    if value.dtype == torch.bool:
+        return bool((value == want).all())
+    hidden = value <= max(HIDDEN, torch.finfo(value.dtype).min)
+    return bool(((value == 0) == want).all() and (hidden != want).all())

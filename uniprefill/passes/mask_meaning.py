@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from .fx_utils import TokenAxes, ancestors, example_value
-from .mask_inputs import InputRole
+from .mask_inputs import InputRole, causal_view
 
 _LENGTHS = (37, 61)  # two prompt lengths, neither a power of two
 _HIDDEN = -1e30  # an additive mask value at most this (or the dtype's minimum) hides a key
@@ -91,6 +91,8 @@ def _make_input(node: fx.Node, role, bind: dict, n: int, tokens: fx.Node):
         for r in range(1, shape[0]):  # row r starts with 5 r pad tokens
             pad[r, : 5 * r] = 0
         return pad
+    if role is InputRole.CAUSAL_MASK:  # what the run-time check lets through
+        return causal_view(n, torch.empty(0, **kw)).expand(shape).contiguous()
     if role in (InputRole.DOCUMENT_POSITIONS, InputRole.CACHE_POSITION):
         return torch.arange(n, device=value.device).to(value.dtype).expand(shape).contiguous()
     if node is tokens:

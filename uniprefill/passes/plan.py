@@ -23,9 +23,11 @@ from torch.fx.node import map_aggregate
 from ..config import UniPrefillConfig
 from ..models.layer_kinds import LayerKind
 from ..unaccelerated import Kind
-from .classify import MaskInfo, classify_layers, sdpa_mask_node
+from .classify import BIDIRECTIONAL, MaskInfo, _container_without_sdpa, classify_layers, sdpa_mask_node
 from .drop_points import resolve_drop_layers
-from .fx_utils import TokenAxes, example_value, is_sdpa, layer_index, target_name, through_same_shape_views
+from .fx_utils import (TokenAxes, ancestors, example_value, is_sdpa, layer_container, layer_index, target_name,
+                       through_same_shape_views)
+from .graph_pieces import not_one_stack, why_no_tokens
 from .mask_inputs import InputCheck, InputRole, mask_input_roles, size_aliases
 from .mask_meaning import mask_mismatch
 
@@ -42,6 +44,12 @@ class NothingToDrop(RewriteSkipped):
     """The graph is too short to drop from (a decode step): left unchanged without a warning."""
 
     kind = Kind.NOTHING_TO_DROP
+
+
+class NoDecoderLayers(RewriteSkipped):
+    """The graph holds no attention and no decoder layer: a piece of a model split by graph
+    breaks (`graph_pieces`). Not a refusal of the model when another graph holds its layers; the
+    backend then keeps that graph's reason."""
 
 
 class NotInference(RewriteSkipped):
@@ -87,6 +95,9 @@ class _Analysis:
 
     def plan(self) -> RewritePlan:
         graph = self.gm.graph
+        pieces = not_one_stack(graph)
+        if pieces:
+            raise (NoDecoderLayers if pieces[1] else RewriteSkipped)(pieces[0])
         self.tokens = self._find_tokens()
         val = example_value(self.tokens)
         static = not isinstance(val.shape[1], torch.SymInt)
@@ -119,16 +130,31 @@ class _Analysis:
         if not self.layers:
             raise RewriteSkipped("no decoder layers found (no module list of attention layers in the graph)")
         self._check_mask_meanings()
+        self._name_extra_keys()
         present = sorted(self.layers)
         if present != list(range(present[-1] + 1)):
             raise RewriteSkipped(f"graph break inside the decoder stack: this graph holds layers {present}")
         full = [i for i, info in self.layers.items() if info.kind is LayerKind.FULL]
+        if not full and all(m.reason == BIDIRECTIONAL for info in self.layers.values() for m in info.masks) \
+                and any(info.sdpa for info in self.layers.values()):
+            raise RewriteSkipped("not a causal decoder: every attention layer is bidirectional (no mask and "
+                                 "is_causal=False), so each token sees later tokens; token dropping applies to causal "
+                                 "prefill only (an encoder built as a decoder, e.g. BERT, is causal with is_decoder=True)")
         if not full:
             kinds = "; ".join(f"{i}: {info.kind} ({info.detail})" for i, info in list(self.layers.items())[:4])
+            details = {info.detail for info in self.layers.values() if info.sdpa}
+            if len(details) == 1 and all(info.kind is LayerKind.OTHER for info in self.layers.values() if info.sdpa):
+                raise RewriteSkipped(f"no full-attention layer the rewrite can follow: in every attention layer, "
+                                     f"{details.pop()}")
             if any(info.sdpa for info in self.layers.values()):
                 raise RewriteSkipped(f"no full-attention layer in this graph: its attention layers are sliding-window "
                                      f"or use masks the rewrite does not model (layers: {kinds})")
-            if all(info.kind == "linear" for info in self.layers.values()):
+            from .eager_attention_forms import unmatched_eager_attention
+
+            eager = unmatched_eager_attention(graph)
+            if eager:  # attention written out by hand (transformers has no SDPA path for it)
+                raise RewriteSkipped(f"no full-attention layer in this graph: {eager} (layers: {kinds})")
+            if all(info.kind is LayerKind.LINEAR for info in self.layers.values()):
                 raise RewriteSkipped("an attention-free model: every layer is a recurrent or convolutional token mixer "
                                      "(no attention to score tokens with, so no layer to drop at)")
             raise RewriteSkipped("no full-attention layer (no scaled_dot_product_attention call) in this graph; "
@@ -157,7 +183,9 @@ class _Analysis:
         for node in self.gm.graph.nodes:
             if node.op == "placeholder" and "inputs_embeds" in node.name:
                 return node
-        raise RewriteSkipped("no token-id or inputs_embeds input found (the graph does not start at the embedding)")
+        sdpa = [n for n in self.gm.graph.nodes if is_sdpa(n)]
+        container = layer_container(sdpa) if sdpa else _container_without_sdpa(self.gm.graph)
+        raise RewriteSkipped(f"no token-id or inputs_embeds input found: {why_no_tokens(self.gm.graph, container)}")
 
     def _check_requests(self) -> None:
         for node in self.gm.graph.nodes:
@@ -202,9 +230,27 @@ class _Analysis:
                     info.masks[k] = MaskInfo(False, reason=verdicts[key])
                     info.kind, info.window, info.detail = LayerKind.OTHER, 0, verdicts[key]
 
+    def _name_extra_keys(self) -> None:
+        """A layer left as "other" whose keys are more than the prompt's tokens (N + N / 128 entries:
+        compressed blocks beside the tokens, DeepSeek-V4's) is named for that, the first fact a
+        rewrite over tokens cannot follow."""
+        for info in self.layers.values():
+            keys = [example_value(n.args[1]) for n in info.sdpa if len(n.args) > 1]
+            sizes = {self.axes.size_expr(k.shape[-2]) for k in keys if isinstance(k, torch.Tensor) and k.dim() >= 2}
+            extra = [e for e in sizes if e != self.axes.seq and self.axes.seq in sympy.sympify(e).free_symbols]
+            if info.kind is LayerKind.OTHER and extra:
+                entries = str(sympy.sympify(extra[0]).xreplace({self.axes.seq: sympy.Symbol("N")}))
+                info.detail = (f"its keys are more than the prompt's tokens ({entries} key entries for N tokens: "
+                               "entries added beside the tokens, e.g. compressed blocks), which the rewrite does not model")
+
     def _residual_add(self, layer: int) -> fx.Node:
         info = self.layers[layer]
         if len(info.sdpa) > 1 and not _one_attention_map(info.sdpa):
+            if _runs_again(info.sdpa):
+                raise RewriteSkipped(
+                    f"layer {layer} runs {len(info.sdpa)} times, each run on the output of the one before (a looped, "
+                    "recurrent-depth stack that applies the same layers again): the rewrite expects each layer's "
+                    "attention once per prefill")
             raise RewriteSkipped(f"layer {layer} has {len(info.sdpa)} attention calls with different queries or masks "
                                  "(e.g. a layer run twice in a loop); expected one attention map per layer")
         nodes = list(self.gm.graph.nodes)
@@ -259,6 +305,12 @@ def _one_attention_map(calls: list) -> bool:
     (nodes, flags), rest = form(calls[0]), [form(c) for c in calls[1:]]
     same = lambda a, b: a is b if isinstance(a, fx.Node) else a == b  # noqa: E731
     return all(all(map(same, other, nodes)) and other_flags == flags for other, other_flags in rest)
+
+
+def _runs_again(calls: list) -> bool:
+    """Every later attention call of the layer reads the output of the one before: the same layer
+    module applied again (a loop over the stack), not several attentions side by side."""
+    return all(before in ancestors(after) for before, after in zip(calls, calls[1:]))
 
 
 def _check_length_guards(seq) -> None:

@@ -36,6 +36,17 @@ logits are soft-capped, or its softmax runs in float32 on half-precision logits,
 `uniprefill::sink_attention` with `sinks=None` instead (SDPA computes neither). Its mask stays additive (a row
 with no visible key then gets the same finite weights as in the eager code); `classify` reads it
 through `visible_of_additive`.
+
+Older models write the same attention over heads merged into the batch axis (`bmm` / `baddbmm`,
+views either side: `eager_attention_forms`), and some add a per-key bias to the logits: ALiBi,
+Bloom's `baddbmm(alibi, q, k^T, beta, alpha)` and MPT's `logits + table[:, :, -N:]` (with
+`masked_fill(logits, mask.to(bool), min)` for the mask). A value per key that every query adds is
+`key_bias` of `uniprefill::sink_attention` (`bias_scale` its beta). After a drop the packed op reads
+it at the kept keys' ORIGINAL positions, so each kept key keeps the bias the model gave it; the
+nodes that build a bias inside a layer stay on all tokens (`_bias_nodes_on_all_tokens`). Decode
+steps after a drop do not model a bias: these models compute attention themselves, and
+`runtime.generation.decode_unsupported` runs their cache-filling calls unaccelerated (and a decode
+step through the attention interface after such a prefill raises rather than drop the bias).
 """
 
 from __future__ import annotations
@@ -50,7 +61,8 @@ from .eager_attention_pieces import (
     arg_of, before_repeat, boolean_form, casts_to, dropout_off, drops_last_column, is_call, is_last_dim, scores_of,
     shapes_fit, sinks_of, without_max, visible_of_additive,
 )
-from .fx_utils import example_value
+from .eager_attention_forms import bmm_output, is_head_view, through_head_views, without_clamp
+from .fx_utils import ancestors, example_value, is_sink_attention
 from .graph_calls import keep_node
 
 __all__ = ["SinkAttentionCopy", "SinkSite", "canonicalize_sink_attention", "match_lse_sink_attention",
@@ -72,6 +84,8 @@ class SinkSite:
     softcap: object = None  # float or SymFloat node: logits capped as softcap * tanh(logits / softcap) (Gemma-2)
     upcast: bool = False  # the softmax runs in float32 on half-precision logits
     logits: fx.Node | None = None  # the softmax's input before any sink column (scaled, capped, masked)
+    key_bias: fx.Node | None = None  # a per-key bias added to the scaled logits (ALiBi), `sink_ops.key_bias_4d`
+    bias_scale: object = 1.0  # float or a SymFloat node: the bias's factor (`baddbmm`'s beta)
 
 
 def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int, int]:
@@ -90,7 +104,7 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
         mapped = lambda a: env[a] if isinstance(a, fx.Node) else a  # noqa: E731
         kwargs = {"attn_mask": mapped(site.mask), "dropout_p": 0.0, "is_causal": False, "scale": mapped(site.scale),
                   "enable_gqa": example_value(site.k).shape[1] != example_value(site.q).shape[1]}
-        if site.sinks is not None or site.softcap is not None or site.upcast:
+        if site.sinks is not None or site.softcap is not None or site.upcast or site.key_bias is not None:
             # the op computes what the eager code computes; SDPA would take the softmax in its own precision
             op = torch.ops.uniprefill.sink_attention.default
             kwargs["sinks"] = env[site.sinks] if site.sinks is not None else None
@@ -98,6 +112,8 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
                 kwargs["softcap"] = mapped(site.softcap)
             if site.upcast:
                 kwargs["upcast"] = True
+            if site.key_bias is not None:
+                kwargs["key_bias"], kwargs["bias_scale"] = env[site.key_bias], mapped(site.bias_scale)
         else:  # plain eager attention: an SDPA call computes the same
             op = torch.nn.functional.scaled_dot_product_attention
         with graph.inserting_before(old):
@@ -109,7 +125,8 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
                 graph.erase_node(env[dead])
     graph.eliminate_dead_code(is_impure_node=keep_node)  # the additive masks no site reads any more
     graph.lint()
-    with_op = sum(site.sinks is not None or site.softcap is not None or site.upcast for site in sites)
+    with_op = sum(site.sinks is not None or site.softcap is not None or site.upcast or site.key_bias is not None
+                  for site in sites)
     return fx.GraphModule(gm, graph), with_op, len(sites) - with_op
 
 
@@ -164,7 +181,7 @@ def match_lse_sink_attention(node: fx.Node) -> SinkSite | None:
     if any(u not in set(chain) | set(inner.internal) for n in chain[1:] for u in n.users):
         return None
     return SinkSite(inner.q, inner.k, inner.v, inner.mask, inner.scale, sinks, node, tuple(chain) + inner.internal,
-                    inner.softcap, inner.upcast, inner.logits)
+                    inner.softcap, inner.upcast, inner.logits, inner.key_bias, inner.bias_scale)
 
 
 def _casts_to_float(node: fx.Node) -> bool:
@@ -177,12 +194,20 @@ def _casts_to_float(node: fx.Node) -> bool:
 def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) -> SinkSite | None:
     """The pattern whose final matmul is `node`, or None. `readers`: nodes outside the pattern
     allowed to read its intermediate values (`match_lse_sink_attention`'s)."""
-    if not is_call(node, "matmul") or len(node.args) != 2:
-        return None
-    weights, v_rep = node.args
-    chain = [node]
-    # weights: [dropout] [.to(dtype)] in either order, then the slice that drops the sink column
-    while is_call(weights, "to", "dropout"):
+    chain = []
+    if is_call(node, "matmul") and len(node.args) == 2:
+        weights, v_rep = node.args
+        chain.append(node)
+    else:  # bmm on heads merged into the batch axis, viewed back to [B, H, N, d]
+        found = bmm_output(node, chain)
+        if found is None:
+            return None
+        weights, v_rep = found
+    # weights: [dropout] [.to(dtype)] [views merging heads] in any order, then the slice that drops the sink column
+    while is_call(weights, "to", "dropout") or is_head_view(weights):
+        if is_head_view(weights):
+            weights = through_head_views(weights, chain)
+            continue
         if is_call(weights, "dropout") and not dropout_off(weights):
             return None
         if is_call(weights, "to") and not casts_to(weights, example_value(v_rep)):
@@ -197,7 +222,10 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
     if not (is_call(probs, "softmax") and is_last_dim(probs, arg_of(probs, 1, "dim"))):
         return None
     chain.append(probs)
-    combined = probs.args[0]
+    combined = through_head_views(probs.args[0], chain)
+    while is_call(combined, "float") and example_value(combined.args[0]).dtype == example_value(combined).dtype:
+        chain.append(combined)  # a cast that changes nothing (MPT's .float() on float32 logits)
+        combined = combined.args[0]
     dtype, scores_dtype = arg_of(probs, 2, "dtype"), example_value(combined).dtype
     # softmax in float32 on half-precision logits (transformers' eager functions): the op does the same
     upcast = dtype == torch.float32 and scores_dtype in (torch.float16, torch.bfloat16)
@@ -217,11 +245,11 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
         if sinks is None:
             return None
     else:
-        logits = without_max(combined, chain)
+        logits = without_clamp(without_max(combined, chain), chain)
     scores = scores_of(logits, chain)
     if scores is None:
         return None
-    q, k_rep, scale, mask, softcap = scores
+    q, k_rep, scale, mask, softcap, key_bias = scores
     (k, k_nodes), (v, v_nodes) = before_repeat(k_rep), before_repeat(v_rep)
     if k is None or v is None:
         return None
@@ -238,7 +266,8 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
         # without sinks the additive form stays: a row with no visible key then gets finite
         # weights, as in the eager code (a boolean mask would give NaN there, and 0 * NaN leaks)
         mask = boolean_form(mask, logits, scores_dtype=example_value(logits).dtype)
-    return SinkSite(q, k, v, mask, scale, sinks, node, tuple(chain), softcap, upcast, logits)
+    bias, beta = key_bias if key_bias is not None else (None, 1.0)
+    return SinkSite(q, k, v, mask, scale, sinks, node, tuple(chain), softcap, upcast, logits, bias, beta)
 
 
 # ------------------------------------------------------------------ the copy (token_drop.TokenDropPass)
@@ -255,10 +284,16 @@ class SinkAttentionCopy:
         softcap = {} if cap is None else {"softcap": self.env[cap] if isinstance(cap, fx.Node) else cap}
         if node.kwargs.get("upcast"):
             softcap["upcast"] = True
+        bias = node.kwargs.get("key_bias")
+        if bias is not None:  # over all N keys (layout 0); the packed op reads it at the kept keys' positions
+            scale_of_bias = node.kwargs.get("bias_scale", 1.0)
+            softcap["key_bias"] = self._value_at(bias, 0)  # raises when the bias was built on kept tokens
+            softcap["bias_scale"] = self.env[scale_of_bias] if isinstance(scale_of_bias, fx.Node) else scale_of_bias
         self._ensure_layout0()  # the recorder's begin_prefill comes first
         # decode steps after this prefill compute the same form (runtime.decode_attention)
         self.new.call_function(ops.record_attention.default, (
-            layer, softcap.get("softcap", 0.0), bool(softcap.get("upcast", False)), sinks is not None))
+            layer, softcap.get("softcap", 0.0), bool(softcap.get("upcast", False)), sinks is not None,
+            bias is not None))
         if j == 0:
             key_valid, shared = self._dense_mask_for(qn, mask)
             out = self.new.call_function(ops.dense_sink_attention.default,
@@ -274,3 +309,19 @@ class SinkAttentionCopy:
         out.meta = dict(node.meta)
         self.env[node] = out
         self.layout_of[node] = j
+
+    def _bias_nodes_on_all_tokens(self) -> set:
+        """Nodes that build a per-key attention bias (`key_bias`) inside a layer, copied on all tokens
+        even after a drop (MPT slices its ALiBi table by the prompt length in each layer): the packed
+        op reads the bias at the kept keys' original positions. Only a bias that does not read the
+        prompt's content (its subgraph does not reach the token input) and whose nodes feed nothing
+        else; any other stays with the layer's layout (and is refused if it ends on kept tokens)."""
+        graph_inputs = {n for n in self.gm.graph.nodes if n.op in ("placeholder", "get_attr")}
+        keep = set()
+        for node in self.gm.graph.nodes:
+            bias = node.kwargs.get("key_bias") if is_sink_attention(node) else None
+            if isinstance(bias, fx.Node) and self.plan.tokens not in ancestors(bias):
+                keep |= (ancestors(bias) | {bias}) - graph_inputs
+        if any(u not in keep and not is_sink_attention(u) for n in keep for u in n.users):
+            return set()  # a node of a bias feeds something else: all keep the layers' layouts
+        return keep

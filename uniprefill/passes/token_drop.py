@@ -96,6 +96,7 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         if eager_sites:
             self.counts["eager_attention_sites"] = eager_sites
         self.plan = plan_rewrite(self.gm, self.config)
+        self.bias_nodes = self._bias_nodes_on_all_tokens()  # passes/sink_attention.py
         old = self.gm.graph
         new = fx.Graph()
         self.new = new
@@ -167,6 +168,10 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         return bool(self.plan.axes.token_dims(val) or self.plan.axes.flat_dims(val))
 
     def _copy_node(self, node: fx.Node, after_first_drop: bool) -> None:
+        if node in self.bias_nodes:  # a per-key attention bias stays on all tokens (passes/sink_attention.py)
+            self.env[node] = self.new.node_copy(node, lambda a: self._arg_at(a, 0))
+            self.layout_of[node] = 0
+            return
         j = self._node_layout(node)
         if j > 0 and layer_index(node, self.plan.container) is None and node in self.after_stack:
             # Leaving the decoder stack: scatter packed values back into the dense canvas.

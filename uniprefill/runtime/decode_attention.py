@@ -37,6 +37,9 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     # the form the prefill graph ran this layer's attention in (passes.sink_attention), not what the
     # keyword arguments suggest: an SDPA prefill ignored any softcap or s_aux the model passes
     softcap, upcast, has_sinks = history.attention.get(layer, (0.0, False, False))
+    if layer in history.key_bias_layers:
+        raise RuntimeError(f"layer {layer}'s prefill added a per-key bias (ALiBi), which decode steps after a drop "
+                           "do not model: they cannot compute the same attention")
     sinks = _sinks(module, kwargs) if has_sinks else None
     if has_sinks and sinks is None:
         raise RuntimeError(f"layer {layer}'s prefill applied learned sinks, and this decode step was passed none "

@@ -52,6 +52,8 @@ class DropHistory:
     # layer -> (softcap, upcast, has sinks) of the eager attention (`sink_ops`) the prefill ran
     # there; a layer not in it ran SDPA. Decode steps after the prefill compute the same form.
     attention: dict = field(default_factory=dict)
+    # layers whose prefill added a per-key bias (ALiBi, `sink_ops` key_bias): decode does not model it
+    key_bias_layers: set = field(default_factory=set)
 
     def sparse_density(self) -> dict[int, float]:
         """Block density of each sparse attention layer of this prefill (1.0: it ran dense)."""
@@ -136,10 +138,12 @@ class DropRecorder:
             raise RuntimeError("DropRecorder.record_sparse called before begin")
         self._current.sparse[layer] = density
 
-    def record_attention(self, layer: int, softcap: float, upcast: bool, sinks: bool) -> None:
+    def record_attention(self, layer: int, softcap: float, upcast: bool, sinks: bool, key_bias: bool = False) -> None:
         if self._current is None:
             raise RuntimeError("DropRecorder.record_attention called before begin")
         self._current.attention[layer] = (float(softcap), bool(upcast), bool(sinks))
+        if key_bias:
+            self._current.key_bias_layers.add(layer)
 
     def record(self, layer: int, counts_in: torch.Tensor, counts_out: torch.Tensor, kept_flat=None) -> None:
         if self._current is None:

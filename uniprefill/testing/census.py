@@ -1,8 +1,10 @@
 """Architecture census: every causal LM type of the installed transformers, tiny and random.
 
 For each model type that maps to a causal-LM class and is a decoder-only text model, a tiny
-random config is built by a generic shrinker (common size fields set small, `layer_types`
-cut to the new depth; no per-model code in the pass), and then:
+random config is built by a generic shrinker (common size fields set small, sub-configs shrunk
+alike, `layer_types` cut to the new depth, a sliding window shortened only where the default config
+has one, so the tiny model keeps the default's kind of attention), plus a few per-family settings
+in `_FAMILY` (none in the pass), and then:
 
 (a) p = 1 prefill equals the plain model, one row and a left-padded batch of two;
 (b) p = 1 greedy generation equals the plain model's;
@@ -12,7 +14,9 @@ cut to the new depth; no per-model code in the pass), and then:
 
 Each type ends as `accelerated`, `unaccelerated` (with the backend's reason), `mismatch`,
 `error` or `skipped` (not a decoder-only text model, or no tiny config could be built, with
-the reason). `uniprefill census` runs it and writes the table (`docs/architectures.md`).
+the reason). Each run row also says whether the type has a full-attention layer
+(`census_attention.py`); the table states the accelerated share among those that have one.
+`uniprefill census` runs it and writes the table (`docs/architectures.md`).
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..unaccelerated import Kind, kind_of
+from .census_attention import full_attention, share_line
 
 SETTINGS = dict(sink=16, last_q=16, block_size=16)
+_WINDOW = 24  # a sliding window shorter than the prompt, set only where the default config has one
 _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, moe_intermediate_size=32,
               shared_expert_intermediate_size=32, num_experts=4, num_local_experts=4, n_routed_experts=4,
-              num_experts_per_tok=2, n_shared_experts=1, sliding_window=24, kv_lora_rank=16, q_lora_rank=16,
+              num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16,
               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
               mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16, mamba_headdim=16, mamba_n_groups=1, mamba_expand=2,
@@ -40,7 +46,14 @@ _SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
               use_cache=True,
               # the same sizes under the older names some configs use
               n_embd=64, d_model=64, n_layer=4, n_layers=4, num_layers=4, n_head=4, n_heads=4, num_heads=4,
-              n_inner=128, ffn_dim=128, d_ff=128, n_positions=4096, max_seq_len=4096, seq_length=4096)
+              n_inner=128, ffn_dim=128, d_ff=128, n_positions=4096, max_seq_len=4096, seq_length=4096,
+              # rarer size fields: MoE experts, per-layer embeddings, byte-level (BLT) hash tables
+              ffn_hidden_size=128, expert_ffn_hidden_size=32, shared_experts_intermediate_size=32,
+              router_hidden_size=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
+              hidden_size_global=64, encoder_hash_byte_group_vocab=128, local_attention_window_len=_WINDOW)
+# counts that must not exceed the tiny expert count: lowered to these, never raised, never set where unset
+# (expert groups for group-limited routing; experts per token and zero-computation experts of LongCat)
+_AT_MOST = dict(n_group=1, num_expert_group=1, topk_group=1, moe_topk=2, zero_expert_num=2)
 _MAX_PARAMETERS = 20_000_000  # a config the shrinker could not make small is skipped, not built
 _LENGTH = 300
 
@@ -55,6 +68,8 @@ class CensusRow:
     dropped: str = ""
     seconds: float = 0.0
     checks: dict = field(default_factory=dict)
+    full_attention: bool | None = None  # has a full-attention layer (census_attention.py); None: not run
+    full_attention_basis: str = ""  # the evidence: "graph", "config (...)", or why there is none
 
 
 def causal_lm_types() -> list[str]:
@@ -70,34 +85,101 @@ def _not_decoder_only(model_type: str, config) -> str:
         return "encoder-decoder model"
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         return "an encoder (masked LM) that can also be run as a decoder"
+    declared = getattr(config, "sub_configs", None) or {}
     for key in ("vision_config", "audio_config", "speech_config", "depth_decoder_config"):
-        if getattr(config, key, None) is not None:
+        if getattr(config, key, None) is not None or key in declared:
             return f"multimodal ({key}); its text model is censused under its own type where it has one"
-    return ""
+    return _FAMILY.get(model_type, {}).get("skip", "")
 
 
 def tiny_config(model_type: str):
     """A tiny random config of `model_type` (generic shrinking of the common fields)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    family = _FAMILY.get(model_type, {})
+    return _shrink(AutoConfig.for_model(model_type), family.get("tiny", {}))
+
+
+# Per-family settings the generic shrinker cannot infer, each with why. "default": passed when building the
+# type's default config; "tiny": set on the tiny config last.
+_FAMILY = {
+    # a drafter for speculative decoding: its forward needs the target model's embeddings and key/value states
+    "gemma4_assistant": dict(skip="a drafter (assistant) model: its forward needs the target model's inputs_embeds "
+                                  "and shared_kv_states, it does not run on token ids alone"),
+    "gemma4_unified_assistant": dict(skip="a drafter (assistant) model: its forward needs the target model's "
+                                          "inputs_embeds and shared_kv_states, it does not run on token ids alone"),
+    # the per-layer-type RoPE table is empty by default and the model reads the "full_attention" entry
+    "cohere_compass_text": dict(tiny=dict(rope_parameters={"full_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10000.0}})),
+    # transformers' attention reads attn_config.rope_theta, which the default attention sub-config lacks, and
+    # clamps q/k/v with clip_qkv, which fails at its default None
+    "dbrx": dict(tiny=dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0))),
+    # sliding layers take their sizes from swa_* fields (defaults of the released checkpoint, 64 heads of 256)
+    "dots3_note_text": dict(tiny=dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16,
+                                      swa_kv_lora_rank=16, swa_head_dim=16, swa_qk_nope_head_dim=8,
+                                      swa_v_head_dim=16)),
+    # no default layer pattern: the modeling code reads layer_types (convolution / attention per layer)
+    "lfm2_moe": dict(tiny=dict(layer_types=["conv", "full_attention", "conv", "full_attention"])),
+    # Mamba-2 checks hidden_size * expand == num_heads * head_dim
+    "mamba2": dict(tiny=dict(num_heads=8)),
+    # the indexed (QSA) attention's sizes have no defaults; the indexer needs one key/value head
+    "qwen4_exp_text": dict(tiny=dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                                     indexer_budget=64, indexer_compress_ratio=4)),
+    # the config validator allows one expert per token only
+    "zaya": dict(tiny=dict(num_experts_per_tok=1)),
+}
+
+
+def _uses_window(default) -> bool:
+    """Whether the default config has sliding-window layers: a window size that is set and not switched off
+    (`use_sliding_window`), or a layer pattern that names sliding layers."""
+    pattern = getattr(default, "layer_types", None) or ()
+    if any("sliding" in str(t) for t in pattern):
+        return True
+    if not getattr(default, "sliding_window", None):
+        return False
+    return bool(getattr(default, "use_sliding_window", True))
+
+
+def _shrink(default, extra: dict | None = None):
+    """`default` with its size fields made small, its sub-configs shrunk the same way and its layer
+    pattern cut to the new depth; `extra` (per-family settings) is applied last."""
     params = set(inspect.signature(type(default).__init__).parameters)
     keys = set(vars(default)) | params
     overrides = {k: v for k, v in _SMALL.items() if k in keys}
     layers = overrides.get("num_hidden_layers", 4)
+    for key, most in _AT_MOST.items():
+        if isinstance(vars(default).get(key), int):
+            overrides[key] = min(vars(default)[key], most)
+    if "sliding_window" in keys and _uses_window(default):
+        overrides["sliding_window"] = _WINDOW
+    if isinstance(vars(default).get("rotary_dim"), int):  # a rotary part of each head (CodeGen, GPT-J): half
+        overrides["rotary_dim"] = overrides.get("head_dim", 16) // 2
     if "kv_lora_rank" in keys:  # MLA: transformers' SDPA path expands no key/value groups there
         overrides["num_key_value_heads"] = overrides.get("num_attention_heads", 4)
+        if vars(default).get("head_dim") == vars(default).get("qk_rope_head_dim") is not None:
+            overrides["head_dim"] = overrides["qk_rope_head_dim"]  # head_dim names the rotary part (DeepSeek-V3)
+    if vars(default).get("num_kv_shared_layers"):  # layers reusing an earlier layer's cache: half the depth
+        overrides["num_kv_shared_layers"] = layers // 2
+    for key in getattr(default, "sub_configs", None) or {}:
+        sub = vars(default).get(key)
+        if sub is not None and hasattr(sub, "to_dict"):
+            try:
+                overrides[key] = _shrink(sub)
+            except Exception:  # noqa: BLE001  (a sub-config that cannot be shrunk alone is left as it is)
+                pass
     overrides = {k: v for k, v in overrides.items() if not isinstance(getattr(type(default), k, None), property)}
     pattern = _layer_pattern(default, layers)
+    extra = extra or {}
     # a field this config derives or validates otherwise: without the layer pattern, then the core sizes only
     core = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "max_position_embeddings", "pad_token_id")
-    for attempt in ({**overrides, **pattern}, overrides):
+    for attempt in ({**overrides, **pattern, **extra}, {**overrides, **extra}):
         try:
             return type(default)(**attempt)
         except Exception:  # noqa: BLE001
             pass
-    return type(default)(**{k: v for k, v in overrides.items() if k in core})
+    return type(default)(**{k: v for k, v in overrides.items() if k in core}, **extra)
 
 
 _FULL_MARKERS = ("full", "global")
@@ -114,7 +196,8 @@ def _layer_pattern(default, layers: int) -> dict:
     as the default depth (`layer_types`, `layers_block_type`, `mlp_layer_types`), periodic patterns
     (`attn_layer_period` / `attn_layer_offset`: Jamba, Zamba) and explicit indices
     (`attn_layer_indices`: Bamba). A hybrid whose default is attention-free (GraniteMoeHybrid)
-    gets the first full-attention name its pattern uses, or "full_attention"."""
+    gets the first full-attention name its pattern uses, or "full_attention"; a pattern of sliding
+    layers only (Ministral) is kept: the model has no full-attention layer to find."""
     depth = getattr(default, "num_hidden_layers", None)
     out = {}
     for key, value in vars(default).items():
@@ -122,7 +205,8 @@ def _layer_pattern(default, layers: int) -> dict:
             continue
         if isinstance(value, (list, tuple)) and value and len(value) == depth and all(isinstance(v, str) for v in value):
             cut = list(value)[:layers]
-            if key in ("layer_types", "layers_block_type") and not any(_is_full(t) for t in cut):
+            all_sliding = all("sliding" in str(t) for t in value)  # Ministral: stays sliding-only, like Mistral
+            if key in ("layer_types", "layers_block_type") and not any(_is_full(t) for t in cut) and not all_sliding:
                 full = next((t for t in value if _is_full(t)), "full_attention")
                 cut[min(1, layers - 1)] = full
             out[key] = cut
@@ -136,6 +220,8 @@ def _layer_pattern(default, layers: int) -> dict:
 def _build(model_type: str):
     from transformers import AutoModelForCausalLM
 
+    if _FAMILY.get(model_type, {}).get("skip"):
+        return None, _FAMILY[model_type]["skip"]
     config = tiny_config(model_type)
     why = _not_decoder_only(model_type, config)
     if why:
@@ -235,6 +321,7 @@ def census_one(model_type: str) -> CensusRow:
         row.checks["traceback"] = traceback.format_exc(limit=3)[-600:]
     finally:
         torch._dynamo.reset()
+        row.full_attention, row.full_attention_basis = full_attention(model_type, model.config, row.layer_kinds)
         row.seconds = round(time.perf_counter() - start, 1)
     return row
 
@@ -251,21 +338,36 @@ def table(rows: list[CensusRow], versions: str) -> str:
              "Every causal-LM model type of the installed transformers, tiny random weights, 300-token prompts "
              "(`uniprefill census`; what each check means: `uniprefill/testing/census.py`).", "",
              "Counts: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) + f" (of {len(rows)})", "",
+             share_line(rows), "",
              "Eager attention (transformers runs these models without SDPA) is recognised in the graph as one "
              "attention site (`uniprefill/passes/sink_attention.py`): with learned per-head sinks (GPT-OSS, Flint, "
              "MiMo-V2-Flash's sliding layers; Granite-SWA's sinks applied after the attention), with soft-capped "
              "logits (Gemma-2, VaultGemma) or with a float32 softmax on half-precision logits, it runs as the "
              "`*_sink_attention` ops of `uniprefill/sink_ops.py`, in the prefill and in decode steps after a drop; "
-             "plain eager attention (a max subtracted or not) becomes an SDPA call. Other eager forms (ALiBi, "
-             "attention written out by hand with its own masking) are not matched, and the reason says so. Several "
+             "plain eager attention (a max subtracted or not, also in the batched-matmul form of XGLM, TrOCR and "
+             "GPT-NeoX-Japanese: `passes/eager_attention_forms.py`) becomes an SDPA call; ALiBi (Bloom's "
+             "`baddbmm` bias, MPT's table sliced in each layer) is a per-key bias the sink ops read at the kept "
+             "keys' original positions. Other eager forms (a causal mask sliced from a buffer the model registers: "
+             "GPT-Neo, OpenAI-GPT) are not matched, and the reason names the form. Several "
              "attention calls in one layer that share the queries, mask and scale (DiffLlama's differential "
              "attention) make one drop point scored with the first call.", "",
-             "| model type | result | layer kinds | generation (p = 1) | retention at keep 0.5 | reason | s |",
-             "|---|---|---|---|---|---|---|"]
+             "| model type | result | layer kinds | full attention | generation (p = 1) | retention at keep 0.5 "
+             "| reason | s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         reason = r.reason.replace("|", "/").replace("\n", " ")[:220]
-        lines.append(f"| {r.model_type} | {r.status} | {r.layer_kinds} | {r.generation} | {r.dropped} | {reason} | {r.seconds} |")
+        lines.append(f"| {r.model_type} | {r.status} | {r.layer_kinds} | {_full_cell(r)} | {r.generation} | {r.dropped} "
+                     f"| {reason} | {r.seconds} |")
     return "\n".join(lines) + "\n"
+
+
+def _full_cell(row: CensusRow) -> str:
+    if row.full_attention is None:
+        return "" if row.status == "skipped" else "?"
+    basis = row.full_attention_basis.replace("|", "/")
+    if row.full_attention:
+        return "yes (graph)" if basis == "graph" else "yes (config)"
+    return f"no: {basis}"
 
 
 def as_dict(row: CensusRow) -> dict:
