@@ -32,7 +32,7 @@ def as_vllm_config(kwargs: dict) -> NS:
     return NS(compilation_config=NS(mode=cc["mode"], backend=cc["backend"], cudagraph_mode=cc.get("cudagraph_mode"),
                                     inductor_compile_config=cc["inductor_compile_config"]),
               parallel_config=NS(tensor_parallel_size=1, pipeline_parallel_size=1), speculative_config=None,
-              cache_config=NS(enable_prefix_caching=kwargs["enable_prefix_caching"]),
+              cache_config=NS(enable_prefix_caching=kwargs.get("enable_prefix_caching", True)),  # vLLM's default
               scheduler_config=NS(enable_chunked_prefill=kwargs["enable_chunked_prefill"],
                                   max_num_batched_tokens=kwargs["max_num_batched_tokens"]),
               model_config=NS(max_model_len=kwargs["max_model_len"], runner_type="generate"))
@@ -46,6 +46,8 @@ def test_a_dropping_engine_asks_for_settings_the_checks_accept():
     check = check_vllm_config(as_vllm_config(kwargs), "0.26.0", aot_compile=False, drop_enabled=True)
     assert check.errors == []
     assert not any("chunked" in note for note in check.notes)
+    assert "enable_prefix_caching" not in kwargs  # vLLM's default (on): the plugin guards the cache
+    assert any("publish no KV blocks to the prefix cache" in note for note in check.notes)
 
     assert config_from_compilation_config(kwargs["compilation_config"]).vllm_drop  # the example drops
     graphs = llm_kwargs({"p": 0.95}, decode_graphs=True)

@@ -99,14 +99,40 @@ def test_long_prompts_drop_in_a_mixed_batch_and_every_request_decodes(model_fold
     assert runtime["rows_kept"] <= 0.6 * runtime["rows_in"], runtime
 
 
-def test_prefix_caching_with_dropping_fails_at_engine_construction(model_folder, capfd):
-    """A dropped request's KV blocks after the drop layer hold its kept tokens only: vLLM's prefix
-    cache must not hand them to another request, so the engine refuses to start, saying why."""
-    with pytest.raises(Exception):  # noqa: B017  (vLLM re-raises the EngineCore's error as its own type)
-        engine(model_folder, enable_prefix_caching=True)
-    gc.collect()
-    captured = capfd.readouterr()
-    assert "enable_prefix_caching=False" in captured.out + captured.err
+def _same_prompt_twice(model_folder):
+    """One 1,000-token prompt, then the same prompt again in a second call, with vLLM's prefix caching
+    on (its default): the two texts and the drop totals."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    long = prompts(1, 1000)
+    llm = engine(model_folder, enable_prefix_caching=True)
+    try:
+        texts = [list(llm.generate(t, params, use_tqdm=False)[0].outputs[0].token_ids)
+                 for t in (long, long)]
+        totals = collect_drop_totals(llm)[0][0]
+    finally:
+        release(llm)
+    return texts, totals
+
+
+def test_prefix_caching_stays_on_while_dropping(model_folder):
+    """The first request drops; its blocks (compacted after the drop layer) never reach the prefix
+    cache (`uniprefill.vllm.prefix_cache_guard`), so the same prompt again finds no cached context, drops
+    the same way and answers the same. Fails without the guard (the next test)."""
+    texts, totals = _same_prompt_twice(model_folder)
+    assert totals["requests_dropped"] == 2, totals
+    assert texts[0] == texts[1], texts
+
+
+def test_without_the_guard_the_prefix_cache_hands_dropped_blocks_on(model_folder, monkeypatch):
+    """The hazard the guard removes, shown on the same engine with vLLM's plugin loader told to skip
+    uniprefill's plugin (the backend still resolves by qualname; only the guard is missing): the second
+    request reads the first one's cached blocks as context, so it does not drop (HAS_CONTEXT), and in
+    the layers after the drop point those blocks hold the first request's kept tokens only."""
+    monkeypatch.setenv("VLLM_PLUGINS", "none")
+    texts, totals = _same_prompt_twice(model_folder)
+    assert totals["requests_dropped"] == 1, totals
 
 
 def test_decode_under_cuda_graphs_after_drops_matches_eager_decode(model_folder, monkeypatch):

@@ -621,7 +621,12 @@ def test_vllm_config_checks():
     chunked.scheduler_config.max_num_batched_tokens, chunked.model_config = 8192, NS(max_model_len=32768)
     assert any("prompts longer than 8192 tokens" in n for n in check_vllm_config(chunked).notes)
     dropping = check_vllm_config(fake_vllm_config(settings={}), "0.26.0", drop_enabled=True)
-    assert len(dropping.errors) == 1 and "enable_prefix_caching=False" in dropping.errors[0]
+    assert dropping.errors == [] and any("publish no KV blocks to the prefix cache" in n for n in dropping.notes)
+    custom = fake_vllm_config(settings={})  # a scheduler the prefix-cache guard does not wrap
+    custom.scheduler_config.scheduler_cls = "my.pkg.MyScheduler"
+    (error,) = check_vllm_config(custom, "0.26.0", drop_enabled=True).errors
+    assert "scheduler_cls='my.pkg.MyScheduler'" in error and "enable_prefix_caching=False" in error
+    assert check_vllm_config(custom, "0.26.0", drop_enabled=False).errors == []
     assert check_vllm_config(fake_vllm_config(mode="DYNAMO_TRACE_ONCE")).errors == []
     bad = check_vllm_config(fake_vllm_config(mode=3, backend="inductor", pp=2, spec=object()), "0.33.0")
     assert len(bad.errors) == 4 and "mode=3" in bad.errors[0] and "expected 'uniprefill.vllm.plugin" in bad.errors[1]

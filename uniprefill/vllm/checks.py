@@ -67,6 +67,18 @@ def _mode_number(mode: Any) -> int | None:
     return int(mode)
 
 
+_VLLM_SCHEDULERS = ("vllm.v1.core.sched.scheduler.Scheduler", "vllm.v1.core.sched.async_scheduler.AsyncScheduler")
+
+
+def _guarded_scheduler(scheduler_cls: Any) -> bool:
+    """Whether `scheduler_config.scheduler_cls` builds a vLLM `Scheduler` (which the prefix-cache guard
+    wraps): None (vLLM's choice), one of vLLM's two by qualname, or a class derived from vLLM's."""
+    if scheduler_cls is None or scheduler_cls in _VLLM_SCHEDULERS:
+        return True
+    return isinstance(scheduler_cls, type) and any(
+        f"{c.__module__}.{c.__qualname__}" == _VLLM_SCHEDULERS[0] for c in scheduler_cls.__mro__)
+
+
 @dataclass
 class VllmCheck:
     """What `check_vllm_config` found: errors stop the engine, notes are logged."""
@@ -162,13 +174,18 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         check.notes.append("tensor_parallel_size > 1: block scores are summed across the TP group (rank-consistent "
                            "selection, tested with gloo ranks on CPU; not yet run on GPUs)")
     if _get(_get(vllm_config, "cache_config"), "enable_prefix_caching", False):
+        check.notes.append("prefix caching: requests with cached context run unaccelerated")
+        custom = _get(_get(vllm_config, "scheduler_config"), "scheduler_cls")
         if drop_enabled:
-            check.errors.append(
-                "enable_prefix_caching=True (vLLM's default) with token dropping: after a drop point a dropped "
-                "request's KV blocks hold only its kept tokens, and the prefix cache would hand those blocks to "
-                "later requests with the same prefix as if they held every token; pass enable_prefix_caching=False")
-        else:
-            check.notes.append("prefix caching: requests with cached context run unaccelerated")
+            check.notes.append(
+                f"prefix caching with token dropping: requests of at least {settings.effective_min_tokens} prompt "
+                "tokens publish no KV blocks to the prefix cache (after a drop point their blocks hold only the kept "
+                "tokens; uniprefill.vllm.prefix_cache_guard)")
+            if not _guarded_scheduler(custom):
+                check.errors.append(
+                    f"scheduler_config.scheduler_cls={custom!r} with prefix caching and token dropping: the guard "
+                    "that keeps dropped requests' blocks out of the prefix cache wraps vLLM's Scheduler; use "
+                    "vLLM's scheduler or pass enable_prefix_caching=False")
     scheduler = _get(vllm_config, "scheduler_config")
     if _get(scheduler, "enable_chunked_prefill", False):
         budget = _get(scheduler, "max_num_batched_tokens")

@@ -2,10 +2,11 @@
 docs' commands all build them here.
 
 Today the uniprefill channel needs compilation mode 2 with uniprefill's backend (the settings in
-`inductor_compile_config["uniprefill"]`), prefix caching off (a dropped request's KV blocks must
-never serve another request) and chunked prefill off with a step budget of at least the longest
-prompt (a prompt drops only when it is prefilled in one step), plus the environment of
-`uniprefill.env.prepare_vllm_channel`. docs/vllm.md says why each is needed.
+`inductor_compile_config["uniprefill"]`) and chunked prefill off with a step budget of at least the
+longest prompt (a prompt drops only when it is prefilled in one step), plus the environment of
+`uniprefill.env.prepare_vllm_channel`. Prefix caching stays at vLLM's default (on): the plugin keeps a
+dropping request's blocks out of the cache (`uniprefill.vllm.prefix_cache_guard`). docs/vllm.md says
+why each is needed.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def compilation_config(settings: dict, *, decode_graphs: bool = False) -> dict:
 def dropping_engine_kwargs(settings: dict, *, max_model_len: int, decode_graphs: bool = False,
                            max_num_batched_tokens: int | None = None) -> dict:
     """`vllm.LLM(**kwargs)` settings (the model excepted) of an engine that drops prompts of up to
-    `max_model_len` tokens: the channel's compilation config, prefix caching and chunked prefill
-    off, a step budget that holds the longest prompt (never below `max_model_len`)."""
-    return {"max_model_len": max_model_len, "enable_prefix_caching": False, "enable_chunked_prefill": False,
+    `max_model_len` tokens: the channel's compilation config, chunked prefill off, a step budget that
+    holds the longest prompt (never below `max_model_len`); prefix caching left at vLLM's default."""
+    return {"max_model_len": max_model_len, "enable_chunked_prefill": False,
             "max_num_batched_tokens": max(max_num_batched_tokens or 0, max_model_len),
             "compilation_config": compilation_config(settings, decode_graphs=decode_graphs)}

@@ -28,10 +28,9 @@ Why this channel, read in vLLM 0.26.0's source (`CompilationConfig.init_backend`
   Under mode 3 that key reaches Inductor, which rejects it ("torch._inductor.config.uniprefill
   does not exist"): loud, never silent.
 
-`register()` runs in every vLLM process, for every vLLM user who has uniprefill installed:
-it must stay idempotent, cheap and harmless. vLLM 0.26.0 needs no registration (the backend
-is found by qualname), so it only records that the plugin was loaded. Nothing here imports
-vLLM at module level; `import uniprefill` never imports this module.
+`register()` runs in every vLLM process, for every vLLM user who has uniprefill installed: it stays
+idempotent, cheap and harmless (the backend is found by qualname; it only installs the prefix-cache
+guard, inert unless an engine drops). `import uniprefill` never imports this module.
 """
 
 from __future__ import annotations
@@ -58,11 +57,15 @@ _loaded = False
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: idempotent, imports nothing."""
+    """The `vllm.general_plugins` entry point: idempotent. Where vLLM is imported (it calls this), it
+    installs `prefix_cache_guard` on vLLM's scheduler class; otherwise it imports nothing."""
     global _loaded
     if _loaded:
         return
     _loaded = True
+    from .prefix_cache_guard import install_where_vllm_runs
+
+    install_where_vllm_runs()
     logger.debug("uniprefill vLLM plugin loaded; enable it with compilation_config.backend=%r", BACKEND_QUALNAME)
 
 

@@ -1,0 +1,107 @@
+"""The prefix-cache guard: a request that may drop never publishes its KV blocks (vLLM's default
+prefix caching stays on). A stand-in for vLLM 0.26's scheduler with the one call the guard wraps,
+`kv_cache_manager.coordinator.cache_blocks(request, num_tokens)`; the engine-level check on real vLLM
+is `test_vllm_engine_gpu.py::test_prefix_caching_stays_on_while_dropping`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from uniprefill.vllm import prefix_cache_guard
+from uniprefill.vllm.checks import BACKEND_QUALNAME
+
+
+class PrefixCache:
+    """What vLLM's coordinator publishes: request id -> tokens whose blocks other requests may read."""
+
+    def __init__(self) -> None:
+        self.published: dict[str, int] = {}
+
+    def cache_blocks(self, request, num_computed_tokens):
+        self.published[request.request_id] = num_computed_tokens
+
+
+class Scheduler:
+    """vLLM 0.26's `Scheduler.__init__(vllm_config, kv_cache_config, ...)`, reduced to its cache manager."""
+
+    def __init__(self, vllm_config, kv_cache_config=None, *args, **kwargs):
+        self.vllm_config = vllm_config
+        self.kv_cache_manager = NS(coordinator=PrefixCache())
+
+    def schedule(self, request, num_tokens):  # what allocate_slots does after each schedule when caching
+        self.kv_cache_manager.coordinator.cache_blocks(request, num_tokens)
+
+
+class AsyncScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+def config(*, drop=True, caching=True, min_tokens=64):
+    options = {"min_tokens": min_tokens, "vllm_drop": drop}
+    return NS(compilation_config=NS(mode=2, backend=BACKEND_QUALNAME, inductor_compile_config={"uniprefill": options}),
+              cache_config=NS(enable_prefix_caching=caching))
+
+
+def request(name, prompt_tokens):
+    return NS(request_id=name, num_prompt_tokens=prompt_tokens)
+
+
+@pytest.fixture()
+def installed():
+    assert prefix_cache_guard.install(Scheduler)
+    yield
+    assert prefix_cache_guard.uninstall(Scheduler)
+
+
+def test_a_request_that_may_drop_publishes_no_blocks(installed):
+    """Fails without the guard: the long request's compacted blocks would reach the prefix cache."""
+    scheduler = AsyncScheduler(config(), None)
+    long, short = request("long", 500), request("short", 40)
+    scheduler.schedule(long, 500)
+    scheduler.schedule(long, 501)  # a decode step publishes again in vLLM: still nothing
+    scheduler.schedule(short, 40)
+    assert scheduler.kv_cache_manager.coordinator.published == {"short": 40}
+    guard = scheduler.uniprefill_prefix_cache_guard
+    assert (guard.withheld, guard.published, guard.min_tokens) == (2, 1, 256)  # min_tokens raised to sink + last_q
+
+
+@pytest.mark.parametrize("drop, caching", [(False, True), (True, False)])
+def test_engines_that_do_not_drop_or_do_not_cache_are_left_as_built(installed, drop, caching):
+    scheduler = Scheduler(config(drop=drop, caching=caching))
+    scheduler.schedule(request("long", 500), 500)
+    assert scheduler.kv_cache_manager.coordinator.published == {"long": 500}
+    assert not hasattr(scheduler, "uniprefill_prefix_cache_guard")
+
+
+def test_the_bound_is_the_workers_effective_min_tokens(installed):
+    """The worker never drops a prompt shorter than `effective_min_tokens` (min_tokens raised to at least
+    sink + last_q): shorter prompts publish, longer ones do not."""
+    from uniprefill.config import UniPrefillConfig
+
+    bound = UniPrefillConfig(min_tokens=1).effective_min_tokens
+    scheduler = Scheduler(config(min_tokens=1))
+    scheduler.schedule(request("below", bound - 1), bound - 1)
+    scheduler.schedule(request("at", bound), bound)
+    assert set(scheduler.kv_cache_manager.coordinator.published) == {"below"}
+
+
+def test_install_is_idempotent_and_reversible():
+    original = Scheduler.__init__
+    assert prefix_cache_guard.install(Scheduler) and not prefix_cache_guard.install(Scheduler)
+    assert Scheduler.__init__ is not original
+    assert prefix_cache_guard.uninstall(Scheduler) and not prefix_cache_guard.uninstall(Scheduler)
+    assert Scheduler.__init__ is original
+    unguarded = Scheduler(config())
+    unguarded.schedule(request("long", 500), 500)
+    assert unguarded.kv_cache_manager.coordinator.published == {"long": 500}  # what the guard prevents
+
+
+def test_install_where_vllm_runs_imports_nothing_without_vllm():
+    import sys
+
+    if "vllm" in sys.modules:
+        pytest.skip("vLLM is imported in this process")
+    assert prefix_cache_guard.install_where_vllm_runs() is False and "vllm" not in sys.modules

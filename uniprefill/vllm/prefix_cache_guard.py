@@ -1,0 +1,121 @@
+"""Prefix caching beside token dropping: a request that may drop never publishes its KV blocks.
+
+vLLM's prefix cache (on by default) registers a request's full KV blocks under the hash of the
+tokens they hold, at scheduling time, so a later request with the same prefix reads them instead of
+computing them. After a drop point a dropped request's blocks hold, in every later layer, only its
+KEPT tokens, compacted to the front: handed to another request as if they held every token, they
+would give that request wrong answers without any error. The scheduler decides what to publish
+before the forward that decides what to drop, so the guard is conservative: every request whose
+prompt has at least `effective_min_tokens` tokens (the worker's own lower bound for a drop,
+`uniprefill.vllm.metadata.drop_eligibility`) publishes none of its blocks, whether it drops or not;
+shorter requests publish as usual.
+
+Reading the cache is left as vLLM does it: a request that finds a cached prefix has context when its
+prefill runs, and the worker runs such a request unaccelerated (`SkipReason.HAS_CONTEXT`), so it reads
+blocks that only undropped requests published, and drops nothing itself.
+
+Where it hooks (read in vLLM 0.26.0's source): every publication goes through
+`KVCacheCoordinator.cache_blocks(request, num_tokens)` of the scheduler's `kv_cache_manager`
+(`KVCacheManager.allocate_slots` after each schedule, `cache_blocks` for KV received from elsewhere,
+the async scheduler after each output). `install(Scheduler)` wraps the scheduler class's `__init__`
+(idempotent, reversible with `uninstall`): a scheduler built with a config that drops and caches gets
+its coordinator's `cache_blocks` wrapped on that instance; any other scheduler is left as built. The
+plugin's `register()` installs it in every vLLM process, because the scheduler runs in the engine
+core's process, which never resolves the backend when the model runs in worker processes (tensor
+parallel).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .checks import _get, _settings
+
+logger = logging.getLogger("uniprefill.vllm")
+
+_MARK = "_uniprefill_prefix_cache_guard"
+
+
+@dataclass
+class PrefixCacheGuard:
+    """Withholds from the prefix cache the blocks of every request that may drop."""
+
+    min_tokens: int
+    withheld: int = 0  # calls that published nothing because the request may drop
+    published: int = 0  # calls passed on to vLLM
+
+    def may_drop(self, request: Any) -> bool:
+        return int(_get(request, "num_prompt_tokens", 0) or 0) >= self.min_tokens
+
+    def attach(self, scheduler: Any) -> None:
+        """Wrap `scheduler.kv_cache_manager.coordinator.cache_blocks` on this instance."""
+        coordinator = scheduler.kv_cache_manager.coordinator
+        original = coordinator.cache_blocks
+
+        @functools.wraps(original)
+        def cache_blocks(request, num_computed_tokens, *args, **kwargs):
+            if self.may_drop(request):
+                self.withheld += 1
+                return None
+            self.published += 1
+            return original(request, num_computed_tokens, *args, **kwargs)
+
+        coordinator.cache_blocks = cache_blocks
+        scheduler.uniprefill_prefix_cache_guard = self
+
+
+def guard_for(vllm_config: Any) -> PrefixCacheGuard | None:
+    """The guard an engine with this config needs: None unless it drops (`vllm_drop`) with prefix
+    caching on."""
+    if not _get(_get(vllm_config, "cache_config"), "enable_prefix_caching", False):
+        return None
+    settings = _settings(vllm_config)
+    if not settings.vllm_drop:
+        return None
+    return PrefixCacheGuard(min_tokens=settings.effective_min_tokens)
+
+
+def install(scheduler_cls) -> bool:
+    """Wrap `scheduler_cls.__init__` so that schedulers of dropping, caching engines get a guard.
+    Returns False when it was already installed."""
+    if getattr(scheduler_cls.__init__, _MARK, False):
+        return False
+    original = scheduler_cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        guard = guard_for(vllm_config)
+        if guard is not None and getattr(self, "kv_cache_manager", None) is not None:
+            guard.attach(self)
+            logger.info("uniprefill: prefix caching stays on; requests of at least %d prompt tokens may drop and "
+                        "publish no KV blocks to the prefix cache", guard.min_tokens)
+
+    setattr(__init__, _MARK, True)
+    __init__._uniprefill_original = original
+    scheduler_cls.__init__ = __init__
+    return True
+
+
+def uninstall(scheduler_cls) -> bool:
+    """Undo `install` (schedulers built before keep their guard). False when it was not installed."""
+    current = scheduler_cls.__init__
+    if not getattr(current, _MARK, False):
+        return False
+    scheduler_cls.__init__ = current._uniprefill_original
+    return True
+
+
+def install_where_vllm_runs() -> bool:
+    """`install` on vLLM's `Scheduler` in a process where vLLM is imported (the plugin's `register()`, which
+    vLLM calls once per process, before an engine core builds its scheduler: in the engine core's own
+    process, or earlier in the same process when the engine runs in-process); imports nothing without vLLM."""
+    if "vllm" not in sys.modules:
+        return False
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return install(Scheduler)
