@@ -8,7 +8,7 @@ needed: docs/vllm.md ("Switching it on"). Measured on an H200 (docs/benchmarks.m
 2.07-2.42x standard vLLM's prefill throughput on a Llama-3.1-8B shape at keep 0.3; slower than
 standard vLLM on a model as small as Gemma-3-270M. The same settings from the command line:
 
-    VLLM_USE_AOT_COMPILE=0 vllm serve MODEL --no-enable-prefix-caching \\
+    VLLM_USE_AOT_COMPILE=0 vllm serve MODEL \\
         --no-enable-chunked-prefill --max-num-batched-tokens 32768 -cc '{"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
         "inductor_compile_config": {"uniprefill": {"p": 0.95, "vllm_drop": true}}}'
 """
