@@ -16,7 +16,10 @@ state-space mixers through Python loops over the token axis:
 * `torch_chunk_gated_delta_rule` (Gated DeltaNet: Qwen3-Next, Qwen3.5, ...) and
   `chunk_kimi_delta_attention` (Kimi-Linear), loops over 64-token chunks;
 * `mamba_selective_scan` (Mamba, Falcon-Mamba, Jamba, Zamba), a per-token recurrence that
-  dynamo traces as torch's recursive associative scan or as a loop unrolled per token.
+  dynamo traces as torch's recursive associative scan or as a loop unrolled per token;
+* MiniMax's lightning attention, a loop over 256-token blocks written inline in
+  `MiniMaxLightningAttention.forward`: there the class's `forward` is rebound to a drop-in
+  (`lightning_ops`) that runs the method's own steps around `uniprefill::lightning_attention_blocks`.
 
 Dynamo unrolls such a loop for the traced prompt length, so the traced graph is only valid
 for that length (or number of chunks), and the layers after a drop point (which see fewer
@@ -42,6 +45,7 @@ import sys
 
 import torch
 
+from .lightning_ops import lightning_forward
 from .scan_ops import MARK as _MARK
 from .scan_ops import needs_grad, opaque_selective_scan, original_of
 
@@ -133,6 +137,17 @@ def _fallbacks(model: torch.nn.Module) -> list[tuple[str, object, str]]:
             for fallback in _FALLBACKS if getattr(sys.modules[name], fallback, None) is not None]
 
 
+# the same for a loop written inline in a method: (class name, method) -> its drop-in, given the original
+_METHOD_FALLBACKS = {("MiniMaxLightningAttention", "forward"): lightning_forward}
+
+
+def _method_fallbacks(model: torch.nn.Module) -> list[tuple[type, str]]:
+    """(class, method) of every module class `model` uses that has a method drop-in."""
+    classes = {type(module) for module in model.modules()}
+    return sorted(((cls, method) for cls in classes for name, method in _METHOD_FALLBACKS if cls.__name__ == name),
+                  key=lambda item: (item[0].__module__, item[0].__qualname__))
+
+
 def make_linear_attention_opaque(model: torch.nn.Module) -> list[str]:
     """Route the fallbacks of the modeling modules `model` uses through their ops; returns the
     modules changed by this call (none when they already were)."""
@@ -143,6 +158,11 @@ def make_linear_attention_opaque(model: torch.nn.Module) -> list[str]:
             continue
         setattr(py_module, fallback, _FALLBACKS[fallback](f"{name}.{fallback}", fn))
         patched.append(name)
+    for cls, method in _method_fallbacks(model):
+        fn = cls.__dict__.get(method)
+        if fn is not None and not hasattr(fn, _MARK):
+            setattr(cls, method, _METHOD_FALLBACKS[(cls.__name__, method)](fn))
+            patched.append(cls.__module__)
     return sorted(set(patched))
 
 
@@ -155,4 +175,9 @@ def restore_linear_attention(model: torch.nn.Module) -> list[str]:
         if hasattr(fn, _MARK):
             setattr(py_module, fallback, getattr(fn, _MARK))
             restored.append(name)
+    for cls, method in _method_fallbacks(model):
+        fn = cls.__dict__.get(method)
+        if fn is not None and hasattr(fn, _MARK):
+            setattr(cls, method, getattr(fn, _MARK))
+            restored.append(cls.__module__)
     return sorted(set(restored))

@@ -54,7 +54,8 @@ from .sink_attention import SinkAttentionCopy, canonicalize_sink_attention
 U = torch.ops.uniprefill
 # Ops that mix information along the token axis in ways that are right for one row of
 # packed tokens but would leak across rows when several rows are packed together.
-_ROW_MIXERS = ("conv1d", "conv2d", "cumsum", "cumprod", "matmul", "bmm", "einsum", "baddbmm", "delta_rule", "scan")
+_ROW_MIXERS = ("conv1d", "conv2d", "cumsum", "cumprod", "matmul", "bmm", "einsum", "baddbmm", "delta_rule", "scan",
+               "lightning_attention")
 _SAFE_MODULES = ("torch", "operator", "builtins", "math", "_operator", "transformers")
 
 
