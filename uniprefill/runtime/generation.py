@@ -155,7 +155,8 @@ class UniPrefillModel(torch.nn.Module):
         limits = torch._dynamo.config
         with limits.patch(recompile_limit=max(limits.recompile_limit, RECOMPILE_LIMIT),
                           accumulated_recompile_limit=max(limits.accumulated_recompile_limit,
-                                                          ACCUMULATED_RECOMPILE_LIMIT)):
+                                                          ACCUMULATED_RECOMPILE_LIMIT),
+                          capture_scalar_outputs=True):
             try:
                 out = self._compiled_forward(**kwargs)
             except torch._dynamo.exc.TorchDynamoException as exc:
