@@ -72,9 +72,9 @@ def _break_site(graph: fx.Graph) -> str:
     """' at file:line (code)': the call dynamo broke the graph at, read from the name of the
     function it resumes in (`torch_dynamo_resume_in_<function>_at_<line>`); '' when unknown."""
     for node in graph.nodes:
-        match = _RESUME.search(node.meta.get("stack_trace") or "")
-        if match:
-            path, function, line = match.group(1), match.group(2), int(match.group(3))
+        matches = _RESUME.findall(node.meta.get("stack_trace") or "")
+        if matches:  # outermost call first: the last is the function the break is in
+            path, function, line = matches[-1][0], matches[-1][1], int(matches[-1][2])
             code = linecache.getline(path, line).strip()
             short = path.split("site-packages/")[-1]
             return f" at {short}:{line} in {function}" + (f" (`{code}`)" if code else "")
