@@ -270,10 +270,11 @@ def compile(model: torch.nn.Module, config: UniPrefillConfig | None = None, **op
         raise ValueError("pass either a UniPrefillConfig or option keywords, not both")
     config = config or UniPrefillConfig.from_options(options)
     check_against_model(config, getattr(model, "config", None))
-    from .compat import make_linear_attention_opaque
+    from .compat import make_experts_opaque, make_linear_attention_opaque
     from .runtime.generation import UniPrefillModel, decode_unsupported
 
     make_linear_attention_opaque(model)
+    make_experts_opaque(model)
     why = decode_unsupported(model)
     backend = UniPrefillBackend(config, decodes_caches=not why, why_no_decode=why)
     return UniPrefillModel(model, backend)

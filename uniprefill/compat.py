@@ -10,6 +10,15 @@
    offers no registry for linear attention or state-space scans (as `AttentionInterface` is for
    softmax attention), so rebinding the name is the one place to intervene without per-model code.
 
+3. `make_experts_opaque(model)`: the experts classes of transformers' MoE interface
+   (`forward(hidden_states, top_k_index, top_k_weights)`) that lack its
+   `use_experts_implementation` decorator loop in Python over the experts a prompt hit, a loop
+   dynamo cannot trace; their forward is rebound to one that calls `uniprefill::routed_experts`
+   (`expert_ops`) for the modules of `model`, and the class's own forward for every other
+   instance. Idempotent and reversible (`restore_experts`). transformers offers
+   `ExpertsInterface` for decorated classes only, so rebinding the class's forward is again
+   the one place to intervene without per-model code.
+
 Without flash-linear-attention or mamba-ssm, transformers runs its linear-attention and
 state-space mixers through Python loops over the token axis:
 
@@ -45,6 +54,7 @@ import sys
 
 import torch
 
+from . import expert_ops
 from .lightning_ops import lightning_forward
 from .scan_ops import MARK as _MARK
 from .scan_ops import needs_grad, opaque_selective_scan, original_of
@@ -181,3 +191,48 @@ def restore_linear_attention(model: torch.nn.Module) -> list[str]:
             setattr(cls, method, getattr(fn, _MARK))
             restored.append(cls.__module__)
     return sorted(set(restored))
+
+
+_EXPERTS_SIGNATURE = ["self", "hidden_states", "top_k_index", "top_k_weights"]
+
+
+def _loop_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` whose class is a transformers experts class without
+    `use_experts_implementation` (its forward carries no `__wrapped__`), ours or not yet."""
+    found = []
+    for module in model.modules():
+        cls = type(module)
+        forward = expert_ops.original_forward(cls)
+        if not cls.__module__.startswith("transformers.") or hasattr(forward, "__wrapped__"):
+            continue
+        try:
+            if list(inspect.signature(forward).parameters) == _EXPERTS_SIGNATURE:
+                found.append(module)
+        except (TypeError, ValueError):
+            continue
+    return found
+
+
+def make_experts_opaque(model: torch.nn.Module) -> list[str]:
+    """Route the Python-loop experts modules of `model` through `uniprefill::routed_experts`;
+    returns the classes rebound by this call (none when they already were)."""
+    patched = set()
+    for module in _loop_experts(model):
+        expert_ops.register(module)
+        cls = type(module)
+        if not hasattr(cls.forward, _MARK):
+            cls.forward = expert_ops.opaque_experts(cls.forward)
+            patched.add(f"{cls.__module__}.{cls.__qualname__}")
+    return sorted(patched)
+
+
+def restore_experts(model: torch.nn.Module) -> list[str]:
+    """Undo `make_experts_opaque` for the experts classes `model` uses; returns those restored.
+    Graphs already compiled keep working (the op calls the class's original forward either way)."""
+    restored = set()
+    for module in _loop_experts(model):
+        cls = type(module)
+        if hasattr(cls.forward, _MARK):
+            cls.forward = getattr(cls.forward, _MARK)
+            restored.add(f"{cls.__module__}.{cls.__qualname__}")
+    return sorted(restored)

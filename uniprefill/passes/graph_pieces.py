@@ -1,8 +1,8 @@
 """Graphs that are not one whole decoder stack, and the words that say so.
 
 The rewrite needs the embedding (or `inputs_embeds`) and the decoder layers in one graph. A
-model that dynamo splits at graph breaks (CTRL stores a module attribute in `forward`, JetMoE's
-routers call `.tolist()` on routing counts) arrives as several graphs, some of which hold no
+model that dynamo splits at graph breaks (CTRL stores a module attribute in `forward`; Qwen4-Exp's
+QSA indexer calls `torch.nonzero` once per query in a Python loop) arrives as several graphs, some of which hold no
 decoder layer at all: the embedding and mask building, or the LM head. Such a piece has nothing
 to drop: `plan.NoDecoderLayers` tells the backend so, and it keeps a more telling reason (the
 graph that holds the layers) for the user. The other functions say, in words, why a graph that holds
@@ -11,6 +11,7 @@ layers does not start at the prompt's tokens or does not hold one stack of layer
 
 from __future__ import annotations
 
+import linecache
 import re
 
 import torch
@@ -27,9 +28,17 @@ def not_one_stack(graph: fx.Graph) -> tuple[str, bool] | None:
     sdpa = [n for n in graph.nodes if is_sdpa(n)]
     lists = sorted({_list_of(n) for n in sdpa} - {None})
     if len(lists) > 1:
-        names = ", ".join(re.sub(r"^L\['\w+'\](\[\d+\])?\.", "", name) for name in lists)  # from the model
+        names = [re.sub(r"^L\['\w+'\](\[\d+\])?\.", "", name) for name in lists]  # from the model
+        nested = {re.sub(r"\.\d+\.\w+$", "", name) for name in names}
+        if len(nested) == 1 and all(re.search(r"\.\d+\.\w+$", name) for name in names):
+            outer, inner = nested.pop(), names[0].rsplit(".", 1)[-1]
+            return (
+                f"the attention calls sit in a module list inside each entry of {outer} ({outer}.N.{inner}[0], "
+                f"{inner}[1], ...): several attention sublayers per decoder layer (LongCat-Flash runs two "
+                "attention-and-MLP steps in each) or stacks of stacks; the rewrite follows one stack of decoder "
+                "layers with one attention each", False)
         return (
-            f"the attention calls sit in {len(lists)} module lists ({names}), e.g. stacks run in cycles (a "
+            f"the attention calls sit in {len(lists)} module lists ({', '.join(names)}), e.g. stacks run in cycles (a "
             "hierarchical or looped model): the rewrite follows one stack of decoder layers, each run once", False)
     if sdpa or any(_list_of(n) for n in graph.nodes):
         return None
@@ -52,8 +61,24 @@ def why_no_tokens(graph: fx.Graph, container: str | None) -> str:
     first = min((i for i in (layer_index(n, container) for n in graph.nodes) if i is not None), default=None) \
         if container else None
     where = f"inside the decoder stack (layer {first})" if first is not None else "from hidden states"
-    return (f"this graph starts {where}, after a graph break, not at the embedding: the rewrite needs the "
-            f"embedding and the decoder layers in one graph ({_HINT})")
+    return (f"this graph starts {where}, after a graph break{_break_site(graph)}, not at the embedding: the "
+            f"rewrite needs the embedding and the decoder layers in one graph ({_HINT})")
+
+
+_RESUME = re.compile(r'File "([^"]+)", line \d+, in torch_dynamo_resume_in_(\w+?)_at_(\d+)')
+
+
+def _break_site(graph: fx.Graph) -> str:
+    """' at file:line (code)': the call dynamo broke the graph at, read from the name of the
+    function it resumes in (`torch_dynamo_resume_in_<function>_at_<line>`); '' when unknown."""
+    for node in graph.nodes:
+        matches = _RESUME.findall(node.meta.get("stack_trace") or "")
+        if matches:  # outermost call first: the last is the function the break is in
+            path, function, line = matches[-1][0], matches[-1][1], int(matches[-1][2])
+            code = linecache.getline(path, line).strip()
+            short = path.split("site-packages/")[-1]
+            return f" at {short}:{line} in {function}" + (f" (`{code}`)" if code else "")
+    return ""
 
 
 def _list_of(node: fx.Node) -> str | None:

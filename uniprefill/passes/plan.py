@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.node import map_aggregate
 
 from ..config import UniPrefillConfig
@@ -78,7 +79,7 @@ class RewritePlan:
     drop_layers: tuple
     residual_adds: dict  # drop layer -> the residual add after its attention
     reentry: dict  # "suspend" policy: residual stream entering a later drop layer -> that layer
-    sym_nodes: dict  # size symbol -> the placeholder that carries it
+    sym_nodes: dict  # size symbol -> the placeholder that carries it (unbacked: the node computing it)
 
 
 def plan_rewrite(gm: fx.GraphModule, config: UniPrefillConfig) -> RewritePlan:
@@ -167,10 +168,11 @@ class _Analysis:
         if self.config.policy == "suspend":
             for layer in self.drop_layers[1:]:
                 self.reentry[self._layer_input(layer)] = layer
-        sym_nodes = {
-            example_value(n).node.expr: n for n in graph.nodes
-            if n.op == "placeholder" and isinstance(example_value(n), torch.SymInt)
-        }
+        sym_nodes = {}  # a size symbol's placeholder, or the node computing an unbacked one (`.tolist()`)
+        for n in graph.nodes:
+            val = example_value(n)
+            if isinstance(val, torch.SymInt) and (n.op == "placeholder" or free_unbacked_symbols(val) == {val.node.expr}):
+                sym_nodes.setdefault(val.node.expr, n)
         return RewritePlan(self.tokens, self.axes, self.input_roles, frozenset(self.padding), self.input_checks,
                            self.container, self.layers, self.drop_layers, self.residual_adds, self.reentry, sym_nodes)
 

@@ -39,7 +39,10 @@ HISTORY_ATTRIBUTE = "uniprefill_drop_history"  # set on a cache filled by a drop
 # Every compiled model adds entries to dynamo's cache of the SAME code objects (transformers'
 # forward and its decorators), so the ninth model compiled in one process would pass dynamo's
 # default recompile_limit (8) and silently run eagerly. Prefill calls raise the limits to at
-# least these values, for the duration of the call only.
+# least these values, for the duration of the call only. They also trace `.item()` / `.tolist()`
+# as unbacked sizes (capture_scalar_outputs) instead of breaking the graph: MoE routers that read
+# their routing counts (JetMoE) then stay in the one graph with the embedding, and the rewrite
+# recomputes those counts from the kept tokens (passes/shape_exprs.py).
 RECOMPILE_LIMIT = 64
 ACCUMULATED_RECOMPILE_LIMIT = 1024
 
@@ -155,7 +158,8 @@ class UniPrefillModel(torch.nn.Module):
         limits = torch._dynamo.config
         with limits.patch(recompile_limit=max(limits.recompile_limit, RECOMPILE_LIMIT),
                           accumulated_recompile_limit=max(limits.accumulated_recompile_limit,
-                                                          ACCUMULATED_RECOMPILE_LIMIT)):
+                                                          ACCUMULATED_RECOMPILE_LIMIT),
+                          capture_scalar_outputs=True):
             try:
                 out = self._compiled_forward(**kwargs)
             except torch._dynamo.exc.TorchDynamoException as exc:
