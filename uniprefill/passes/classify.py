@@ -20,7 +20,9 @@ import torch
 import torch.fx as fx
 
 from ..models.layer_kinds import LayerKind
-from .fx_utils import ancestors, is_sdpa, layer_container, layer_index, layer_module_classes, target_name
+from .causal_table import TableRole, is_table_shaped
+from .fx_utils import (ancestors, example_value, is_sdpa, is_table_mask, layer_container, layer_index,
+                       layer_module_classes, target_name)
 from .mask_words import is_selection, unknown_mask_reason
 
 _COMPARISONS = {operator.le, operator.lt, operator.gt, operator.ge, torch.le, torch.lt, torch.gt, torch.ge}
@@ -28,7 +30,7 @@ _MASK_SAFE_NAMES = (
     "arange", "add", "sub", "le", "lt", "gt", "ge", "eq", "ne", "and_", "or_", "getitem",
     "expand", "to", "new_ones", "unsqueeze", "cumsum", "diff", "sym_size", "bool", "float",
     "view", "reshape", "ones", "full", "mul", "floordiv", "invert", "logical_and", "where",
-    "sym_max", "sym_min", "maximum", "minimum", "clamp",
+    "sym_max", "sym_min", "maximum", "minimum", "clamp", "zeros",
 )
 _MASK_SAFE = tuple(name.strip("_") for name in _MASK_SAFE_NAMES)
 BIDIRECTIONAL = "no mask and is_causal=False (bidirectional attention)"
@@ -83,10 +85,18 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
                 padding = node
             elif role is InputRole.CAUSAL_MASK:  # checked to be causal at run time (mask_inputs)
                 causal = True
+            elif isinstance(role, TableRole):  # a band of `role.window` keys, checked at run time (causal_table)
+                causal = True
+                if role.window:
+                    window = role.window if window == 0 else min(window, role.window)
             elif role is None and isinstance(node.meta.get("example_value"), torch.Tensor):
                 unknown_inputs.append(node)
             continue
         if node.op == "get_attr":
+            if is_table_shaped(example_value(node)):  # a table no run-time check sees (causal_table)
+                unknown_inputs.append(node)
+            continue
+        if is_table_mask(node):  # joins a table's slice to the model's mask (causal_table)
             continue
         name = target_name(node).rsplit(".", 1)[-1].strip("_")
         if node.op not in ("call_function", "call_method") or is_selection(node) or not any(
