@@ -47,6 +47,13 @@ nodes that build a bias inside a layer stay on all tokens (`_bias_nodes_on_all_t
 steps after a drop do not model a bias: these models compute attention themselves, and
 `runtime.generation.decode_unsupported` runs their cache-filling calls unaccelerated (and a decode
 step through the attention interface after such a prefill raises rather than drop the bias).
+
+GPT-Neo and OpenAI-GPT mask their logits with a slice of a causal table they hold as a buffer
+(`where(slice, logits, min)`, `logits * slice - 1e4 * (1 - slice)`), before adding their own mask:
+`causal_table` reads that step, and the site's mask becomes `uniprefill::table_mask(slice, mask)`,
+which `classify` reads as causal (or sliding: GPT-Neo's local layers) only while the table input is
+that band, checked on every call. OpenAI-GPT's keys arrive permuted to `[B, H, d, N]` and its logits
+divided by `sqrt(d)`: the site reads the keys' transpose (`k_transposed`) and the scale `1 / sqrt(d)`.
 """
 
 from __future__ import annotations
@@ -344,7 +351,9 @@ class SinkAttentionCopy:
         even after a drop (MPT slices its ALiBi table by the prompt length in each layer): the packed
         op reads the bias at the kept keys' original positions. Only a bias that does not read the
         prompt's content (its subgraph does not reach the token input) and whose nodes feed nothing
-        else; any other stays with the layer's layout (and is refused if it ends on kept tokens)."""
+        else; any other stays with the layer's layout (and is refused if it ends on kept tokens).
+        Likewise a `table_mask` and the slices it reads (`causal_table`): `[.., N, N]` masks that the
+        rewritten attention rebuilds from positions, left on all tokens like the model's own mask."""
         graph_inputs = {n for n in self.gm.graph.nodes if n.op in ("placeholder", "get_attr")}
         keep, tables = set(), set()
         for node in self.gm.graph.nodes:
