@@ -30,7 +30,7 @@ _MASK_SAFE_NAMES = (
     "arange", "add", "sub", "le", "lt", "gt", "ge", "eq", "ne", "and_", "or_", "getitem",
     "expand", "to", "new_ones", "unsqueeze", "cumsum", "diff", "sym_size", "bool", "float",
     "view", "reshape", "ones", "full", "mul", "floordiv", "invert", "logical_and", "where",
-    "sym_max", "sym_min", "maximum", "minimum", "clamp", "zeros",
+    "sym_max", "sym_min", "maximum", "minimum", "clamp",
 )
 _MASK_SAFE = tuple(name.strip("_") for name in _MASK_SAFE_NAMES)
 BIDIRECTIONAL = "no mask and is_causal=False (bidirectional attention)"
@@ -61,10 +61,10 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
     their `mask_inputs.InputRole` (any other tensor input makes the mask not understood)."""
     from .mask_inputs import InputRole
 
+    from .sink_attention import visible_of_additive
+
     mask = sdpa_mask_node(sdpa)
     if isinstance(mask, fx.Node):  # an eager model's additive mask is read through its boolean form
-        from .sink_attention import visible_of_additive
-
         mask = visible_of_additive(mask) or mask
     is_causal = bool(sdpa.kwargs.get("is_causal", sdpa.args[5] if len(sdpa.args) > 5 else False))
     if mask is None:
@@ -74,6 +74,9 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
     if not isinstance(mask, fx.Node):
         return MaskInfo(False, reason=f"constant attn_mask {type(mask).__name__}")
     nodes = ancestors(mask) | {mask}
+    if is_table_mask(mask):  # a table's slice joined to the model's mask (causal_table): that one read as above
+        parts = [visible_of_additive(a) or a for a in mask.args[:2] if isinstance(a, fx.Node)]
+        nodes = {mask}.union(*(ancestors(a) | {a} for a in parts))
     causal = False
     window = 0
     padding = None
