@@ -23,8 +23,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from .fx_utils import TokenAxes, ancestors, example_value
 from .causal_table import TableRole, evaluation_table
+from .fx_utils import TokenAxes, ancestors, example_value
 from .mask_inputs import InputRole, causal_view
 
 _LENGTHS = (37, 61)  # two prompt lengths, neither a power of two
