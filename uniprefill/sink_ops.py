@@ -26,6 +26,8 @@ Ops (each with a fake; `sink_attention_reference` is the one PyTorch implementat
   with sinks: causal, sliding-window and padding masks rebuilt from ORIGINAL positions, and the
   shared masks of `attention_ops.dense_mask` / `attention_ops.packed_masks`.
 * `decode_sink_attention`: `attention_ops.decode_attention` with sinks (decode steps after a drop).
+* `table_mask`: the additive mask of a site whose causal mask is sliced from a table the model holds
+  (GPT-Neo, OpenAI-GPT: `passes.causal_table`), joined to the model's own additive mask.
 
 The logits are built a block of query rows at a time, as the model builds all of them at once:
 the same arithmetic (matmul, scale, mask, concatenated sink, max subtracted, softmax, sink
@@ -224,3 +226,24 @@ def decode_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key
 @decode_sink_attention.register_fake
 def _(q, k, v, key_positions, query_position, window, scale, sinks, softcap=0.0, upcast=False):
     return _out_like(q, v)
+
+
+# --------------------------------------------------------------------------------------
+# a causal mask sliced from a table the model holds (`passes.causal_table`)
+# --------------------------------------------------------------------------------------
+@torch.library.custom_op(f"{LIB}::table_mask", mutates_args=())
+def table_mask(table: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of a site whose logits a table slice masks (GPT-Neo, OpenAI-GPT): `mask`
+    (the model's additive mask, e.g. padding; None: 0) where the slice is non-zero, the most negative
+    float of `dtype` elsewhere; broadcast to both shapes, in `mask`'s dtype when given."""
+    dtype = mask.dtype if mask is not None else dtype
+    visible = table != 0
+    shown = mask if mask is not None else torch.zeros((), dtype=dtype, device=table.device)
+    return torch.where(visible, shown, torch.finfo(dtype).min).to(dtype)
+
+
+@table_mask.register_fake
+def _(table, mask, dtype):
+    dtype = mask.dtype if mask is not None else dtype
+    shape = torch.broadcast_shapes(table.shape, mask.shape) if mask is not None else table.shape
+    return table.new_empty(shape, dtype=dtype)

@@ -20,7 +20,9 @@ import torch
 import torch.fx as fx
 
 from ..models.layer_kinds import LayerKind
-from .fx_utils import ancestors, is_sdpa, layer_container, layer_index, layer_module_classes, target_name
+from .causal_table import TableRole, is_table_shaped
+from .fx_utils import (ancestors, example_value, is_sdpa, is_table_mask, layer_container, layer_index,
+                       layer_module_classes, target_name)
 from .mask_words import is_selection, unknown_mask_reason
 
 _COMPARISONS = {operator.le, operator.lt, operator.gt, operator.ge, torch.le, torch.lt, torch.gt, torch.ge}
@@ -59,10 +61,10 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
     their `mask_inputs.InputRole` (any other tensor input makes the mask not understood)."""
     from .mask_inputs import InputRole
 
+    from .sink_attention import visible_of_additive
+
     mask = sdpa_mask_node(sdpa)
     if isinstance(mask, fx.Node):  # an eager model's additive mask is read through its boolean form
-        from .sink_attention import visible_of_additive
-
         mask = visible_of_additive(mask) or mask
     is_causal = bool(sdpa.kwargs.get("is_causal", sdpa.args[5] if len(sdpa.args) > 5 else False))
     if mask is None:
@@ -72,6 +74,9 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
     if not isinstance(mask, fx.Node):
         return MaskInfo(False, reason=f"constant attn_mask {type(mask).__name__}")
     nodes = ancestors(mask) | {mask}
+    if is_table_mask(mask):  # a table's slice joined to the model's mask (causal_table): that one read as above
+        parts = [visible_of_additive(a) or a for a in mask.args[:2] if isinstance(a, fx.Node)]
+        nodes = {mask}.union(*(ancestors(a) | {a} for a in parts))
     causal = False
     window = 0
     padding = None
@@ -83,10 +88,18 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
                 padding = node
             elif role is InputRole.CAUSAL_MASK:  # checked to be causal at run time (mask_inputs)
                 causal = True
+            elif isinstance(role, TableRole):  # a band of `role.window` keys, checked at run time (causal_table)
+                causal = True
+                if role.window:
+                    window = role.window if window == 0 else min(window, role.window)
             elif role is None and isinstance(node.meta.get("example_value"), torch.Tensor):
                 unknown_inputs.append(node)
             continue
         if node.op == "get_attr":
+            if is_table_shaped(example_value(node)):  # a table no run-time check sees (causal_table)
+                unknown_inputs.append(node)
+            continue
+        if is_table_mask(node):  # joins a table's slice to the model's mask (causal_table)
             continue
         name = target_name(node).rsplit(".", 1)[-1].strip("_")
         if node.op not in ("call_function", "call_method") or is_selection(node) or not any(

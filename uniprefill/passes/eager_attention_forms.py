@@ -202,8 +202,9 @@ def unmatched_eager_attention(graph: fx.Graph) -> str:
             v = example_value(n)
             if n.op in ("placeholder", "get_attr") and isinstance(v, torch.Tensor) and v.dim() >= 2 \
                     and not isinstance(v.shape[-1], torch.SymInt) and v.shape[-1] == v.shape[-2]:
-                forms.append(f"a causal mask sliced from a precomputed {list(v.shape)} matrix the model holds "
-                             "(a registered buffer, whose values the pass cannot prove causal)")
+                forms.append(f"a mask sliced from a precomputed {list(v.shape)} matrix the model holds (a registered "
+                             "buffer) and applied in a form not matched (matched: `where(slice, logits, min)` and "
+                             "`logits * slice - c * (1 - slice)`, passes/causal_table.py)")
             if is_call(n, "add") and any(_is_key_bias(a) for a in n.args):
                 forms.append("a per-key position bias (ALiBi) added to the logits in a form not matched (the "
                              "matched form is a baddbmm on a bias built before the layers, as Bloom's)")

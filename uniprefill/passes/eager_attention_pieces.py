@@ -124,26 +124,42 @@ def _scores_without_bias(scaled, chain):
 
     scaled, softcap = _without_softcap(scaled, chain)
     if is_call(scaled, "matmul"):  # no scale (GPT-Neo)
-        q, kt = scaled.args
-        if not (is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}):
+        product, scale, steps = scaled, 1.0, []
+    elif is_call(scaled, "mul") and len(scaled.args) == 2:
+        a, b = scaled.args
+        product, scale = (a, b) if is_call(a, "matmul") else (b, a)
+        if isinstance(example_value(scale), torch.Tensor) or isinstance(scale, (bool, str)):
             return None
-        chain += [scaled, kt]
-        return q, kt.args[0], 1.0, None, softcap, None
-    if not (is_call(scaled, "mul") and len(scaled.args) == 2):
+        steps = [scaled]
+    elif is_call(scaled, "truediv") and len(scaled.args) == 2 and not scaled.kwargs:  # w / sqrt(d) (OpenAI-GPT)
+        product, divisor = scaled.args
+        if not (isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and divisor > 0):
+            return None
+        scale, steps = 1.0 / divisor, [scaled]
+    else:
         batched = batched_scores(scaled, chain)
         if batched is None:
             return None
         q, k, scale, key_bias = batched
         return q, k, scale, None, softcap, key_bias
-    a, b = scaled.args
-    product, scale = (a, b) if is_call(a, "matmul") else (b, a)
-    if not is_call(product, "matmul") or isinstance(example_value(scale), torch.Tensor) or isinstance(scale, (bool, str)):
+    if not (is_call(product, "matmul") and len(product.args) == 2):
         return None
     q, kt = product.args
-    if not (is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}):
-        return None
-    chain += [scaled, product, kt]
-    return q, kt.args[0], scale, None, softcap, None
+    if is_call(kt, "transpose") and {_dim(kt, d) for d in kt.args[1:3]} == {2, 3}:
+        chain += steps + [product, kt]
+        return q, kt.args[0], scale, None, softcap, None
+    if keys_permuted(kt):  # read as they are; the site transposes them (`SinkSite.k_transposed`)
+        chain += steps + [product]
+        return q, kt, scale, None, softcap, None
+    return None
+
+
+def keys_permuted(node) -> bool:
+    """`x.permute(0, 2, 3, 1)` of `[B, N, H, d]` keys: `[B, H, d, N]`, the keys already transposed (OpenAI-GPT)."""
+    if not (is_call(node, "permute") and isinstance(node.args[0], fx.Node)):
+        return False
+    dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+    return tuple(dims) == (0, 2, 3, 1) and getattr(example_value(node), "dim", lambda: 0)() == 4
 
 
 def _without_softcap(node, chain):
@@ -194,8 +210,10 @@ def before_repeat(rep):
     return x, ([rep, grown, lifted] if single else [])
 
 
-def shapes_fit(q, k, v, sinks, out) -> bool:
+def shapes_fit(q, k, v, sinks, out, k_transposed: bool = False) -> bool:
     qv, kv, vv, ov = (example_value(n) for n in (q, k, v, out))
+    if k_transposed and isinstance(kv, torch.Tensor) and kv.dim() == 4:
+        kv = kv.transpose(2, 3)
     sv = example_value(sinks) if sinks is not None else None
     if not all(isinstance(t, torch.Tensor) for t in (qv, kv, vv, ov)):
         return False

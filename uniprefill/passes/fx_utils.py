@@ -33,6 +33,13 @@ def is_sink_attention(node: fx.Node) -> bool:
         target._schema.name == "uniprefill::sink_attention"  # noqa: SLF001
 
 
+def is_table_mask(node: fx.Node) -> bool:
+    """`uniprefill::table_mask`: a causal mask sliced from a table the model holds (`passes.causal_table`)."""
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and \
+        target._schema.name == "uniprefill::table_mask"  # noqa: SLF001
+
+
 def module_paths(node: fx.Node) -> list[tuple[str, type]]:
     """(path, class) of the modules `node` was traced in, outermost first."""
     stack = node.meta.get("nn_module_stack") or {}

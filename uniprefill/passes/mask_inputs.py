@@ -19,6 +19,9 @@ a symbol of its own):
   across a graph break (CTRL). Read as the causal mask; at run time it must be exactly that
   (boolean, or additive 0 / most negative), so a padded batch or any other mask runs the
   original graph.
+* `causal_table.TableRole(window)`: a `[1, 1, M, M]` table the model holds (a buffer, lifted to an
+  input) that the mask slices (GPT-Neo, OpenAI-GPT). Given only when the traced table is exactly a
+  causal band (window 0: plain causal); at run time it must still be that band (`causal_table`).
 
 A mask that reads any other tensor input is not understood and its layer is not
 rewritten (the reason names the input). Checks run before the rewritten graph; a failed
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .causal_table import TableRole, table_role
 from .fx_utils import TokenAxes, ancestors, example_value, target_name
 
 _DOCUMENT_OPS = ("diff", "cumsum")
@@ -109,6 +113,8 @@ def mask_input_roles(graph: fx.Graph, masks: list[fx.Node], axes: TokenAxes) -> 
             roles[node] = InputRole.CACHE_POSITION
         elif val.dim() == 4 and sizes[1] == 1 and sizes[2:] == [axes.seq, axes.seq] and sizes[0] in (axes.batch, 1):
             roles[node] = InputRole.CAUSAL_MASK
+        elif (table := table_role(node)) is not None:
+            roles[node] = table
         else:
             unknown[node] = f"the mask reads the input {node.name} of shape {list(val.shape)}, whose role is not understood"
     return roles, unknown
@@ -128,6 +134,11 @@ def failed_check(checks: tuple[InputCheck, ...], args, rows: int, seq: int, left
     """The reason the rewritten graph must not run on `args`, or None when every check passes."""
     for check in checks:
         value = args[check.index]
+        if isinstance(check.role, TableRole):
+            why = check.role.failed(value, check.name)
+            if why:
+                return why
+            continue
         if check.role in (InputRole.SAME_LENGTH, InputRole.SAME_ROWS):
             want = seq if check.role is InputRole.SAME_LENGTH else rows
             if not isinstance(value, torch.Tensor) or value.shape[check.dim] != want:

@@ -23,6 +23,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .causal_table import TableRole, evaluation_table
 from .fx_utils import TokenAxes, ancestors, example_value
 from .mask_inputs import InputRole, causal_view
 
@@ -91,6 +92,8 @@ def _make_input(node: fx.Node, role, bind: dict, n: int, tokens: fx.Node):
         for r in range(1, shape[0]):  # row r starts with 5 r pad tokens
             pad[r, : 5 * r] = 0
         return pad
+    if isinstance(role, TableRole):  # what the run-time check lets through
+        return evaluation_table(role, torch.empty(0, **kw))
     if role is InputRole.CAUSAL_MASK:  # what the run-time check lets through
         return causal_view(n, torch.empty(0, **kw)).expand(shape).contiguous()
     if role in (InputRole.DOCUMENT_POSITIONS, InputRole.CACHE_POSITION):

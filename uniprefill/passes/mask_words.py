@@ -9,6 +9,8 @@ mask is, from the same subgraph (never from the model's name):
   the kept tokens would attend a different set than in the plain model;
 * a mask computed from the layer's activations through learned weights (a per-key bias or a
   gate read from the hidden states): a data-dependent mask, not causal + padding;
+* a `[1, 1, M, M]` table the model holds (a registered buffer) that the mask slices, when its values
+  are not a causal band (`causal_table`), or when it is held as a graph attribute no check sees;
 * a tensor input of the graph that the mask reads whole (e.g. a `[B, 1, N, N]` mask built in an
   earlier graph, before a graph break): its meaning cannot be read from this graph.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from .causal_table import is_table_shaped
 from .fx_utils import example_value, is_sdpa, module_paths, target_name
 
 _SELECTION_OPS = ("topk", "sort", "argsort", "kthvalue")
@@ -48,6 +51,11 @@ def unknown_mask_reason(sdpa: fx.Node, nodes: set[fx.Node], unknown_ops: set[str
         how = " by a learned scorer (an indexer)" if activations else ""
         return ("sparse attention: the keys each query attends are chosen by top-k over data-dependent scores"
                 f"{how}; after a drop the kept tokens would compete for other keys than in the plain model")
+    tables = [n for n in unknown_inputs if is_table_shaped(example_value(n))]
+    if tables:
+        return (f"a causal mask sliced from a {_shape(tables[0])} table the model holds ({tables[0].name}, a "
+                "registered buffer) whose values are not a lower-triangular band of ones (causal, or causal with "
+                "a window), or which no per-call check sees (a graph attribute): what it masks is not modelled")
     if activations:
         return ("a data-dependent mask: it is computed from the layer's activations through learned weights "
                 "(e.g. a per-key bias or gate), not only from token positions and padding")

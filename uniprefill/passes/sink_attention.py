@@ -47,6 +47,13 @@ nodes that build a bias inside a layer stay on all tokens (`_bias_nodes_on_all_t
 steps after a drop do not model a bias: these models compute attention themselves, and
 `runtime.generation.decode_unsupported` runs their cache-filling calls unaccelerated (and a decode
 step through the attention interface after such a prefill raises rather than drop the bias).
+
+GPT-Neo and OpenAI-GPT mask their logits with a slice of a causal table they hold as a buffer
+(`where(slice, logits, min)`, `logits * slice - 1e4 * (1 - slice)`), before adding their own mask:
+`causal_table` reads that step, and the site's mask becomes `uniprefill::table_mask(slice, mask)`,
+which `classify` reads as causal (or sliding: GPT-Neo's local layers) only while the table input is
+that band, checked on every call. OpenAI-GPT's keys arrive permuted to `[B, H, d, N]` and its logits
+divided by `sqrt(d)`: the site reads the keys' transpose (`k_transposed`) and the scale `1 / sqrt(d)`.
 """
 
 from __future__ import annotations
@@ -57,12 +64,13 @@ import torch
 import torch.fx as fx
 
 from .. import sink_ops  # noqa: F401  (registers uniprefill::sink_attention)
+from .causal_table import table_masked
 from .eager_attention_pieces import (
-    arg_of, before_repeat, boolean_form, casts_to, dropout_off, drops_last_column, is_call, is_last_dim, scores_of,
-    shapes_fit, sinks_of, without_max, visible_of_additive,
+    arg_of, before_repeat, boolean_form, casts_to, dropout_off, drops_last_column, is_call, is_last_dim, keys_permuted,
+    scores_of, shapes_fit, sinks_of, without_max, visible_of_additive,
 )
 from .eager_attention_forms import bmm_output, is_head_view, through_head_views, without_clamp
-from .fx_utils import ancestors, example_value, is_sink_attention
+from .fx_utils import ancestors, example_value, is_sink_attention, is_table_mask
 from .graph_calls import keep_node
 
 __all__ = ["SinkAttentionCopy", "SinkSite", "canonicalize_sink_attention", "match_lse_sink_attention",
@@ -86,6 +94,8 @@ class SinkSite:
     logits: fx.Node | None = None  # the softmax's input before any sink column (scaled, capped, masked)
     key_bias: fx.Node | None = None  # a per-key bias added to the scaled logits (ALiBi), `sink_ops.key_bias_4d`
     bias_scale: object = 1.0  # float or a SymFloat node: the bias's factor (`baddbmm`'s beta)
+    k_transposed: bool = False  # `k` is `[B, H, d, N]` (OpenAI-GPT permutes its keys so): the op reads its transpose
+    table: fx.Node | None = None  # a causal mask sliced from a table the model holds (`causal_table`)
 
 
 def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int, int]:
@@ -102,7 +112,9 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
     for site in sites:
         old = env[site.output]
         mapped = lambda a: env[a] if isinstance(a, fx.Node) else a  # noqa: E731
-        kwargs = {"attn_mask": mapped(site.mask), "dropout_p": 0.0, "is_causal": False, "scale": mapped(site.scale),
+        with graph.inserting_before(old):
+            k, mask = _keys_and_mask(graph, site, env)
+        kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False, "scale": mapped(site.scale),
                   "enable_gqa": example_value(site.k).shape[1] != example_value(site.q).shape[1]}
         if site.sinks is not None or site.softcap is not None or site.upcast or site.key_bias is not None:
             # the op computes what the eager code computes; SDPA would take the softmax in its own precision
@@ -117,7 +129,7 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
         else:  # plain eager attention: an SDPA call computes the same
             op = torch.nn.functional.scaled_dot_product_attention
         with graph.inserting_before(old):
-            node = graph.call_function(op, (env[site.q], env[site.k], env[site.v]), kwargs)
+            node = graph.call_function(op, (env[site.q], k, env[site.v]), kwargs)
         node.meta = dict(old.meta)
         old.replace_all_uses_with(node)
         for dead in site.internal:  # output first: each has no users left once the ones after it are gone
@@ -246,16 +258,22 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
             return None
     else:
         logits = without_clamp(without_max(combined, chain), chain)
-    scores = scores_of(logits, chain)
+    tabled = table_masked(logits, chain) if sinks is None else None  # a causal mask sliced from a table
+    scores = scores_of(tabled.scores if tabled else logits, chain)
     if scores is None:
         return None
     q, k_rep, scale, mask, softcap, key_bias = scores
-    (k, k_nodes), (v, v_nodes) = before_repeat(k_rep), before_repeat(v_rep)
+    if tabled is not None:
+        if mask is not None:
+            return None
+        mask = tabled.mask
+    k_transposed = keys_permuted(k_rep)
+    (k, k_nodes), (v, v_nodes) = (k_rep, []) if k_transposed else before_repeat(k_rep), before_repeat(v_rep)
     if k is None or v is None:
         return None
     if example_value(k).shape[1] != example_value(v).shape[1]:  # one of them read after its repeat only
         (k, k_nodes), (v, v_nodes) = (k_rep, []), (v_rep, [])
-    if not shapes_fit(q, k, v, sinks, node):
+    if not shapes_fit(q, k, v, sinks, node, k_transposed):
         return None
     chain += k_nodes + v_nodes
     inside = set(chain) | set(readers)
@@ -267,7 +285,25 @@ def match_sink_attention(node: fx.Node, readers: frozenset | set = frozenset()) 
         # weights, as in the eager code (a boolean mask would give NaN there, and 0 * NaN leaks)
         mask = boolean_form(mask, logits, scores_dtype=example_value(logits).dtype)
     bias, beta = key_bias if key_bias is not None else (None, 1.0)
-    return SinkSite(q, k, v, mask, scale, sinks, node, tuple(chain), softcap, upcast, logits, bias, beta)
+    return SinkSite(q, k, v, mask, scale, sinks, node, tuple(chain), softcap, upcast, logits, bias, beta,
+                    k_transposed, tabled.table if tabled else None)
+
+
+def _keys_and_mask(graph: fx.Graph, site: SinkSite, env: dict) -> tuple:
+    """The site's keys `[B, H, N, d]` and mask in the copy: keys permuted to `[B, H, d, N]` transposed
+    back, and a mask sliced from a table joined to the model's own as `uniprefill::table_mask`."""
+    k = env[site.k]
+    if site.k_transposed:
+        k = graph.call_function(torch.ops.aten.transpose.int, (k, 2, 3))
+        k.meta = {**site.k.meta, "example_value": example_value(site.k).transpose(2, 3)}
+    mask = env[site.mask] if isinstance(site.mask, fx.Node) else site.mask
+    if site.table is not None:
+        dtype = example_value(site.logits if mask is None else site.mask).dtype
+        fake = torch.ops.uniprefill.table_mask(example_value(site.table),
+                                               None if mask is None else example_value(site.mask), dtype)
+        mask = graph.call_function(torch.ops.uniprefill.table_mask.default, (env[site.table], mask, dtype))
+        mask.meta = {**site.table.meta, "example_value": fake}
+    return k, mask
 
 
 # ------------------------------------------------------------------ the copy (token_drop.TokenDropPass)
@@ -315,13 +351,19 @@ class SinkAttentionCopy:
         even after a drop (MPT slices its ALiBi table by the prompt length in each layer): the packed
         op reads the bias at the kept keys' original positions. Only a bias that does not read the
         prompt's content (its subgraph does not reach the token input) and whose nodes feed nothing
-        else; any other stays with the layer's layout (and is refused if it ends on kept tokens)."""
+        else; any other stays with the layer's layout (and is refused if it ends on kept tokens).
+        Likewise a `table_mask` and the slices it reads (`causal_table`): `[.., N, N]` masks that the
+        rewritten attention rebuilds from positions, left on all tokens like the model's own mask."""
         graph_inputs = {n for n in self.gm.graph.nodes if n.op in ("placeholder", "get_attr")}
-        keep = set()
+        keep, tables = set(), set()
         for node in self.gm.graph.nodes:
             bias = node.kwargs.get("key_bias") if is_sink_attention(node) else None
             if isinstance(bias, fx.Node) and self.plan.tokens not in ancestors(bias):
                 keep |= (ancestors(bias) | {bias}) - graph_inputs
+            # a mask joined to a table's slice (`causal_table`): `[.., N, N]`, read by the site's attention only
+            # where its mask was not understood; on all tokens it computes what it computes in the plain model
+            if is_table_mask(node) and self.plan.tokens not in ancestors(node):
+                tables |= (ancestors(node) | {node}) - graph_inputs
         if any(u not in keep and not is_sink_attention(u) for n in keep for u in n.users):
-            return set()  # a node of a bias feeds something else: all keep the layers' layouts
-        return keep
+            return tables  # a node of a bias feeds something else: all keep the layers' layouts
+        return keep | tables

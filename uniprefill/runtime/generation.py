@@ -339,8 +339,11 @@ def decode_unsupported(model) -> str:
         return ("the model has chunked local-attention layers, whose decode steps see only their own chunk, which "
                 "decode after a drop does not model: a call that fills a cache runs unaccelerated "
                 "(use_cache=False prefills are accelerated)")
-    attention = [m for m in model.modules() if hasattr(m, "layer_idx") and "Attention" in type(m).__name__]
-    shared = next((m for m in attention if not isinstance(m.layer_idx, int)), None)
+    from ..passes.causal_table import is_table_shaped
+
+    attention = [m for m in model.modules() if "Attention" in type(m).__name__ and (hasattr(m, "layer_idx") or any(
+        is_table_shaped(b) for b in m.buffers(recurse=False)))]  # GPT-Neo's hold a mask table and no layer_idx
+    shared = next((m for m in attention if not isinstance(getattr(m, "layer_idx", 0), int)), None)
     if shared is not None:  # one attention module serving several layers (Zamba's shared block)
         return (f"{type(shared).__name__} has no layer index of its own (layer_idx={shared.layer_idx!r}: one module "
                 "serves several layers), so a decode step cannot tell which layer's kept tokens its cache holds: a "

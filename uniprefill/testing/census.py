@@ -347,8 +347,10 @@ def table(rows: list[CensusRow], versions: str) -> str:
              "plain eager attention (a max subtracted or not, also in the batched-matmul form of XGLM, TrOCR and "
              "GPT-NeoX-Japanese: `passes/eager_attention_forms.py`) becomes an SDPA call; ALiBi (Bloom's "
              "`baddbmm` bias, MPT's table sliced in each layer) is a per-key bias the sink ops read at the kept "
-             "keys' original positions. Other eager forms (a causal mask sliced from a buffer the model registers: "
-             "GPT-Neo, OpenAI-GPT) are not matched, and the reason names the form. Several "
+             "keys' original positions; a causal mask sliced from a table the model registers as a buffer (GPT-Neo, "
+             "OpenAI-GPT: `passes/causal_table.py`) is read as causal, or as a sliding window (GPT-Neo's local "
+             "layers), only while the table is exactly that band, checked on every call. Other eager forms are not "
+             "matched, and the reason names the form. Several "
              "attention calls in one layer that share the queries, mask and scale (DiffLlama's differential "
              "attention) make one drop point scored with the first call.", "",
              "| model type | result | layer kinds | full attention | generation (p = 1) | retention at keep 0.5 "
