@@ -38,8 +38,9 @@ _TINY_INKLING = dict(
 def _inkling(model_type: str):
     default = AutoConfig.for_model(model_type)
     fields = set(inspect.signature(type(default).__init__).parameters) | set(vars(default))
+    config = type(default)(**{k: v for k, v in _TINY_INKLING.items() if k in fields})
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(type(default)(**{k: v for k, v in _TINY_INKLING.items() if k in fields})).eval()
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def _refusal(model):
@@ -80,5 +81,6 @@ def test_bert_generation_without_is_decoder_keeps_the_bidirectional_reason():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
     reason, _ = _refusal(model)
-    assert reason.startswith("graph not rewritten: not a causal decoder: every attention layer is bidirectional"), reason
+    assert reason.startswith("graph not rewritten: not a causal decoder: every attention layer is bidirectional"), \
+        reason
     assert WITHIN_TOKEN not in reason
