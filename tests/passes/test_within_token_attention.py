@@ -65,10 +65,11 @@ def test_inkling2_is_refused_for_its_unmatched_eager_attention_not_as_bidirectio
     assert reason.kind is Kind.GRAPH_NOT_FOLLOWED
     assert reason.startswith("graph not rewritten: no full-attention layer in this graph: eager attention (softmax "
                              "over the N x N logits and a sink column"), reason
-    # what enforces causality, then what the rewrite does not model
-    assert "masked by an additive mask where(visible, 0, min)" in reason
-    assert "a relative-position bias gathered at query-key distances" in reason
-    assert "a sink column computed in the graph (one logit per query" in reason
+    # what the rewrite does not model, then what enforces causality
+    assert "not matched: a relative-position bias gathered at query-key distances, computed from the activations" \
+        in reason
+    assert "; sinks computed per query from the activations" in reason
+    assert "; masked by an additive mask where(visible, 0, min), a form the rewrite reads (layers: " in reason
     # the block attention residuals: maskless SDPA calls within each token, named as such
     assert f"(layers: 0: other ({WITHIN_TOKEN}); 1: other ({WITHIN_TOKEN});" in reason
     assert not any(report.rewritten for report in reports)

@@ -31,7 +31,7 @@ __all__ = ["unmatched_eager_attention"]
 
 _PRODUCTS = ("matmul", "bmm", "baddbmm")
 _CASTS = ("float", "to", "type_as")
-_MASK = "masked by an additive mask where(visible, 0, min) (a form the rewrite reads)"
+_MASK = "masked by an additive mask where(visible, 0, min), a form the rewrite reads"
 
 
 def unmatched_eager_attention(graph: fx.Graph) -> str:
@@ -48,10 +48,9 @@ def unmatched_eager_attention(graph: fx.Graph) -> str:
             continue
         forms = _added_terms(logits)
         if column is not None:
-            forms.append("a sink column computed in the graph (one logit per query, e.g. from the hidden states) "
-                         "where the matched form is one learned logit per head" if sinks_of(column, []) is None
-                         else "learned per-head sinks")
-        forms = sorted(set(forms), key=lambda form: (not form.startswith(_MASK), form))  # the mask first
+            forms.append("sinks computed per query from the activations (the matched form is one learned logit "
+                         "per head)" if sinks_of(column, []) is None else "learned per-head sinks")
+        forms = sorted(set(forms), key=lambda form: (form == _MASK, form))  # what the rewrite does not model first
         what = "; ".join(forms) or "the logits are built with ops no pattern reads"
         shape = "the N x N logits and a sink column" if column is not None else "the N x N logits"
         return f"eager attention (softmax over {shape}, {node.name}) not matched: {what}"
@@ -119,9 +118,9 @@ def _term_form(term: fx.Node) -> list[str]:
         return [_MASK]
     if _square(term) and v.dtype.is_floating_point:
         gathered = any(is_call(a, "gather") for a in ancestors(term) | {term})
-        what = "a relative-position bias gathered at query-key distances" if gathered else "a bias"
-        return [f"{what}, one value per query and key computed from the activations (not a mask: the rewrite "
-                "would have to rebuild it from the kept tokens' original positions, which it does not model)"]
+        what = "a relative-position bias gathered at query-key distances" if gathered else "a bias per query and key"
+        return [f"{what}, computed from the activations (the rewrite does not rebuild it at the kept tokens' "
+                "original positions)"]
     return []
 
 
