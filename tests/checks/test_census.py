@@ -19,6 +19,7 @@ from uniprefill.testing.census_attention import accelerated_share, full_attentio
     ("mixtral", "accelerated"),  # no sliding window by default: the tiny config keeps full attention
     ("deepseek_v3", "accelerated"),  # MLA (head_dim = the rotary part of a head), group-limited routing
     ("bloom", "accelerated"),  # eager attention with ALiBi (a per-key bias); its attention bypasses the interface
+    ("bert-generation", "accelerated"),  # a causal LM with is_decoder=True (_FAMILY), its warning's advice
     # eager attention whose causal mask is sliced from a registered buffer, checked to be a causal band on every
     # call (local layers: a window of 256 keys); its attention bypasses the interface: generation unaccelerated
     ("gpt_neo", "accelerated"),
@@ -36,6 +37,7 @@ def test_census_rows(model_type, status):
         assert row.full_attention is True and row.full_attention_basis == "graph", row
     if model_type == "gpt_neo":
         assert row.layer_kinds == "full sliding", row  # global layers, and local ones read from the table's band
+    assert row.causal is (None if status == "skipped" else True), row  # the probe runs on every run row
     assert f"| {model_type} | {status} |" in table([row], "test")
 
 
@@ -54,7 +56,46 @@ def test_accelerated_share_counts_types_with_full_attention_only():
     text = table(rows, "test")
     assert "Accelerated share: 2 of 5 (40%)" in text and "2 run rows without one" in text
     assert "| f | unaccelerated |  | no: no attention layer (Mamba selective scan) |" in text
-    assert "| a | accelerated |  | yes (graph) |" in text and "| d | error |  | ? |" in text
+    assert "| a | accelerated |  | yes (graph) | ? |" in text and "| d | error |  | ? |" in text
+    assert "| h | skipped |  |  |  |" in text
+
+
+def test_accelerated_share_leaves_out_types_that_are_not_causal():
+    rows = [CensusRow("a", "accelerated", full_attention=True, full_attention_basis="graph", causal=True),
+            CensusRow("b", "unaccelerated", "eager attention", full_attention=True, causal=True),
+            CensusRow("c", "unaccelerated", "bidirectional", full_attention=True, causal=False),
+            CensusRow("d", "unaccelerated", "unknown", full_attention=True, causal=None),  # not measured: counted
+            CensusRow("e", "unaccelerated", "a scan", full_attention=False, causal=False),  # counted once, as no-full
+            CensusRow("f", "skipped", "encoder-decoder model", causal=False)]  # skipped rows never count
+    assert accelerated_share(rows) == (1, 3)
+    text = table(rows, "test")
+    assert "Accelerated share: 1 of 3 (33%)" in text
+    assert "1 run rows without one" in text and "1 run rows that are not causal decoders" in text
+    assert "| c | unaccelerated |  | yes (config) | no: earlier logits change with later tokens |" in text
+    assert "| a | accelerated |  | yes (graph) | yes |" in text
+
+
+def test_causality_probe():
+    """The probe on plain models: a causal decoder, and the same family built as a bidirectional encoder."""
+    import torch
+
+    from uniprefill.testing.census import _close, tiny_config
+    from uniprefill.testing.census_causal import causal_probe
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(1))
+    found = {}
+    for is_decoder in (True, False):  # BertGeneration: causal only as a decoder
+        config = tiny_config("bert-generation")
+        config.is_decoder = is_decoder
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            plain = model(input_ids=ids, use_cache=False).logits
+        found[is_decoder] = causal_probe(model, ids, plain, 3, 128, _close)
+    assert found == {True: True, False: False}
+    with pytest.raises(ValueError, match="two token ids"):
+        causal_probe(model, ids, plain, 3, 4, _close)
 
 
 @pytest.mark.parametrize("model_type, expected", [

@@ -4,7 +4,10 @@ Every `scaled_dot_product_attention` node is grouped by the decoder layer it was
 in (from `nn_module_stack`, the module list that holds the attention modules). Its mask
 argument is read structurally: the subgraph that builds the mask may only compare token
 indices (`kv <= q` makes it causal, `kv > q - W` adds a sliding window of W tokens) and
-look up the 2-D padding mask. Anything else makes the site "other" and it is left alone.
+look up the 2-D padding mask. Anything else makes the site "other" and it is left alone. An SDPA
+call whose queries and keys have a constant length, the tokens on another axis, attends within
+each token (Inkling2's block attention residual, over layer blocks): it is "other" with the reason
+`WITHIN_TOKEN`, never "bidirectional", since it says nothing of how tokens see one another.
 Layers without SDPA are "linear" when they hold a recurrent or convolutional token mixer
 (conv1d, cumulative ops, or modules named like DeltaNet / Mamba / SSM / Conv), else
 "other". No per-model table is involved; `config.layer_types` is only used by tests to
@@ -34,6 +37,7 @@ _MASK_SAFE_NAMES = (
 )
 _MASK_SAFE = tuple(name.strip("_") for name in _MASK_SAFE_NAMES)
 BIDIRECTIONAL = "no mask and is_causal=False (bidirectional attention)"
+WITHIN_TOKEN = "attention within each token over a fixed-size axis (e.g. over layer blocks), not over the tokens"
 _LINEAR_HINTS = ("deltanet", "mamba", "ssm", "conv", "linearattention", "rwkv", "gla", "retention", "lightning")
 
 
@@ -63,6 +67,8 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
 
     from .sink_attention import visible_of_additive
 
+    if attends_within_token(sdpa):
+        return MaskInfo(False, reason=WITHIN_TOKEN)
     mask = sdpa_mask_node(sdpa)
     if isinstance(mask, fx.Node):  # an eager model's additive mask is read through its boolean form
         mask = visible_of_additive(mask) or mask
@@ -116,6 +122,18 @@ def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
     if not causal:
         return MaskInfo(False, reason="mask has no causal comparison")
     return MaskInfo(True, causal=True, window=window, padding=padding)
+
+
+def attends_within_token(sdpa: fx.Node) -> bool:
+    """Whether an attention call mixes no tokens: its query and key lengths are constants while the
+    token length (a symbolic size) sits on another axis of the queries. Inkling2's block attention
+    residual is one: each token attends over the outputs of earlier layer blocks. Without a mask it
+    is not bidirectional over the tokens; it is not attention over the tokens at all."""
+    q, k = (example_value(a) if isinstance(a, fx.Node) else None for a in sdpa.args[:2])
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() >= 3 and k.dim() >= 3):
+        return False
+    fixed = not isinstance(q.shape[-2], torch.SymInt) and not isinstance(k.shape[-2], torch.SymInt)
+    return fixed and any(isinstance(d, torch.SymInt) for d in q.shape[:-2])
 
 
 def sdpa_mask_node(sdpa: fx.Node):

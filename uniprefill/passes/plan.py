@@ -24,7 +24,7 @@ from torch.fx.node import map_aggregate
 from ..config import UniPrefillConfig
 from ..models.layer_kinds import LayerKind
 from ..unaccelerated import Kind
-from .classify import BIDIRECTIONAL, MaskInfo, _container_without_sdpa, classify_layers, sdpa_mask_node
+from .classify import BIDIRECTIONAL, WITHIN_TOKEN, MaskInfo, _container_without_sdpa, classify_layers, sdpa_mask_node
 from .drop_points import resolve_drop_layers
 from .fx_utils import (TokenAxes, ancestors, example_value, is_sdpa, layer_container, layer_index, target_name,
                        through_same_shape_views)
@@ -136,25 +136,31 @@ class _Analysis:
         if present != list(range(present[-1] + 1)):
             raise RewriteSkipped(f"graph break inside the decoder stack: this graph holds layers {present}")
         full = [i for i, info in self.layers.items() if info.kind is LayerKind.FULL]
-        if not full and all(m.reason == BIDIRECTIONAL for info in self.layers.values() for m in info.masks) \
-                and any(info.sdpa for info in self.layers.values()):
+        # attention calls over the tokens; one within each token (WITHIN_TOKEN) mixes none and says nothing of
+        # the model's causality: a layer holding only such calls is read as one without an attention site
+        over_tokens = {i: info for i, info in self.layers.items() if any(m.reason != WITHIN_TOKEN for m in info.masks)}
+        if not full and over_tokens and all(m.reason == BIDIRECTIONAL for info in over_tokens.values()
+                                            for m in info.masks if m.reason != WITHIN_TOKEN):
             raise RewriteSkipped("not a causal decoder: every attention layer is bidirectional (no mask and "
                                  "is_causal=False), so each token sees later tokens; token dropping applies to causal "
                                  "prefill only (an encoder built as a decoder, e.g. BERT, is causal with is_decoder=True)")
         if not full:
             kinds = "; ".join(f"{i}: {info.kind} ({info.detail})" for i, info in list(self.layers.items())[:4])
-            details = {info.detail for info in self.layers.values() if info.sdpa}
-            if len(details) == 1 and all(info.kind is LayerKind.OTHER for info in self.layers.values() if info.sdpa):
+            details = {info.detail for info in over_tokens.values()}
+            if len(details) == 1 and all(info.kind is LayerKind.OTHER for info in over_tokens.values()):
                 raise RewriteSkipped(f"no full-attention layer the rewrite can follow: in every attention layer, "
                                      f"{details.pop()}")
-            if any(info.sdpa for info in self.layers.values()):
+            if over_tokens:
                 raise RewriteSkipped(f"no full-attention layer in this graph: its attention layers are sliding-window "
                                      f"or use masks the rewrite does not model (layers: {kinds})")
-            from .eager_attention_forms import unmatched_eager_attention
+            from .eager_attention_words import unmatched_eager_attention
 
             eager = unmatched_eager_attention(graph)
             if eager:  # attention written out by hand (transformers has no SDPA path for it)
                 raise RewriteSkipped(f"no full-attention layer in this graph: {eager} (layers: {kinds})")
+            if any(info.sdpa for info in self.layers.values()):
+                raise RewriteSkipped(f"no attention over the tokens in this graph: every attention call is "
+                                     f"{WITHIN_TOKEN} (layers: {kinds})")
             if all(info.kind is LayerKind.LINEAR for info in self.layers.values()):
                 raise RewriteSkipped("an attention-free model: every layer is a recurrent or convolutional token mixer "
                                      "(no attention to score tokens with, so no layer to drop at)")

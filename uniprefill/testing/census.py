@@ -10,12 +10,15 @@ in `_FAMILY` (none in the pass), and then:
 (b) p = 1 greedy generation equals the plain model's;
 (c) forced retention (`keep_ratio=0.5` at every full-attention layer) drops tokens (the drop
     report says so) and gives finite logits;
-(e) the prompt (300 tokens) is longer than the chunk of every PyTorch fallback we know (64).
+(e) the prompt (300 tokens) is longer than the chunk of every PyTorch fallback we know (64);
+(f) the causality probe (`census_causal.py`): the plain model's logits before the middle of the prompt
+    must not change when every later token does, or the type is not a causal decoder.
 
 Each type ends as `accelerated`, `unaccelerated` (with the backend's reason), `mismatch`,
 `error` or `skipped` (not a decoder-only text model, or no tiny config could be built, with
 the reason). Each run row also says whether the type has a full-attention layer
-(`census_attention.py`); the table states the accelerated share among those that have one.
+(`census_attention.py`) and whether it is causal (f); the table states the accelerated share among the
+causal types that have one.
 `uniprefill census` runs it and writes the table (`docs/architectures.md`).
 """
 
@@ -31,6 +34,7 @@ import torch
 
 from ..unaccelerated import Kind, kind_of
 from .census_attention import full_attention, share_line
+from .census_causal import causal_cell, causal_probe
 
 SETTINGS = dict(sink=16, last_q=16, block_size=16)
 _WINDOW = 24  # a sliding window shorter than the prompt, set only where the default config has one
@@ -70,6 +74,7 @@ class CensusRow:
     checks: dict = field(default_factory=dict)
     full_attention: bool | None = None  # has a full-attention layer (census_attention.py); None: not run
     full_attention_basis: str = ""  # the evidence: "graph", "config (...)", or why there is none
+    causal: bool | None = None  # earlier outputs independent of later tokens (census_causal.py); None: not run
 
 
 def causal_lm_types() -> list[str]:
@@ -127,6 +132,9 @@ _FAMILY = {
                                      indexer_budget=64, indexer_compress_ratio=4)),
     # the config validator allows one expert per token only
     "zaya": dict(tiny=dict(num_experts_per_tok=1)),
+    # BertGenerationDecoder is a causal LM only with is_decoder=True (its default config builds a bidirectional
+    # encoder, and transformers warns standalone users to set it)
+    "bert-generation": dict(tiny=dict(is_decoder=True)),
 }
 
 
@@ -262,8 +270,9 @@ def census_one(model_type: str) -> CensusRow:
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model(input_ids=ids[:1], use_cache=False)
+            plain = model(input_ids=ids[:1], use_cache=False).logits
             model(input_ids=ids, attention_mask=mask, use_cache=False)
+            row.causal = causal_probe(model, ids[:1], plain, 3, min(vocab, 128), _close)
     except Exception as exc:  # noqa: BLE001  (the shrinker's config, not the backend: the plain model fails)
         row.status = "skipped"
         row.reason = f"the tiny config does not run in the plain model: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -353,13 +362,13 @@ def table(rows: list[CensusRow], versions: str) -> str:
              "matched, and the reason names the form. Several "
              "attention calls in one layer that share the queries, mask and scale (DiffLlama's differential "
              "attention) make one drop point scored with the first call.", "",
-             "| model type | result | layer kinds | full attention | generation (p = 1) | retention at keep 0.5 "
-             "| reason | s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model type | result | layer kinds | full attention | causal | generation (p = 1) "
+             "| retention at keep 0.5 | reason | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         reason = r.reason.replace("|", "/").replace("\n", " ")[:220]
-        lines.append(f"| {r.model_type} | {r.status} | {r.layer_kinds} | {_full_cell(r)} | {r.generation} | {r.dropped} "
-                     f"| {reason} | {r.seconds} |")
+        lines.append(f"| {r.model_type} | {r.status} | {r.layer_kinds} | {_full_cell(r)} | {causal_cell(r.causal, r.status)} "
+                     f"| {r.generation} | {r.dropped} | {reason} | {r.seconds} |")
     return "\n".join(lines) + "\n"
 
 

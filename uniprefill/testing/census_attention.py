@@ -1,5 +1,8 @@
 """Which census rows have a full-attention layer, and the accelerated share among them.
 
+The share counts causal decoders only: a run row whose plain model fails the causality probe
+(`census_causal.py`: earlier outputs change with later tokens) is outside the denominator too.
+
 The issue's target is a share of the decoder-only types "with at least one full-attention layer":
 a type without one (a state-space or recurrent model with no attention, or a config whose every
 attention layer is sliding-window) has nothing for the method to score, so it is outside the
@@ -78,9 +81,11 @@ def full_attention(model_type: str, config, layer_kinds: str = "") -> tuple[bool
 
 
 def accelerated_share(rows) -> tuple[int, int]:
-    """(accelerated, denominator): rows whose status is accelerated, unaccelerated, error or mismatch and
-    whose type has a full-attention layer (unknown counts in, so the share is never overstated)."""
-    counted = [r for r in rows if r.status in IN_SHARE and r.full_attention is not False]
+    """(accelerated, denominator): rows whose status is accelerated, unaccelerated, error or mismatch,
+    whose type has a full-attention layer and is a causal decoder (unknown counts in, for either, so the
+    share is never overstated)."""
+    counted = [r for r in rows if r.status in IN_SHARE and r.full_attention is not False
+               and r.causal is not False]
     return sum(r.status == "accelerated" for r in counted), len(counted)
 
 
@@ -88,6 +93,10 @@ def share_line(rows) -> str:
     accelerated, total = accelerated_share(rows)
     percent = f"{100 * accelerated / total:.0f}%" if total else "n/a"
     outside = sum(r.status in IN_SHARE and r.full_attention is False for r in rows)
+    not_causal = sum(r.status in IN_SHARE and r.full_attention is not False and r.causal is False
+                     for r in rows)
     return (f"Accelerated share: {accelerated} of {total} ({percent}): the accelerated, unaccelerated, error and "
-            f"mismatch rows of types with a full-attention layer (column \"full attention\"); {outside} run rows "
-            "without one (attention-free, or every attention layer sliding-window) are outside it.")
+            f"mismatch rows of causal decoders with a full-attention layer (columns \"full attention\" and "
+            f"\"causal\"); {outside} run rows without one (attention-free, or every attention layer "
+            f"sliding-window) and {not_causal} run rows that are not causal decoders (their earlier outputs "
+            "change with later tokens) are outside it.")
