@@ -63,6 +63,7 @@ from .eager_attention_pieces import (
 )
 from .eager_attention_forms import bmm_output, is_head_view, through_head_views, without_clamp
 from .fx_utils import ancestors, example_value, is_sink_attention
+from .kept_key_bias import match_value_bias_attention
 from .graph_calls import keep_node
 
 __all__ = ["SinkAttentionCopy", "SinkSite", "canonicalize_sink_attention", "match_lse_sink_attention",
@@ -86,13 +87,14 @@ class SinkSite:
     logits: fx.Node | None = None  # the softmax's input before any sink column (scaled, capped, masked)
     key_bias: fx.Node | None = None  # a per-key bias added to the scaled logits (ALiBi), `sink_ops.key_bias_4d`
     bias_scale: object = 1.0  # float or a SymFloat node: the bias's factor (`baddbmm`'s beta)
+    bias_follows: bool = False  # the bias is computed from each key's own token (`kept_key_bias`), not its position
 
 
 def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int, int]:
     """(a graph module in which every eager attention pattern is one node, how many with sinks,
     how many without); `gm` itself when there is none."""
-    sites = [s for s in (match_sink_attention(n) or match_lse_sink_attention(n) for n in gm.graph.nodes)
-             if s is not None]
+    sites = [s for s in (match_sink_attention(n) or match_lse_sink_attention(n) or match_value_bias_attention(n)
+                         for n in gm.graph.nodes) if s is not None]
     if not sites:
         return gm, 0, 0
     graph = fx.Graph()
@@ -114,6 +116,8 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
                 kwargs["upcast"] = True
             if site.key_bias is not None:
                 kwargs["key_bias"], kwargs["bias_scale"] = env[site.key_bias], mapped(site.bias_scale)
+                if site.bias_follows:
+                    kwargs["bias_follows"] = True
         else:  # plain eager attention: an SDPA call computes the same
             op = torch.nn.functional.scaled_dot_product_attention
         with graph.inserting_before(old):
@@ -285,9 +289,14 @@ class SinkAttentionCopy:
         if node.kwargs.get("upcast"):
             softcap["upcast"] = True
         bias = node.kwargs.get("key_bias")
-        if bias is not None:  # over all N keys (layout 0); the packed op reads it at the kept keys' positions
+        follows = bool(node.kwargs.get("bias_follows"))
+        if bias is not None and follows:  # the kept keys' own bias, in this layer's layout (`kept_key_bias`)
+            softcap["key_bias"], softcap["bias_follows"] = self._value_at(bias, j), True
+            self.counts["bias_of_kept_keys"] = self.counts.get("bias_of_kept_keys", 0) + 1
+        if bias is not None:  # else over all N keys (layout 0); the packed op reads it at the kept keys' positions
             scale_of_bias = node.kwargs.get("bias_scale", 1.0)
-            softcap["key_bias"] = self._value_at(bias, 0)  # raises when the bias was built on kept tokens
+            if not follows:
+                softcap["key_bias"] = self._value_at(bias, 0)  # raises when the bias was built on kept tokens
             softcap["bias_scale"] = self.env[scale_of_bias] if isinstance(scale_of_bias, fx.Node) else scale_of_bias
         self._ensure_layout0()  # the recorder's begin_prefill comes first
         # decode steps after this prefill compute the same form (runtime.decode_attention)
@@ -296,8 +305,9 @@ class SinkAttentionCopy:
             bias is not None))
         if j == 0:
             key_valid, shared = self._dense_mask_for(qn, mask)
+            dense = {name: value for name, value in softcap.items() if name != "bias_follows"}  # all N keys either way
             out = self.new.call_function(ops.dense_sink_attention.default,
-                                         (qn, kn, vn, key_valid, mask.window, scale, sinks, shared), softcap)
+                                         (qn, kn, vn, key_valid, mask.window, scale, sinks, shared), dense)
             self.counts["dense_attention"] += 1
         else:
             lay = self.layouts[j]
