@@ -47,6 +47,9 @@ nodes that build a bias inside a layer stay on all tokens (`_bias_nodes_on_all_t
 steps after a drop do not model a bias: these models compute attention themselves, and
 `runtime.generation.decode_unsupported` runs their cache-filling calls unaccelerated (and a decode
 step through the attention interface after such a prefill raises rather than drop the bias).
+A bias computed from each key's own values (Doge's dynamic mask, an SDPA call's additive mask) is
+matched by `kept_key_bias.match_value_bias_attention` into the same op with `bias_follows=True`:
+the copy then reads it in the layer's own layout (the kept keys' bias, computed on them).
 """
 
 from __future__ import annotations
