@@ -77,7 +77,10 @@ def test_packed_op_with_a_following_bias_equals_attention_on_the_kept_keys(heads
     q, k, v = (torch.randn(2, h, n, d, generator=g) for h in (heads, kv_heads, kv_heads))
     bias = torch.randn(2, kv_heads, 1, n, generator=g).exp()
     kept = [torch.tensor([0, 3, 4, 9, 17, 30, 39]), torch.arange(0, n, 3)]
-    pack = lambda x: torch.cat([x[r:r + 1, ..., kept[r], :] for r in range(2)], dim=2)  # noqa: E731
+
+    def pack(x):
+        return torch.cat([x[r:r + 1, ..., kept[r], :] for r in range(2)], dim=2)
+
     packed_bias = torch.cat([bias[r:r + 1, ..., kept[r]] for r in range(2)], dim=-1)
     positions = torch.cat(kept)
     counts = torch.tensor([len(kept[0]), len(kept[1])])

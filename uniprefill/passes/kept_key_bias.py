@@ -34,7 +34,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .eager_attention_pieces import _NEGATIVE_FILL, _name, before_repeat, is_call, visible_of_additive
+from .eager_attention_pieces import (
+    _NEGATIVE_FILL,
+    _name,
+    before_repeat,
+    is_call,
+    visible_of_additive,
+)
 from .fx_utils import SDPA_TARGETS, example_value
 from .mask_words import is_weight
 
@@ -57,7 +63,8 @@ def match_value_bias_attention(node: fx.Node):
     if not (node.op == "call_function" and node.target in SDPA_TARGETS and len(node.args) == 3):
         return None
     kw = node.kwargs
-    if kw.get("dropout_p", 0.0) != 0.0 or kw.get("is_causal", False) or kw.get("enable_gqa", False):
+    if kw.get("dropout_p", 0.0) != 0.0 or kw.get("is_causal", False) or kw.get("enable_gqa", False) \
+            or not isinstance(kw.get("attn_mask"), fx.Node):
         return None
     q, k_rep, v_rep = node.args
     (k, k_nodes), (v, v_nodes) = before_repeat(k_rep), before_repeat(v_rep)
