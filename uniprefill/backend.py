@@ -173,6 +173,10 @@ class UniPrefillBackend:
             why = self._unsound_call(result, args, tokens.shape[0], tokens.shape[1], min_tokens)
             if why is None and result.returns_cache and not self.decodes_caches:
                 why = Unaccelerated(self.why_no_decode, Kind.CACHE_NOT_DECODABLE)
+            if why is None and result.returns_cache and result.counts.get("bias_of_kept_keys"):
+                from .passes.kept_key_bias import NO_DECODE_REASON  # a bias decode steps do not model
+
+                why = Unaccelerated(NO_DECODE_REASON, Kind.CACHE_NOT_DECODABLE)
             self.last_unaccelerated = why
             if why is None:
                 try:

@@ -14,7 +14,9 @@ The same ops compute the other eager forms SDPA cannot: logits soft-capped as
 and a softmax taken in float32 on half-precision logits (`upcast`), and a per-key bias added to
 the scaled logits (`key_bias`, times `bias_scale`: ALiBi, Bloom's `baddbmm(alibi, q, k^T, beta, alpha)`).
 A per-key bias is the same for every query, so after a drop each kept key keeps its own value:
-the packed op reads it at the kept keys' ORIGINAL positions (the model's own values, exact).
+the packed op reads it at the kept keys' ORIGINAL positions (the model's own values, exact), or,
+with `bias_follows` (a bias computed from each key's own token, Doge's: `passes.kept_key_bias`),
+takes it as the layer computed it on the kept keys, sliced by row like the keys themselves.
 
 Ops (each with a fake; `sink_attention_reference` is the one PyTorch implementation they share):
 
@@ -99,9 +101,12 @@ def sink_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def key_bias_4d(bias: torch.Tensor, heads: int) -> torch.Tensor:
-    """A per-key bias as `[B | 1, H | 1, 1, K]`: 4-D as it is; 3-D `[B * H, 1, K]` (heads merged into
-    the batch axis, Bloom's) split; any other 3-D one broadcast as a 4-D add broadcasts it."""
+    """A per-key bias as `[B | 1, H | 1, 1, K]`: 4-D as it is, or with `Hk` key heads repeated to `H`
+    as transformers' `repeat_kv` repeats them (Doge's `[B, Hk, 1, K]`); 3-D `[B * H, 1, K]` (heads
+    merged into the batch axis, Bloom's) split; any other 3-D one broadcast as a 4-D add broadcasts it."""
     if bias.dim() == 4:
+        if bias.shape[1] not in (1, heads) and heads % bias.shape[1] == 0:
+            return bias.repeat_interleave(heads // bias.shape[1], dim=1)
         return bias
     if bias.dim() == 3 and bias.shape[0] % heads == 0 and bias.shape[1] == 1:
         return bias.view(bias.shape[0] // heads, heads, 1, bias.shape[-1])
@@ -126,9 +131,11 @@ def _out_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                    dropout_p: float = 0.0, is_causal: bool = False, scale: float = 1.0, enable_gqa: bool = False,
                    sinks: torch.Tensor | None = None, softcap: float = 0.0, upcast: bool = False,
-                   key_bias: torch.Tensor | None = None, bias_scale: float = 1.0) -> torch.Tensor:
+                   key_bias: torch.Tensor | None = None, bias_scale: float = 1.0,
+                   bias_follows: bool = False) -> torch.Tensor:
     """Eager attention with sinks `[H]`, logit soft-capping and / or a per-key bias, SDPA's arguments
-    plus `sinks`, `softcap`, `key_bias` and `bias_scale` (`dropout_p` must be 0)."""
+    plus `sinks`, `softcap`, `key_bias` and `bias_scale` (`dropout_p` must be 0). `bias_follows`
+    marks a bias computed from each key's own token (it changes nothing here: the keys are all there)."""
     if dropout_p != 0.0:
         raise ValueError(f"uniprefill::sink_attention runs inference only (dropout_p={dropout_p})")
     _check(q, k, sinks)
@@ -138,7 +145,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask:
 
 @sink_attention.register_fake
 def _(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=1.0, enable_gqa=False, sinks=None, softcap=0.0,
-      upcast=False, key_bias=None, bias_scale=1.0):
+      upcast=False, key_bias=None, bias_scale=1.0, bias_follows=False):
     return _out_like(q, v)
 
 
@@ -174,11 +181,12 @@ def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
                           counts: torch.Tensor, window: int, scale: float, sinks: torch.Tensor | None,
                           masks: torch.Tensor | None = None, softcap: float = 0.0,
                           upcast: bool = False, key_bias: torch.Tensor | None = None,
-                          bias_scale: float = 1.0) -> torch.Tensor:
+                          bias_scale: float = 1.0, bias_follows: bool = False) -> torch.Tensor:
     """`attention_ops.packed_attention` with sinks `[H]`: block-diagonal causal attention on packed
     `[1, H, T, d]` tensors (row r owns `counts[r]` tokens), windows over ORIGINAL `positions`;
     `masks` is the shared `ops.packed_masks(q, positions, counts, window, compacted)`. `key_bias`: the
-    model's per-key bias over the ORIGINAL `[B, N]` grid (`key_bias_4d`), read at each row's kept keys."""
+    model's per-key bias over the ORIGINAL `[B, N]` grid (`key_bias_4d`), read at each row's kept keys;
+    with `bias_follows`, the bias of the packed keys themselves (`[1, Hk | H, 1, T]`), sliced by row."""
     _check(q, k, sinks)
     bias = key_bias_4d(key_bias, q.shape[1]) if key_bias is not None else None
     if window > 0 and masks is None:
@@ -190,7 +198,9 @@ def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
         # window 0: positions increase along a row, so causal in positions == causal in index
         mask = masks[offset:offset + count * count].view(1, 1, count, count) if window > 0 else None
         row_bias = None
-        if bias is not None:  # the row's kept keys at their original positions
+        if bias is not None and bias_follows:  # computed on the packed keys: the row's own slice
+            row_bias = bias[..., start:end]
+        elif bias is not None:  # the row's kept keys at their original positions
             row = bias[len(outs) if bias.shape[0] > 1 else 0]
             row_bias = row[None].index_select(-1, positions[start:end].to(row.device))
         outs.append(sink_attention_reference(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], mask,
@@ -202,7 +212,7 @@ def packed_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos
 
 @packed_sink_attention.register_fake
 def _(q, k, v, positions, counts, window, scale, sinks, masks=None, softcap=0.0, upcast=False, key_bias=None,
-      bias_scale=1.0):
+      bias_scale=1.0, bias_follows=False):
     return _out_like(q, v)
 
 

@@ -54,6 +54,10 @@ GPT-Neo and OpenAI-GPT mask their logits with a slice of a causal table they hol
 which `classify` reads as causal (or sliding: GPT-Neo's local layers) only while the table input is
 that band, checked on every call. OpenAI-GPT's keys arrive permuted to `[B, H, d, N]` and its logits
 divided by `sqrt(d)`: the site reads the keys' transpose (`k_transposed`) and the scale `1 / sqrt(d)`.
+
+A bias computed from each key's own values (Doge's dynamic mask, an SDPA call's additive mask) is
+matched by `kept_key_bias.match_value_bias_attention` into the same op with `bias_follows=True`:
+the copy then reads it in the layer's own layout (the kept keys' bias, computed on them).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from .eager_attention_pieces import (
 from .eager_attention_forms import bmm_output, is_head_view, through_head_views, without_clamp
 from .fx_utils import ancestors, example_value, is_sink_attention, is_table_mask
 from .graph_calls import keep_node
+from .kept_key_bias import match_value_bias_attention
 
 __all__ = ["SinkAttentionCopy", "SinkSite", "canonicalize_sink_attention", "match_lse_sink_attention",
            "match_sink_attention", "visible_of_additive"]
@@ -96,13 +101,14 @@ class SinkSite:
     bias_scale: object = 1.0  # float or a SymFloat node: the bias's factor (`baddbmm`'s beta)
     k_transposed: bool = False  # `k` is `[B, H, d, N]` (OpenAI-GPT permutes its keys so): the op reads its transpose
     table: fx.Node | None = None  # a causal mask sliced from a table the model holds (`causal_table`)
+    bias_follows: bool = False  # the bias is computed from each key's own token (`kept_key_bias`), not its position
 
 
 def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int, int]:
     """(a graph module in which every eager attention pattern is one node, how many with sinks,
     how many without); `gm` itself when there is none."""
-    sites = [s for s in (match_sink_attention(n) or match_lse_sink_attention(n) for n in gm.graph.nodes)
-             if s is not None]
+    sites = [s for s in (match_sink_attention(n) or match_lse_sink_attention(n) or match_value_bias_attention(n)
+                         for n in gm.graph.nodes) if s is not None]
     if not sites:
         return gm, 0, 0
     graph = fx.Graph()
@@ -126,6 +132,8 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
                 kwargs["upcast"] = True
             if site.key_bias is not None:
                 kwargs["key_bias"], kwargs["bias_scale"] = env[site.key_bias], mapped(site.bias_scale)
+                if site.bias_follows:
+                    kwargs["bias_follows"] = True
         else:  # plain eager attention: an SDPA call computes the same
             op = torch.nn.functional.scaled_dot_product_attention
         with graph.inserting_before(old):
@@ -321,9 +329,14 @@ class SinkAttentionCopy:
         if node.kwargs.get("upcast"):
             softcap["upcast"] = True
         bias = node.kwargs.get("key_bias")
-        if bias is not None:  # over all N keys (layout 0); the packed op reads it at the kept keys' positions
+        follows = bool(node.kwargs.get("bias_follows"))
+        if bias is not None and follows:  # the kept keys' own bias, in this layer's layout (`kept_key_bias`)
+            softcap["key_bias"], softcap["bias_follows"] = self._value_at(bias, j), True
+            self.counts["bias_of_kept_keys"] = self.counts.get("bias_of_kept_keys", 0) + 1
+        if bias is not None:  # else over all N keys (layout 0); the packed op reads it at the kept keys' positions
             scale_of_bias = node.kwargs.get("bias_scale", 1.0)
-            softcap["key_bias"] = self._value_at(bias, 0)  # raises when the bias was built on kept tokens
+            if not follows:
+                softcap["key_bias"] = self._value_at(bias, 0)  # raises when the bias was built on kept tokens
             softcap["bias_scale"] = self.env[scale_of_bias] if isinstance(scale_of_bias, fx.Node) else scale_of_bias
         self._ensure_layout0()  # the recorder's begin_prefill comes first
         # decode steps after this prefill compute the same form (runtime.decode_attention)
@@ -332,8 +345,9 @@ class SinkAttentionCopy:
             bias is not None))
         if j == 0:
             key_valid, shared = self._dense_mask_for(qn, mask)
+            dense = {name: value for name, value in softcap.items() if name != "bias_follows"}  # all N keys either way
             out = self.new.call_function(ops.dense_sink_attention.default,
-                                         (qn, kn, vn, key_valid, mask.window, scale, sinks, shared), softcap)
+                                         (qn, kn, vn, key_valid, mask.window, scale, sinks, shared), dense)
             self.counts["dense_attention"] += 1
         else:
             lay = self.layouts[j]
