@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 
 import sympy
+import torch
 
 from .plan import RewriteSkipped
 
@@ -41,6 +42,13 @@ class SymbolicShapes:
             raise RewriteSkipped(f"shape symbol {expr} has no graph input")
         if isinstance(expr, (sympy.Add, sympy.Mul)):
             fold = operator.add if isinstance(expr, sympy.Add) else operator.mul
+            terms = [self._emit(a, extra) for a in expr.args]
+            out = terms[0]
+            for t in terms[1:]:
+                out = self.new.call_function(fold, (out, t))
+            return out
+        if type(expr).__name__ in ("Min", "Max"):  # min(index_topk, N) of a DSA indexer (sympy's or torch's)
+            fold = torch.sym_min if type(expr).__name__ == "Min" else torch.sym_max
             terms = [self._emit(a, extra) for a in expr.args]
             out = terms[0]
             for t in terms[1:]:
