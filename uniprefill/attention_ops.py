@@ -6,6 +6,8 @@ the unpruned model (`uniprefill.ops` holds the selection and token-layout ops).
   padding (`key_valid`), one mask shared by the layers of a (window, padding).
 * `packed_masks` / `packed_attention`: layers after a drop, on the packed kept tokens
   (`[1, H, T, d]`, per-row counts on the host), one block-diagonal mask per forward.
+* `packed_visibility`: the causal mask of the packed kept tokens as a tensor, for DeepSeek sparse
+  attention layers after a drop, which read their causal mask themselves.
 * `decode_attention`: a decode step against a cache whose rows kept different tokens.
 * `sparse_attention`: the block-sparse early layers of `early_sparse_p` (docs/sparse-prefill.md).
 
@@ -193,6 +195,27 @@ def packed_attention(
 @packed_attention.register_fake
 def _(q, k, v, positions, counts, window, scale, enable_gqa, masks=None):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+@torch.library.custom_op(f"{LIB}::packed_visibility", mutates_args=())
+def packed_visibility(like: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The causal mask of the packed kept tokens as one `[1, 1, T, T]` tensor in `like`'s form
+    (bool: True = visible; floating: 0 / dtype min): key j is visible to query i when both are of
+    the same row and `positions[j] <= positions[i]` (ORIGINAL positions). It stands for a causal
+    (+ padding) mask the graph built over all tokens where a DeepSeek sparse attention layer reads
+    that mask itself after a drop (`passes/indexer_mask.py`): its indexer's causal fill and its
+    attention's causal part. Padding tokens are never kept, so no padding part is needed."""
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=positions.device), counts.to(positions.device))
+    visible = (rows[:, None] == rows[None, :]) & _position_mask(positions, positions, 0)
+    if like.dtype != torch.bool:
+        visible = torch.zeros((), dtype=like.dtype, device=like.device).masked_fill(
+            ~visible, torch.finfo(like.dtype).min)
+    return visible.to(like.device)[None, None]
+
+
+@packed_visibility.register_fake
+def _(like, positions, counts):
+    return like.new_empty((1, 1, positions.shape[0], positions.shape[0]))
 
 
 def _position_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int) -> torch.Tensor:

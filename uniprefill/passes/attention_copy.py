@@ -4,7 +4,9 @@ Before the first drop point an attention node runs on the dense (B, N) grid; aft
 packed layout. Either way the replacement rebuilds causal, sliding-window and padding masks
 from ORIGINAL positions (so a window after a drop is still a window over original positions),
 and one mask is built per (window, padding input) before the first drop and per (layout,
-window) after it. Mixed into `token_drop.TokenDropPass`, whose state it reads.
+window) after it. A DeepSeek sparse attention call (`passes/indexer_mask.py`) keeps the graph's own
+mask (its indexer's top-k runs on the kept tokens); after a drop the causal mask it reads is
+`packed_visibility`, built from original positions. Mixed into `token_drop.TokenDropPass`, whose state it reads.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ class AttentionCopy:
     def _copy_attention(self, node: fx.Node, info: LayerInfo, mask) -> None:
         j = self._node_layout(node)
         q, k, v = node.args[:3]
+        if mask.indexer is not None:  # DSA: the graph's own mask, its causal part rebuilt after a drop
+            self._copy_node(node, j > 0)
+            self.counts["indexer_attention"] = self.counts.get("indexer_attention", 0) + 1
+            return
         if not mask.recognized:
             if j > 0:
                 raise RewriteSkipped(f"attention {node.name} after a drop point has a mask that is not understood: {mask.reason}")
@@ -59,6 +65,17 @@ class AttentionCopy:
         out.meta = dict(node.meta)
         self.env[node] = out
         self.layout_of[node] = j
+
+    def _packed_visibility(self, visible: fx.Node, j: int) -> fx.Node:
+        """A DSA layer's causal mask `visible` on layout j's kept tokens, rebuilt from ORIGINAL
+        positions and rows (`uniprefill::packed_visibility`), once per (mask, layout)."""
+        key = (visible, ("visible", j))
+        if key not in self.memo:
+            lay = self.layouts[j]
+            self.memo[key] = self.new.call_function(
+                U.packed_visibility.default, (self.env[visible], lay.positions, lay.counts))
+            self.counts["packed_visibility"] = self.counts.get("packed_visibility", 0) + 1
+        return self.memo[key]
 
     def _dense_mask_for(self, q, mask) -> tuple:
         """(the padding input or None, the `dense_mask` node shared by every layer with this

@@ -26,6 +26,7 @@ from ..models.layer_kinds import LayerKind
 from .causal_table import TableRole, is_table_shaped
 from .fx_utils import (ancestors, example_value, is_sdpa, is_table_mask, layer_container, layer_index,
                        layer_module_classes, target_name)
+from .indexer_mask import IndexerMask, match_indexer_mask
 from .mask_words import is_selection, unknown_mask_reason
 
 _COMPARISONS = {operator.le, operator.lt, operator.gt, operator.ge, torch.le, torch.lt, torch.gt, torch.ge}
@@ -48,6 +49,7 @@ class MaskInfo:
     window: int = 0  # 0: unbounded
     padding: fx.Node | None = None  # the 2-D padding-mask placeholder, when the mask reads one
     reason: str = ""
+    indexer: object = None  # indexer_mask.IndexerMask: keys chosen by this layer's indexer (DSA)
 
 
 @dataclass
@@ -63,16 +65,30 @@ class LayerInfo:
 def analyse_mask(sdpa: fx.Node, input_roles: dict) -> MaskInfo:
     """Read the mask of one SDPA node; `input_roles` maps graph inputs a mask may read to
     their `mask_inputs.InputRole` (any other tensor input makes the mask not understood)."""
+    if attends_within_token(sdpa):
+        return MaskInfo(False, reason=WITHIN_TOKEN)
+    mask = sdpa_mask_node(sdpa)
+    dsa = match_indexer_mask(sdpa, mask) if isinstance(mask, fx.Node) else None
+    if isinstance(dsa, IndexerMask):  # DeepSeek sparse attention: the causal part must be one we read
+        visible = _analyse(sdpa, dsa.visible, False, input_roles)
+        if visible.recognized and visible.window == 0:
+            return MaskInfo(True, causal=True, padding=visible.padding, indexer=dsa)
+        dsa = f"its causal part is not understood ({visible.reason or 'a window'})"
+    info = _analyse(sdpa, mask, bool(sdpa.kwargs.get("is_causal", sdpa.args[5] if len(sdpa.args) > 5 else False)),
+                    input_roles)
+    if not info.recognized and isinstance(dsa, str) and info.reason.startswith("sparse attention"):
+        return MaskInfo(False, reason=f"{info.reason} (not DeepSeek sparse attention's form: {dsa})")
+    return info
+
+
+def _analyse(sdpa: fx.Node, mask, is_causal: bool, input_roles: dict) -> MaskInfo:
+    """`analyse_mask` for the mask node `mask` (the attention's, or the causal part of a DSA mask)."""
     from .mask_inputs import InputRole
 
     from .sink_attention import visible_of_additive
 
-    if attends_within_token(sdpa):
-        return MaskInfo(False, reason=WITHIN_TOKEN)
-    mask = sdpa_mask_node(sdpa)
     if isinstance(mask, fx.Node):  # an eager model's additive mask is read through its boolean form
         mask = visible_of_additive(mask) or mask
-    is_causal = bool(sdpa.kwargs.get("is_causal", sdpa.args[5] if len(sdpa.args) > 5 else False))
     if mask is None:
         if is_causal:
             return MaskInfo(True, causal=True)
@@ -169,6 +185,9 @@ def classify_layers(graph: fx.Graph, input_roles: dict) -> tuple[str | None, dic
             elif any(m.window for m in info.masks):
                 info.kind, info.window = LayerKind.SLIDING, max(m.window for m in info.masks)
                 info.detail = f"causal mask with a window of {info.window} tokens"
+            elif any(m.indexer is not None for m in info.masks):
+                info.kind, info.detail = LayerKind.FULL, ("sparse attention over the top-k keys of this layer's "
+                                                          "indexer (DSA), run on the kept tokens after a drop")
             else:
                 info.kind, info.detail = LayerKind.FULL, "causal attention over every earlier token"
         else:

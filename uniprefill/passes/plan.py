@@ -29,6 +29,7 @@ from .drop_points import resolve_drop_layers
 from .fx_utils import (TokenAxes, ancestors, example_value, is_sdpa, layer_container, layer_index, target_name,
                        through_same_shape_views)
 from .graph_pieces import not_one_stack, why_no_tokens
+from .indexer_mask import causal_part
 from .mask_inputs import InputCheck, InputRole, mask_input_roles, size_aliases
 from .mask_meaning import mask_mismatch
 
@@ -116,7 +117,7 @@ class _Analysis:
         self.axes = dataclasses.replace(self.axes, aliases=aliases)
         # Roles of the inputs the attention masks read (padding, document positions, ...),
         # found from the graph's structure; see passes/mask_inputs.py.
-        masks = [m for m in (sdpa_mask_node(n) for n in graph.nodes if is_sdpa(n)) if isinstance(m, fx.Node)]
+        masks = [m for m in (causal_part(n, sdpa_mask_node(n)) for n in graph.nodes if is_sdpa(n)) if isinstance(m, fx.Node)]
         self.input_roles, _ = mask_input_roles(graph, masks, self.axes)
         self.padding = {n for n, role in self.input_roles.items() if role is InputRole.PADDING}
         if len(self.padding) > 1:
@@ -227,7 +228,7 @@ class _Analysis:
         verdicts: dict = {}
         for info in self.layers.values():
             for k, (sdpa, mask) in enumerate(zip(info.sdpa, info.masks)):
-                node = sdpa_mask_node(sdpa)
+                node = mask.indexer.visible if mask.indexer is not None else sdpa_mask_node(sdpa)
                 if not mask.recognized or not isinstance(node, fx.Node):
                     continue
                 key = (node, mask.window, mask.padding is not None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import operator
 
 import sympy
+import torch
 
 from .fx_utils import ancestors
 from .plan import RewriteSkipped
@@ -50,6 +51,13 @@ class SymbolicShapes:
         if isinstance(expr, (sympy.Add, sympy.Mul)):
             fold = operator.add if isinstance(expr, sympy.Add) else operator.mul
             terms = [self._emit(a, extra, j) for a in expr.args]
+            out = terms[0]
+            for t in terms[1:]:
+                out = self.new.call_function(fold, (out, t))
+            return out
+        if type(expr).__name__ in ("Min", "Max"):  # min(index_topk, N) of a DSA indexer (sympy's or torch's)
+            fold = torch.sym_min if type(expr).__name__ == "Min" else torch.sym_max
+            terms = [self._emit(a, extra) for a in expr.args]
             out = terms[0]
             for t in terms[1:]:
                 out = self.new.call_function(fold, (out, t))

@@ -108,6 +108,9 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         self.single_row_reason = ""
         drop_at = {node: layer for layer, node in self.plan.residual_adds.items()}
         sdpa_info = {n: (info, m) for info in self.plan.layers.values() for n, m in zip(info.sdpa, info.masks)}
+        dsa = [m.indexer for info in self.plan.layers.values() for m in info.masks if m.indexer is not None]
+        self.indexer_visible = {d.visible for d in dsa}
+        self.indexer_chain = {n for d in dsa for n in d.visible_chain}
         seen_first_drop = False
         self.stream_layout = 0
         last_layer_pos = max(i for i, n in enumerate(old.nodes) if layer_index(n, self.plan.container) is not None)
@@ -187,6 +190,8 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
             # A creation op inside a layer on kept tokens (e.g. MoE index arithmetic): its
             # sizes follow the residual stream.
             j = self.stream_layout
+        if j == 0 and self.stream_layout > 0 and node in self.indexer_chain:
+            j = self.stream_layout  # a slice of a DSA layer's causal mask: taken from the rebuilt one
         if j > 0:
             self._check_packed_op(node)
         self.env[node] = self.new.node_copy(node, lambda a: self._arg_at(a, j))
@@ -267,6 +272,8 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         i = self.layout_of.get(node, 0)
         if i == j or not self._token_aligned(node):
             return self.env[node]
+        if j > 0 and node in self.indexer_visible:  # a DSA layer reads its causal mask (attention_copy)
+            return self._packed_visibility(node, j)
         if i > j:
             raise RewriteSkipped(f"{node.name} (kept tokens) is used by a node on all tokens")
         key = (node, j)
