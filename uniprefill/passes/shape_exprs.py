@@ -57,7 +57,7 @@ class SymbolicShapes:
             return out
         if type(expr).__name__ in ("Min", "Max"):  # min(index_topk, N) of a DSA indexer (sympy's or torch's)
             fold = torch.sym_min if type(expr).__name__ == "Min" else torch.sym_max
-            terms = [self._emit(a, extra) for a in expr.args]
+            terms = [self._emit(a, extra, j) for a in expr.args]
             out = terms[0]
             for t in terms[1:]:
                 out = self.new.call_function(fold, (out, t))
