@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import uniprefill
 from uniprefill import UniPrefillConfig
 from uniprefill.testing.census import tiny_config
+from uniprefill.testing.eager_reference import dropped_run
 
 SMALL = dict(sink=16, last_q=16, block_size=16)
 ATOL = 1e-4
@@ -83,14 +84,9 @@ def _reference(model, ids: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch
 def test_a_drop_runs_the_later_dsa_layers_on_the_kept_tokens_as_the_reference_does(index_topk):
     model = _model(index_topk)
     ids = _ids()
+    out, kept, full = dropped_run(model, ids, UniPrefillConfig(keep_ratio=0.5, drop_layers="all", **SMALL))
     with torch.no_grad():
-        fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers="all", **SMALL))
-        out = fast(input_ids=ids, use_cache=False).logits[:, -1]
-        history = uniprefill.last_drop_report(fast)
-        kept = {p.layer: p.kept_positions(0, LENGTH) for p in history.points}
         ref = _reference(model, ids, kept)
-        full = model(input_ids=ids, use_cache=False).logits[:, -1]
-    torch._dynamo.reset()
     assert kept and min(kept) < len(model.model.layers) - 1, "a drop before a later DSA layer"
     assert all(k.numel() <= 0.6 * LENGTH for k in kept.values()), "the drops must drop tokens"
     if index_topk < LENGTH:

@@ -18,6 +18,7 @@ from uniprefill import UniPrefillConfig
 from uniprefill.backend import UniPrefillBackend
 from uniprefill.compat import make_linear_attention_opaque
 from uniprefill.testing.census import tiny_config
+from uniprefill.testing.eager_reference import dropped_run
 from uniprefill.unaccelerated import Kind
 
 SMALL = dict(sink=16, last_q=16, block_size=16)
@@ -166,13 +167,9 @@ def test_jamba_p1_equals_the_plain_model_one_row_padded_rows_and_generation():
 def test_jamba_drop_scans_the_kept_tokens_and_equals_the_eager_reference():
     model = _model("jamba")
     ids = _ids()
+    out, kept, full = dropped_run(model, ids, UniPrefillConfig(keep_ratio=0.5, drop_layers="all", **SMALL))
     with torch.no_grad():
-        fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers="all", **SMALL))
-        out = fast(input_ids=ids, use_cache=False).logits[:, -1]
-        history = uniprefill.last_drop_report(fast)
-        kept = {p.layer: p.kept_positions(0, LENGTH) for p in history.points}
         ref = _jamba_reference(model, ids, kept)
-        full = model(input_ids=ids, use_cache=False).logits[:, -1]
     assert sorted(kept) == [1, 3]
     assert kept[1].numel() <= 0.6 * LENGTH and kept[3].numel() < kept[1].numel(), "the drops must drop tokens"
     assert torch.isfinite(out).all()

@@ -70,3 +70,20 @@ def reference_last_logits(model, ids: torch.Tensor, kept: dict[int, torch.Tensor
         cap = cfg.final_logit_softcapping
         logits = torch.tanh(logits / cap) * cap
     return logits[:, -1]
+
+
+def dropped_run(model, ids: torch.Tensor, config) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor]:
+    """(last-token logits of `uniprefill.compile(model, config)` on the single-row `ids`, the ORIGINAL
+    positions kept at each drop layer (for a reference such as `reference_last_logits`), the plain
+    model's last-token logits). Resets dynamo afterwards."""
+    import uniprefill
+
+    assert ids.shape[0] == 1
+    with torch.no_grad():
+        fast = uniprefill.compile(model, config)
+        out = fast(input_ids=ids, use_cache=False).logits[:, -1]
+        history = uniprefill.last_drop_report(fast)
+        kept = {p.layer: p.kept_positions(0, ids.shape[1]) for p in history.points} if history is not None else {}
+        full = model(input_ids=ids, use_cache=False).logits[:, -1]
+    torch._dynamo.reset()
+    return out, kept, full
