@@ -128,6 +128,25 @@ class TokenAxes:
             return []
         return [i for i, s in enumerate(value.shape) if self.size_expr(s) == self.seq]
 
+    def int_index_axis(self, value, index) -> int | None:
+        """The token axis that `value[index]` indexes with a plain integer (a Python loop unrolled over
+        the prompt), if any."""
+        token_axes = set(self.token_dims(value))
+        if not token_axes:
+            return None
+        items = index if isinstance(index, tuple) else (index,)
+        if any(i is Ellipsis for i in items):
+            cut = items.index(Ellipsis)
+            head, tail = items[:cut], items[cut + 1:]
+            positions = list(enumerate(head)) + [(value.dim() - len(tail) + k, t) for k, t in enumerate(tail)]
+        else:
+            positions = list(enumerate(items))
+        for pos, item in positions:
+            nones_before = sum(1 for p, other in positions if p < pos and other is None)
+            if isinstance(item, int) and not isinstance(item, bool) and pos - nones_before in token_axes:
+                return pos
+        return None
+
     def derived_dims(self, value) -> list[int]:
         """Axes whose size is another expression of N (e.g. N + 3 after a padded convolution,
         N rounded up to a chunk multiple): such values follow the tokens but cannot be gathered."""

@@ -30,6 +30,7 @@ from .fx_utils import (TokenAxes, ancestors, example_value, is_sdpa, layer_conta
                        through_same_shape_views)
 from .graph_pieces import not_one_stack, why_no_tokens
 from .indexer_mask import causal_part
+from .length_guards import length_guard_violation
 from .mask_inputs import InputCheck, InputRole, mask_input_roles, size_aliases
 from .mask_meaning import mask_mismatch
 
@@ -113,7 +114,9 @@ class _Analysis:
                 "dynamic=True (uniprefill.compile does) or let dynamo recompile with dynamic shapes"
             )
         aliases, alias_checks = size_aliases(graph, self.axes.batch, self.axes.seq)
-        _check_length_guards(self.axes.seq)
+        violation = length_guard_violation(self.axes.seq)
+        if violation is not None:
+            raise (LengthSpecialized if violation.bounded else RewriteSkipped)(violation.message)
         self.axes = dataclasses.replace(self.axes, aliases=aliases)
         # Roles of the inputs the attention masks read (padding, document positions, ...),
         # found from the graph's structure; see passes/mask_inputs.py.
@@ -320,64 +323,6 @@ def _runs_again(calls: list) -> bool:
     """Every later attention call of the layer reads the output of the one before: the same layer
     module applied again (a loop over the stack), not several attentions side by side."""
     return all(before in ancestors(after) for before, after in zip(calls, calls[1:]))
-
-
-def _check_length_guards(seq) -> None:
-    """Refuse a program that dynamo traced for some prompt lengths only.
-
-    Layers after a drop run the traced program on the kept-token count, which the trace never
-    saw. Two signs that the program does not hold for it, read from dynamo's shape guards:
-
-    * the length symbol is bounded on both sides: the model's Python code loops or recurses on
-      the length (torch's generic associative scan, which transformers' Mamba fallback uses under
-      dynamo, halves the sequence recursively; a trace at 100 tokens holds for 96..127 only;
-      `uniprefill.compile` routes that fallback through `scan_ops` first). Every new length is traced again: `LengthSpecialized`;
-    * an equality guard on the length fails for a smaller count (GraniteMoeHybrid's chunked
-      scan traced at 64 tokens assumes a whole number of 64-token chunks). Checked on a sample
-      of counts below the prompt length (near it, small ones, and chunk multiples +-1).
-
-    A lower bound alone comes from mask-building branches (Gemma-3's `length > sliding_window`)
-    that the rewrite replaces, and inequality guards from branches that are harmless at the
-    boundary (padding by zero): both are left alone.
-    """
-    context = torch._guards.TracingContext.try_get()
-    shape_env = getattr(getattr(context, "fake_mode", None), "shape_env", None)
-    if shape_env is None or not isinstance(seq, sympy.Symbol):
-        return
-    bounds = shape_env.var_to_range.get(seq)
-    if bounds is not None and bounds.lower.is_Integer and bounds.upper.is_Integer and int(bounds.lower) > 2:
-        raise LengthSpecialized(
-            f"the traced program holds only for prompt lengths {int(bounds.lower)}..{int(bounds.upper)} (the model's "
-            "code loops or recurses on the length, e.g. a scan): layers after a drop could not run on fewer kept tokens")
-    # the hint of every backed symbol (torch 2.13 renamed var_to_val, deprecating the old name)
-    hints = shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val
-    length = hints.get(seq)
-    if length is None:
-        return
-    # symbols of the same value stand for the same length (the size of another input that follows
-    # the tokens: a mask or position ids, recompiled with a symbol of its own) and follow it
-    lengths = {seq} | {s for s, v in hints.items() if v == length}
-    others = {s: v for s, v in hints.items() if s not in lengths}
-    samples = _count_samples(int(length))
-    for guard in shape_env.guards:
-        expr = guard.expr
-        if not (expr.free_symbols & lengths) or not expr.atoms(sympy.Eq):
-            continue
-        expr = expr.xreplace(others)
-        for count in samples:
-            if expr.xreplace(dict.fromkeys(lengths, count)) is sympy.false:
-                raise RewriteSkipped(
-                    f"the traced program holds only for some prompt lengths (guard {guard.expr} fails for {count} "
-                    f"tokens, e.g. a chunked scan without padding): layers after a drop could not run on fewer "
-                    "kept tokens")
-
-
-def _count_samples(length: int) -> list[int]:
-    near = range(max(2, length - 8), length)
-    small = range(2, min(length, 18))
-    chunks = {m + d for c in (8, 16, 32, 64, 128, 256) for m in range(c, min(length, 8 * c + 1), c) for d in (-1, 0, 1)}
-    halves = {length // 2 - 1, length // 2, length // 2 + 1}
-    return sorted(t for t in {*near, *small, *chunks, *halves} if 2 <= t < length)
 
 
 def _active_dropout(node: fx.Node) -> bool:

@@ -227,7 +227,7 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
             elif not module.split(".")[0] in _SAFE_MODULES:
                 raise RewriteSkipped(f"unknown function {name} runs on kept tokens")
         if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
-            axis = self._int_index_on_token_axis(node.args[0], node.args[1])
+            axis = self.plan.axes.int_index_axis(example_value(node.args[0]), node.args[1])
             if axis is not None:
                 raise RewriteSkipped(
                     f"{node.name} reads one token position (axis {axis}) of {node.args[0].name}: a Python loop "
@@ -235,28 +235,6 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         lowered = name.lower()
         if any(m in lowered for m in _ROW_MIXERS) and not self.single_row_reason:
             self.single_row_reason = f"{name} mixes tokens after a drop point (e.g. linear attention or convolution)"
-
-    def _int_index_on_token_axis(self, source: fx.Node, index) -> int | None:
-        """The token axis that `source[index]` indexes with a plain integer, if any."""
-        val = example_value(source)
-        token_axes = set(self.plan.axes.token_dims(val)) if isinstance(val, torch.Tensor) else set()
-        if not token_axes:
-            return None
-        items = index if isinstance(index, tuple) else (index,)
-        if any(i is Ellipsis for i in items):
-            cut = items.index(Ellipsis)
-            head, tail = items[:cut], items[cut + 1:]
-            positions = list(enumerate(head)) + [(val.dim() - len(tail) + k, t) for k, t in enumerate(tail)]
-        else:
-            positions = list(enumerate(items))
-        axis = 0
-        for pos, item in positions:
-            if item is None:
-                continue
-            if isinstance(item, int) and not isinstance(item, bool) and pos - _nones_before(positions, pos) in token_axes:
-                return pos
-            axis += 1
-        return None
 
     def _arg_at(self, arg, j: int):
         def fn(a):
@@ -400,9 +378,5 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         lay = self.layouts[j]
         self.counts["scatters"] += 1
         return self.new.call_function(U.scatter_tokens.default, (lay.canvas, self.env[node], lay.orig_flat, 0, 1))
-
-
-def _nones_before(positions, pos: int) -> int:
-    return sum(1 for p, item in positions if p < pos and item is None)
 
 
