@@ -2,12 +2,9 @@
 
 Switching uniprefill on (written against vLLM 0.26.0; docs/vllm.md says what is verified):
 
-    LLM(model, compilation_config={
-        "mode": 2,  # DYNAMO_TRACE_ONCE; 1 (STOCK_TORCH_COMPILE) also works
-        "backend": "uniprefill.vllm.plugin.vllm_backend",
-        "inductor_compile_config": {"uniprefill": {"p": 0.99, "drop_layers": [7, 11, 15, 19, 23, 27],
-                                                   "vllm_drop": True}},  # without it: unaccelerated
-    })
+    LLM(model, compilation_config={"mode": 2,  # DYNAMO_TRACE_ONCE; 1 (STOCK_TORCH_COMPILE) also works
+        "backend": "uniprefill.vllm.plugin.vllm_backend",  # settings: vllm_drop on (without it: unaccelerated)
+        "inductor_compile_config": {"uniprefill": {"p": 0.99, "vllm_drop": True}}})
 
 Why this channel, read in vLLM 0.26.0's source (`CompilationConfig.init_backend`,
 `compilation/wrapper.py`, `v1/worker/gpu_model_runner.py`):
