@@ -13,7 +13,8 @@ cd "$(git rev-parse --show-toplevel)"
 CHUNK_MIB=${CHUNK_MIB:-50}
 MODELS=${MODELS:-gemma,smollm2}  # MODELS=gemma leaves SmolLM2 out (5 chunks instead of 7); MODELS=smollm2 Gemma (2 chunks of 55 MiB)
 HAYSTACK=${HAYSTACK:-../shared/data/PaulGrahamEssays.json}
-bash scripts/gpu/prepare_gemma_payload.sh > /dev/null
+# Gemma part folders can exceed one call beside a grown tree; without Gemma only .whl_small is used
+bash scripts/gpu/prepare_gemma_payload.sh > /dev/null || [[ ",$MODELS," != *",gemma,"* ]]
 staging=$(mktemp -d)
 trap 'rm -rf "$staging"' EXIT
 mkdir -p "$staging/payload/wheels" "$staging/payload/smollm2"

@@ -133,7 +133,7 @@ def test_config_check_accepts_decode_graphs_only_behind_their_switch(monkeypatch
     assert 'FULL_DECODE_ONLY with the option "vllm_decode_graphs": true' in error
     cfg.compilation_config.inductor_compile_config = {"uniprefill": {"vllm_decode_graphs": True}}
     check = check_vllm_config(cfg, drop_enabled=True)
-    assert check.errors == [] and any("decode under CUDA graphs" in n for n in check.notes)
+    assert check.errors == [] and any("decode under full CUDA graphs" in n for n in check.notes)
     cfg.compilation_config.cudagraph_mode = ns(name="FULL_AND_PIECEWISE")  # prefill graphs: still refused
     assert len(check_vllm_config(cfg, drop_enabled=True).errors) == 1
 

@@ -628,8 +628,14 @@ def test_vllm_config_checks():
     assert "scheduler_cls='my.pkg.MyScheduler'" in error and "enable_prefix_caching=False" in error
     assert check_vllm_config(custom, "0.26.0", drop_enabled=False).errors == []
     assert check_vllm_config(fake_vllm_config(mode="DYNAMO_TRACE_ONCE")).errors == []
-    bad = check_vllm_config(fake_vllm_config(mode=3, backend="inductor", pp=2, spec=object()), "0.33.0")
-    assert len(bad.errors) == 4 and "mode=3" in bad.errors[0] and "expected 'uniprefill.vllm.plugin" in bad.errors[1]
+    bad = check_vllm_config(fake_vllm_config(mode=2, backend="inductor", pp=2, spec=object()), "0.33.0")
+    assert len(bad.errors) == 3 and "expected 'uniprefill.vllm.plugin" in bad.errors[0]
+    default = check_vllm_config(fake_vllm_config(mode=3, backend="inductor"), "0.26.0", drop_enabled=True)
+    assert default.errors == []  # vLLM's default mode: the rewrite runs in front of its backend (vllm.piecewise)
+    (error,) = check_vllm_config(fake_vllm_config(mode=3), "0.26.0").errors  # with the mode-2 backend string
+    assert "leave the backend at vLLM's default" in error
+    (error,) = check_vllm_config(fake_vllm_config(mode=0, backend="inductor"), "0.26.0").errors
+    assert "mode=0" in error and "expected 3 (VLLM_COMPILE" in error
     assert any("0.33.0 is untested" in n for n in bad.notes)
     with pytest.raises(ValueError, match="cannot run with this vLLM configuration"):
         bad.raise_if_errors()
@@ -696,7 +702,7 @@ def test_vllm_backend_binds_the_current_vllm_config(monkeypatch):
     with pytest.raises(ValueError, match="has no 'uniprefill' entry"):
         vllm_plugin.vllm_backend
     current["config"] = fake_vllm_config(mode=3, settings={})
-    with pytest.raises(ValueError, match="mode=3"):
+    with pytest.raises(ValueError, match=r"mode 3 \(VLLM_COMPILE\): leave the backend"):
         vllm_plugin.vllm_backend
 
 

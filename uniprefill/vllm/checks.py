@@ -23,7 +23,8 @@ BACKEND_QUALNAME = "uniprefill.vllm.plugin.vllm_backend"
 # the name before the vLLM code moved into uniprefill.vllm (2026-12-02); `uniprefill.vllm_plugin`
 # is that package's plugin module under its old name, so configs written for it keep working
 FORMER_BACKEND_QUALNAME = "uniprefill.vllm_plugin.vllm_backend"
-SUPPORTED_MODES = {1: "STOCK_TORCH_COMPILE", 2: "DYNAMO_TRACE_ONCE"}
+SUPPORTED_MODES = {1: "STOCK_TORCH_COMPILE", 2: "DYNAMO_TRACE_ONCE"}  # with `BACKEND_QUALNAME`
+VLLM_COMPILE = 3  # vLLM's default mode: its own backend, the rewrite hooked in front (`uniprefill.vllm.piecewise`)
 # Read in source and run on the H200 (docs/vllm.md): the channel above, the rewrite, the runner
 # hook, decode graphs. Dropping on another version needs the option vllm_allow_untested.
 VERIFIED_VLLM_VERSIONS = ("0.26.0",)
@@ -103,9 +104,15 @@ def _settings(vllm_config: Any) -> UniPrefillConfig:
 
 
 def decode_graphs_requested(vllm_config: Any, config: UniPrefillConfig | None = None) -> bool:
-    """FULL_DECODE_ONLY with the option `vllm_decode_graphs`: decode under CUDA graphs after drops."""
+    """Whether decode steps replay full CUDA graphs that must read each step's drop histories
+    (`vllm.graph_decode`): in mode 3 whenever its cudagraph_mode captures full decode graphs
+    (FULL_AND_PIECEWISE, vLLM's default, or FULL_DECODE_ONLY); in modes 1 and 2 with FULL_DECODE_ONLY
+    and the option `vllm_decode_graphs`."""
     config = config if config is not None else _settings(vllm_config)
-    return cudagraph_mode_name(vllm_config) == "FULL_DECODE_ONLY" and config.vllm_decode_graphs
+    graphs = cudagraph_mode_name(vllm_config)
+    if _mode_number(_get(_get(vllm_config, "compilation_config"), "mode")) == VLLM_COMPILE:
+        return graphs in ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+    return graphs == "FULL_DECODE_ONLY" and config.vllm_decode_graphs
 
 
 def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_compile: bool | None = None,
@@ -125,19 +132,25 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
                            f"compilation_config.inductor_compile_config[{CONFIG_KEY!r}] instead")
     cc = _get(vllm_config, "compilation_config")
     mode = _mode_number(_get(cc, "mode"))
-    if mode not in SUPPORTED_MODES:
-        check.errors.append(
-            f"compilation_config.mode={_get(cc, 'mode')!r}: expected 1 (STOCK_TORCH_COMPILE) or 2 "
-            "(DYNAMO_TRACE_ONCE); mode 3 splits the graph at attention ops and never hands a custom "
-            "backend the whole model")
-    if mode == 2 and aot_compile:
-        check.errors.append(
-            "compilation_config.mode=2 with VLLM_USE_AOT_COMPILE=1 (vLLM's default on torch >= 2.10): dynamo's "
-            "AOT compile needs a serialisable compiled function and uniprefill's backend returns a plain "
-            "callable; set VLLM_USE_AOT_COMPILE=0 or use mode 1")
     backend = _get(cc, "backend")
-    if backend not in (BACKEND_QUALNAME, FORMER_BACKEND_QUALNAME):
-        check.errors.append(f"compilation_config.backend={backend!r}: expected {BACKEND_QUALNAME!r}")
+    ours = backend in (BACKEND_QUALNAME, FORMER_BACKEND_QUALNAME)
+    if mode == VLLM_COMPILE:
+        if ours:
+            check.errors.append(f"compilation_config.backend={backend!r} with mode 3 (VLLM_COMPILE): leave the backend "
+                                "at vLLM's default; in mode 3 uniprefill rewrites the graph in front of vLLM's own "
+                                f"backend (or use mode 2 with that backend)")
+    elif mode not in SUPPORTED_MODES:
+        check.errors.append(
+            f"compilation_config.mode={_get(cc, 'mode')!r}: expected 3 (VLLM_COMPILE, vLLM's default), or 1 "
+            f"(STOCK_TORCH_COMPILE) or 2 (DYNAMO_TRACE_ONCE) with backend {BACKEND_QUALNAME!r}")
+    else:
+        if mode == 2 and aot_compile:
+            check.errors.append(
+                "compilation_config.mode=2 with VLLM_USE_AOT_COMPILE=1 (vLLM's default on torch >= 2.10): dynamo's "
+                "AOT compile needs a serialisable compiled function and uniprefill's backend returns a plain "
+                "callable; set VLLM_USE_AOT_COMPILE=0, use mode 1, or mode 3 (vLLM's default)")
+        if not ours:
+            check.errors.append(f"compilation_config.backend={backend!r}: expected {BACKEND_QUALNAME!r} in mode {mode}")
     if settings.early_sparse:
         check.errors.append("early_sparse_p / early_sparse_keep (block-sparse attention before the first drop point) "
                             "is implemented for the Hugging Face backend only; remove it from the vLLM settings")
@@ -148,7 +161,12 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         check.errors.append("speculative decoding is not supported yet")
     graphs = cudagraph_mode_name(vllm_config)
     decode_graphs = decode_graphs_requested(vllm_config, settings)
-    if drop_enabled and graphs != "NONE" and not decode_graphs:
+    if drop_enabled and mode == VLLM_COMPILE and graphs == "FULL":
+        check.errors.append(
+            "compilation_config.cudagraph_mode=FULL with token dropping: every batch up to the capture size, prefills "
+            "included, would replay one full CUDA graph, which cannot drop; use vLLM's default FULL_AND_PIECEWISE, "
+            "PIECEWISE, FULL_DECODE_ONLY or NONE")
+    elif drop_enabled and mode != VLLM_COMPILE and graphs != "NONE" and not decode_graphs:
         check.errors.append(
             f"compilation_config.cudagraph_mode={graphs} with token dropping: CUDA graphs would be captured "
             "without any request's drop history, so a replayed decode step would attend, in the layers after a "
@@ -163,7 +181,7 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
             "prefill throughput on a Llama-3.1-8B shape but 0.48-0.84x on Gemma-3-270M, whose layers are too small "
             "for that loss; compare with standard vLLM on your model")
     if drop_enabled and decode_graphs:
-        check.notes.append("decode under CUDA graphs after drops (vllm_decode_graphs): experimental "
+        check.notes.append(f"decode under full CUDA graphs after drops ({graphs}): experimental "
                            "(run on the H200 with vLLM 0.26.0 and FA3); models with sliding-window layers after a drop run unaccelerated")
     runner = _get(_get(vllm_config, "model_config"), "runner_type", "generate")
     if runner not in (None, "generate"):

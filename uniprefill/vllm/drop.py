@@ -40,7 +40,7 @@ from uniprefill.config import UniPrefillConfig
 from .layout import KVCacheGroup, TokenLayout, _offsets, _ranges, batch_layout, compact, install_layer_metadata
 from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
-from .graph_decode import DecodeRemovedBuffer, _capturing_full_graph, graph_decode_point
+from .graph_decode import DecodeRemovedBuffer, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
 
 from .window import paged_window_step, row_logical, window_counts
 from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
@@ -119,6 +119,8 @@ class VllmDropRuntime:
                                       max_window=max(self.windows.values(), default=0))
         self.step = StepDrops()
         self.totals = DropTotals()
+        self._static_rows: torch.Tensor | None = None  # `_all_rows`
+        self._retired_rows: list[torch.Tensor] = []
         # Attention layers per segment: segment i holds the rows kept after i drop points (the
         # store's `layer_column`; a drop layer's own attention, and so its KV, comes before its drop).
         self.segment_layers = torch.bincount(self.store.layer_column, minlength=len(self.drop_layers) + 1).tolist()
@@ -140,6 +142,26 @@ class VllmDropRuntime:
             if _capturing_full_graph(context):
                 return self._graph_decode_point(context, q, layer)
             self.graph_decode.on(q.device)  # allocated outside any capture: a zero-fill captured in a graph would replay
+        if _piecewise_graph_step(context):
+            # vLLM's mode 3 replays (or captures) the pieces after this point for the step's padded row
+            # count, reading this op's output at the address it had at capture: nothing drops, the later
+            # layers still get their metadata (requests that dropped earlier hold fewer KV entries there)
+            # and the rows come from one persistent tensor
+            self._drop(context, q, k, layer, keep_all=True)
+            return self._all_rows(q)
+        return self._drop(context, q, k, layer)
+
+    def _all_rows(self, q: torch.Tensor) -> torch.Tensor:
+        """`arange(rows of q)` as a view of one tensor kept for the runtime's life (a larger one
+        replaces it, and the old one stays alive: a captured graph may read it)."""
+        rows = self._static_rows
+        if rows is None or rows.numel() < q.shape[0] or rows.device != q.device:
+            if rows is not None:
+                self._retired_rows.append(rows)
+            rows = self._static_rows = torch.arange(max(q.shape[0], 8192), device=q.device)
+        return rows[:q.shape[0]]
+
+    def _drop(self, context, q: torch.Tensor, k: torch.Tensor, layer: int, keep_all: bool = False) -> torch.Tensor:
         name = self.layer_names[layer]
         drop_index = self.drop_layers.index(layer)
         metadata = getattr(context, "attn_metadata", None)
@@ -157,6 +179,9 @@ class VllmDropRuntime:
             self.step.groups = self._groups(context)  # before any drop point splits them per layer
             layout = self.step.base = self._base_layout(context, name, self.step.groups)
             self.step.reasons = self._reasons(layout)
+            if keep_all:
+                eligible = self.step.reasons == SkipReason.ELIGIBLE
+                self.step.reasons[eligible] = SkipReason.CUDA_GRAPH
             if self.request_ids_fn is not None:
                 self.step.request_ids = list(ids)
                 self.step.history_rows = self._live_history_rows(self.step.request_ids, layout)

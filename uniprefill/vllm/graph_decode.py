@@ -98,6 +98,13 @@ def _capturing_full_graph(context) -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _piecewise_graph_step(context) -> bool:
+    """Whether this forward runs (replays or captures) vLLM's piecewise CUDA graphs (mode 3): the
+    forward context says PIECEWISE (runners V1 and V2; the enum's name, so vLLM is not imported)."""
+    mode = getattr(context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", mode) == "PIECEWISE"
+
+
 def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.Tensor:
     """The drop point of `runtime` (a `VllmDropRuntime`) while vLLM captures a decode CUDA graph: nothing drops (decode); the
     later layers get seq_lens and slots computed on the device from vLLM's persistent inputs

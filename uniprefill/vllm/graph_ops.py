@@ -6,6 +6,11 @@ compiler (Inductor, vLLM's own passes) can read every node:
 * `vllm_begin_step(positions)`: a forward starts (the runtime forgets the previous step);
 * `vllm_drop(q, k, layer)`: the drop point after layer `layer`'s attention; the kept rows, whose
   number is data-dependent (an unbacked size in the fake);
+* `vllm_kept_rows(keep)`: that number, as an int (a SymInt in the graph). Under vLLM's mode 3 the
+  graph is split at these ops, and `torch.fx.passes.split_module` makes the node whose value is
+  the unbacked symbol an input of every piece that uses it: an op right after `vllm_drop`, split
+  with it, binds the symbol in the drop's own piece (`aten.sym_size` there would bind it in the
+  next piece, which then depends on itself);
 * `vllm_window_attention(query, key, value, output, layer_name, layer, kv_cache_dummy_dep)`: a
   sliding-window layer after a drop point, over ORIGINAL positions; writes `output` as vLLM's
   `unified_attention_with_output` does;
@@ -76,6 +81,17 @@ def _(q, k, layer):
     return q.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
 
 
+@torch.library.custom_op(f"{LIB}::vllm_kept_rows", mutates_args=())
+def vllm_kept_rows(keep: torch.Tensor) -> int:
+    """The number of kept rows `vllm_drop` returned."""
+    return keep.shape[0]
+
+
+@vllm_kept_rows.register_fake
+def _(keep):
+    return keep.shape[0]
+
+
 @torch.library.custom_op(f"{LIB}::vllm_window_attention", mutates_args=("output",))
 def vllm_window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
                           layer_name: str, layer: int, kv_cache_dummy_dep: torch.Tensor | None = None) -> None:
@@ -113,6 +129,11 @@ def check_rows(value: torch.Tensor, num_rows: int, name: str) -> None:
 def _(value, num_rows, name):
     return None
 
+
+# The ops that must run in Python on every step (they act on the runtime, read the forward context, or
+# read host state): vLLM's mode 3 splits the graph at them (`uniprefill.vllm.piecewise`).
+SPLITTING_OPS = (f"{LIB}::vllm_begin_step", f"{LIB}::vllm_drop", f"{LIB}::vllm_kept_rows",
+                 f"{LIB}::vllm_window_attention")
 
 # Kept by dead-code elimination, and never treated as pure: `check_rows` and `vllm_begin_step` return
 # nothing; `vllm_drop` installs the later layers' attention metadata in vLLM's forward context.

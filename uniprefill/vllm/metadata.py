@@ -35,6 +35,7 @@ class SkipReason(enum.IntEnum):
     HAS_CONTEXT = 3  # prefix-cached, or the last chunk of a chunked prefill
     SHORT = 4  # fewer tokens than min_tokens
     OPTED_OUT = 5  # asked for prompt logprobs (every prompt row reaches the logits), or opted out
+    CUDA_GRAPH = 6  # the step runs vLLM's piecewise CUDA graphs, captured for a fixed number of rows
 
 
 def drop_eligibility(

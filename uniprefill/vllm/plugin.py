@@ -1,33 +1,26 @@
-"""The vLLM side of uniprefill: the `vllm.general_plugins` entry point and the backend vLLM compiles with.
+"""The vLLM side of uniprefill: the `vllm.general_plugins` entry point and the backend that rewrites vLLM's graph.
 
-Switching uniprefill on (written against vLLM 0.26.0; docs/vllm.md says what is verified):
+Switching uniprefill on (written against vLLM 0.26.0; docs/vllm.md says what is verified): the settings
+alone, every other vLLM setting at its default (compilation mode 3, VLLM_COMPILE):
 
-    LLM(model, compilation_config={"mode": 2,  # DYNAMO_TRACE_ONCE; 1 (STOCK_TORCH_COMPILE) also works
-        "backend": "uniprefill.vllm.plugin.vllm_backend",  # settings: vllm_drop on (without it: unaccelerated)
-        "inductor_compile_config": {"uniprefill": {"p": 0.99, "vllm_drop": True}}})
+    LLM(model, compilation_config={"inductor_compile_config": {"uniprefill": {"p": 0.99, "vllm_drop": True}}})
 
-Why this channel, read in vLLM 0.26.0's source (`CompilationConfig.init_backend`,
-`compilation/wrapper.py`, `v1/worker/gpu_model_runner.py`):
+`CompilationConfig` forbids unknown fields; `inductor_compile_config` is its one free-form dict (and part
+of vLLM's config hash), so the settings travel under its key "uniprefill". In mode 3 vLLM's own backend
+splits the graph at attention ops and compiles the pieces with Inductor: `register()` installs
+`uniprefill.vllm.piecewise` on it, which rewrites the whole graph first (with `VllmTokenDropBackend`)
+and takes the key out of the options it hands to Inductor.
 
-* Modes 1 and 2 hand the WHOLE backbone graph to `compilation_config.backend`; mode 3
-  (the default) splits it at attention ops and compiles the pieces with Inductor or the
-  platform's compiler, so it never calls a custom backend with the whole graph.
-* In modes 1 and 2 vLLM passes `torch.compile` options only to "inductor" (its
-  `inductor_compile_config`), so the dynamo backend name "uniprefill" (the Hugging Face
-  backend of `torch_dynamo_backends`) would receive no settings. A backend string that is
-  not a registered dynamo name is resolved as `module.attribute`, during model loading,
-  while vLLM's current-config context is set: the one moment a backend can see the
-  `VllmConfig`. `vllm_backend` is therefore built on attribute access (the module
-  `__getattr__` below), bound to that config and validated there, so a bad setting fails
-  engine construction with a `ValueError` naming it.
-* `CompilationConfig` forbids unknown fields; `inductor_compile_config` is its one free-form
-  dict (and part of vLLM's config hash), so the settings travel under its key "uniprefill".
-  Under mode 3 that key reaches Inductor, which rejects it ("torch._inductor.config.uniprefill
-  does not exist"): loud, never silent.
+Modes 1 and 2 (STOCK_TORCH_COMPILE, DYNAMO_TRACE_ONCE) hand the whole backbone to
+`compilation_config.backend` and run what it returns without Inductor: `{"mode": 2, "backend":
+"uniprefill.vllm.plugin.vllm_backend", ...}` runs the rewritten graph eagerly. That backend string is
+resolved as `module.attribute` during model loading, while vLLM's current-config context is set, so
+`vllm_backend` is built on attribute access (the module `__getattr__` below), bound to that config and
+validated there: a bad setting fails engine construction with a `ValueError` naming it.
 
 `register()` runs in every vLLM process, for every vLLM user who has uniprefill installed: it stays
-idempotent, cheap and harmless (the backend is found by qualname; it only installs the prefix-cache
-guard, inert unless an engine drops). `import uniprefill` never imports this module.
+idempotent and harmless (it wraps vLLM's scheduler and backend classes, inert unless an engine's config
+carries the settings). `import uniprefill` never imports this module.
 """
 
 from __future__ import annotations
@@ -60,10 +53,12 @@ def register() -> None:
     if _loaded:
         return
     _loaded = True
-    from .prefix_cache_guard import install_where_vllm_runs
+    from . import piecewise, prefix_cache_guard
 
-    install_where_vllm_runs()
-    logger.debug("uniprefill vLLM plugin loaded; enable it with compilation_config.backend=%r", BACKEND_QUALNAME)
+    prefix_cache_guard.install_where_vllm_runs()
+    piecewise.install_where_vllm_runs()
+    logger.debug("uniprefill vLLM plugin loaded; enable it with compilation_config.inductor_compile_config[%r]",
+                 CONFIG_KEY)
 
 
 def plugin_loaded() -> bool:
@@ -224,6 +219,12 @@ class VllmTokenDropBackend:
         return pass_uuid(self.config, extra_sources=("uniprefill.vllm",))
 
     def __call__(self, gm, example_inputs):
+        rewritten = self.rewrite_graph(gm, example_inputs)
+        return gm.forward if rewritten is None else rewritten.forward
+
+    def rewrite_graph(self, gm, example_inputs):
+        """A rewritten copy of `gm` (its runtime is `runtimes[-1]`), or None: the graph runs
+        unaccelerated, the reason logged and kept in `graphs` (raised under `strict`)."""
         from .graph import attach_example_inputs
 
         attach_example_inputs(gm, example_inputs)
@@ -255,7 +256,7 @@ class VllmTokenDropBackend:
                        report.attention_ops, list(report.layers), report.drop_layers,
                        f"; {report.plan_error}" if report.plan_error else "")
         warnings.warn(message, stacklevel=2)
-        return gm.forward
+        return None
 
     def _plan(self, gm, report: VllmGraphReport):
         """The attention layers of the graph and the drop points the config picks among them."""
@@ -346,7 +347,7 @@ class VllmTokenDropBackend:
         report.rewritten, report.reason = True, ""
         logger.warning("uniprefill: EXPERIMENTAL token dropping inside vLLM at layers %s (option vllm_drop; "
                        "first GPU runs on 2026-12-01, docs/vllm.md): %s", list(report.drop_layers), report.rewrite)
-        return gm.forward
+        return gm
 
 
 def _hf_text_config(vllm_config: Any) -> Any:
@@ -375,9 +376,16 @@ def _target_name(node) -> str:
     return getattr(target, "__name__", None) or str(target)
 
 
-def _vllm_backend_from_current_config() -> VllmTokenDropBackend:
+def _vllm_version() -> str | None:
     try:
         import vllm
+    except ImportError:
+        return None
+    return getattr(vllm, "__version__", None)
+
+
+def _vllm_backend_from_current_config() -> VllmTokenDropBackend:
+    try:
         from vllm.config import get_current_vllm_config
     except ImportError as exc:
         raise ImportError(f"{BACKEND_QUALNAME} is vLLM's backend and needs vllm installed") from exc
@@ -387,8 +395,7 @@ def _vllm_backend_from_current_config() -> VllmTokenDropBackend:
         aot_compile = bool(envs.VLLM_USE_AOT_COMPILE)
     except (ImportError, AttributeError):  # a vLLM without AOT compile
         aot_compile = None
-    return VllmTokenDropBackend.from_vllm_config(get_current_vllm_config(), getattr(vllm, "__version__", None),
-                                                 aot_compile)
+    return VllmTokenDropBackend.from_vllm_config(get_current_vllm_config(), _vllm_version(), aot_compile)
 
 
 def __getattr__(name: str):

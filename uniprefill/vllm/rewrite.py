@@ -37,7 +37,6 @@ tokens: it would change with the drop and cannot be scattered back).
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -132,7 +131,7 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
         order = {node: i for i, node in enumerate(graph.nodes)}
         point = order[keep]
         with graph.inserting_after(keep):
-            kept_count = graph.call_function(torch.ops.aten.sym_size.int, (keep, 0))
+            kept_count = graph.call_function(torch.ops.uniprefill.vllm_kept_rows.default, (keep,))
         counts.add(kept_count)
         cursor = kept_count
         for node in list(graph.nodes):
@@ -174,7 +173,7 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     with graph.inserting_before(output):
         rows = keeps[0]
         for keep in keeps[1:]:
-            rows = graph.call_function(operator.getitem, (rows, keep))
+            rows = graph.call_function(torch.index_select, (rows, 0, keep))  # not `rows[keep]`: see below
     scattered = 0
 
     def back(arg):

@@ -1,0 +1,71 @@
+"""Compare two `defaults_engine.py` runs: greedy outputs token for token, and prefill throughput.
+
+    python3 scripts/gpu/vllm/compare_engines.py STANDARD.json OTHER.json [--out SUMMARY.json]
+
+Parity: per prompt, equal token ids or the first position where they differ (prompt lengths must
+match). Throughput: per (length, batch) point present in both, OTHER's prefill tokens/s over
+STANDARD's, the engine-side prefill span ratio, and decode ms per token of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def parity(a: dict, b: dict) -> dict | None:
+    if "parity" not in a or "parity" not in b:
+        return None
+    pa, pb = a["parity"], b["parity"]
+    if pa["prompt_lengths"] != pb["prompt_lengths"]:
+        raise SystemExit("the two runs did not use the same prompts")
+    differ = []
+    for i, (x, y) in enumerate(zip(pa["output_token_ids"], pb["output_token_ids"])):
+        if x != y:
+            first = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            differ.append({"prompt": i, "length": pa["prompt_lengths"][i], "first_different_token": first})
+    n = len(pa["output_token_ids"])
+    return {"prompts": n, "identical": n - len(differ), "differ": differ,
+            "lengths": [min(pa["prompt_lengths"]), max(pa["prompt_lengths"])]}
+
+
+def throughput(a: dict, b: dict) -> list[dict]:
+    index = {(p["length"], p["batch"]): p for p in a.get("throughput", {}).get("points", [])}
+    rows = []
+    for p in b.get("throughput", {}).get("points", []):
+        q = index.get((p["length"], p["batch"]))
+        if q is None:
+            continue
+        row = {"length": p["length"], "batch": p["batch"], "standard_tokens_per_s": q["tokens_per_s"],
+               "tokens_per_s": p["tokens_per_s"], "ratio": round(p["tokens_per_s"] / q["tokens_per_s"], 3)}
+        ea, eb = q.get("engine", {}), p.get("engine", {})
+        if ea.get("available") and eb.get("available"):
+            row["engine_span_ratio"] = round(ea["span_s"] / eb["span_s"], 3)
+        if "decode" in p and "decode" in q:
+            row["decode_ms_standard"] = q["decode"].get("ms_per_token_median")
+            row["decode_ms"] = p["decode"].get("ms_per_token_median")
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("standard", type=Path)
+    parser.add_argument("other", type=Path)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    a, b = json.loads(args.standard.read_text()), json.loads(args.other.read_text())
+    summary = {"standard": str(args.standard), "other": str(args.other), "other_uniprefill": b.get("uniprefill"),
+               "settled": {"standard": a.get("settled"), "other": b.get("settled")},
+               "engine_init_s": {"standard": a.get("engine_init_s"), "other": b.get("engine_init_s")},
+               "parity": parity(a, b), "throughput": throughput(a, b), "drop_totals": b.get("drop_totals")}
+    text = json.dumps(summary, indent=1, default=str)
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

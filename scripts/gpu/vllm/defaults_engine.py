@@ -1,0 +1,139 @@
+"""One vLLM engine on its DEFAULT settings, with or without the one uniprefill option (GPU box).
+
+    python3 -P scripts/gpu/vllm/defaults_engine.py --model-dir /tmp/smollm2-135m --parity 120 --out $OUT/std.json
+    python3 -P scripts/gpu/vllm/defaults_engine.py --model-dir /tmp/smollm2-135m --parity 120 \\
+        --uniprefill '{"p": 1.0, "vllm_drop": true}' --out $OUT/p1.json
+    python3 -P scripts/gpu/vllm/defaults_engine.py --layers 32 --throughput-lengths 8192,16384 \\
+        --throughput-batches 1,4 --uniprefill '{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}' --out ...
+
+"Defaults" means `LLM(model, max_model_len=..., seed=0, disable_log_stats=False[, load_format="dummy"][, compilation_config=
+{"inductor_compile_config": {"uniprefill": SETTINGS}}])` and nothing else: compilation mode 3
+(Inductor, piecewise CUDA graphs), AOT compile, cudagraph_mode, chunked prefill with vLLM's own
+step budget, prefix caching. The JSON records what vLLM settled on (mode, cudagraph mode, budget,
+chunking, caching, AOT compile), the engine's start time, and:
+
+* `--parity N`: N prompts of mixed lengths (log-spaced from 32 tokens to `max_model_len` - 64,
+  cut from the haystack with the model's tokenizer), greedy, 16 new tokens each: the token ids
+  (`compare_engines.py` compares two runs token for token);
+* `--throughput-lengths/--throughput-batches`: `uniprefill.vllm.measure.run_throughput` (prefill
+  tokens/s of B prompts of exactly L tokens, engine timestamps; `--decode-tokens` more for ms per
+  output token);
+* with the option: the drop totals of every worker (`collect_drop_totals`).
+
+Run each engine in its own process (a fresh GPU), back to back; `scripts/gpu/vllm/defaults_grid.sh`
+runs the sets of docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+HAYSTACK = Path(os.environ.get("UNIPREFILL_HAYSTACK", "/tmp/eval/PaulGrahamEssays.json"))
+
+
+def parity_prompts(tokenizer, count: int, longest: int) -> list[list[int]]:
+    """`count` prompts of log-spaced lengths in [32, longest], each a different window of the haystack."""
+    data = json.loads(HAYSTACK.read_text())
+    text = data["text"] if isinstance(data, dict) else " ".join(item.get("text", "") for item in data)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    out = []
+    for i in range(count):
+        length = int(round(math.exp(math.log(32) + (math.log(longest) - math.log(32)) * i / max(count - 1, 1))))
+        start = (i * 7919) % max(1, len(ids) - length)
+        out.append(ids[start:start + length])
+    return out
+
+
+def settled(llm) -> dict:
+    config = llm.llm_engine.vllm_config
+    cc, sched, cache = config.compilation_config, config.scheduler_config, config.cache_config
+    from vllm import envs
+
+    return {"mode": str(cc.mode), "cudagraph_mode": str(cc.cudagraph_mode), "splitting_ops": cc.splitting_ops,
+            "max_num_batched_tokens": sched.max_num_batched_tokens, "chunked_prefill": sched.enable_chunked_prefill,
+            "prefix_caching": cache.enable_prefix_caching, "aot_compile": bool(envs.VLLM_USE_AOT_COMPILE),
+            "max_num_seqs": sched.max_num_seqs}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path, default=None, help="a real HF model folder")
+    parser.add_argument("--layers", type=int, default=32, help="without --model-dir: a dummy Llama-3.1-8B shape")
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's (8192 dummy)")
+    parser.add_argument("--uniprefill", default=None, help="JSON of the uniprefill settings (the one option)")
+    parser.add_argument("--parity", type=int, default=0)
+    parser.add_argument("--parity-tokens", type=int, default=16)
+    parser.add_argument("--throughput-lengths", default="")
+    parser.add_argument("--throughput-batches", default="1,4")
+    parser.add_argument("--decode-tokens", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collect_drop_totals: a function over RPC
+
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from uniprefill.vllm.measure import run_throughput
+
+    summary: dict = {"python": platform.python_version(), "vllm": vllm.__version__, "torch": torch.__version__,
+                     "device": torch.cuda.get_device_name(0), "uniprefill": json.loads(args.uniprefill or "null")}
+
+    def save() -> None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1, default=str))
+
+    kwargs: dict = {"seed": 0, "disable_log_stats": False}  # engine timestamps (TTFT, decode): observability only
+    if args.model_dir is None:
+        from uniprefill.testing.word_llama import write_model_folder
+
+        folder = Path(f"/tmp/llama8b-shaped-{args.layers}")
+        write_model_folder(folder, args.layers)
+        kwargs["load_format"] = "dummy"
+        kwargs["max_model_len"] = args.max_model_len or 32768
+    else:
+        folder = args.model_dir
+        if args.max_model_len:
+            kwargs["max_model_len"] = args.max_model_len
+    if args.uniprefill is not None:
+        kwargs["compilation_config"] = {"inductor_compile_config": {"uniprefill": json.loads(args.uniprefill)}}
+    summary["model"], summary["llm_kwargs"] = str(folder), dict(kwargs)
+    save()
+    start = time.perf_counter()
+    llm = LLM(model=str(folder), tokenizer=str(folder), **kwargs)
+    summary["engine_init_s"] = round(time.perf_counter() - start, 1)
+    summary["settled"] = settled(llm)
+    max_len = llm.llm_engine.model_config.max_model_len
+    save()
+    if args.parity:
+        prompts = parity_prompts(llm.get_tokenizer(), args.parity, max_len - args.parity_tokens - 48)
+        params = SamplingParams(max_tokens=args.parity_tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        summary["parity"] = {"seconds": round(time.perf_counter() - start, 2),
+                             "prompt_lengths": [len(p) for p in prompts],
+                             "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+        save()
+    if args.throughput_lengths:
+        lengths = [int(x) for x in args.throughput_lengths.split(",")]
+        batches = [int(x) for x in args.throughput_batches.split(",")]
+        summary["throughput"] = {"points": []}
+        run_throughput(llm, lengths, batches, llm.llm_engine.model_config.get_vocab_size(),
+                       summary["throughput"]["points"], save, decode_tokens=args.decode_tokens)
+    if args.uniprefill is not None:
+        from uniprefill.vllm.runner_hook import collect_drop_totals
+
+        summary["drop_totals"] = collect_drop_totals(llm)
+    save()
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("parity",)}, default=str)[:4000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

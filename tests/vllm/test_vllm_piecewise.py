@@ -1,0 +1,162 @@
+"""Token dropping under vLLM's default compilation (mode 3) on CPU: `uniprefill.vllm.piecewise` wraps a
+stand-in of vLLM's backend (`fake_vllm_compile.py`: the graph split at the splitting ops, the pieces
+between them compiled by Inductor) in the fake paged-KV vLLM of `fake_vllm_model.py`.
+
+Reference: the mode-2 path (`compile_with_drops`: the same rewrite, run eagerly), whose drops
+`test_vllm_rewrite.py` checks against plain PyTorch, and the model without any rewrite.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from fake_vllm_compile import FakeVllmBackend, fake_mode3_config
+from fake_vllm_model import BLOCK, LAYERS, VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context
+from uniprefill.config import UniPrefillConfig
+from uniprefill.vllm import piecewise
+from uniprefill.vllm.graph_ops import SPLITTING_OPS
+from uniprefill.vllm.metadata import SkipReason
+from uniprefill.vllm.plugin import VllmHooks
+
+FAKE_SPLITTING_OPS = ["uniprefill_fakevllm::unified_attention_with_output", "uniprefill_fakevllm::unified_kv_cache_update"]
+SETTINGS = {"keep_ratio": 0.5, "block_size": BLOCK, "last_q": 16, "sink": 16, "min_tokens": 64, "vllm_drop": True}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TinyBackbone().eval()
+
+
+@pytest.fixture
+def runtimes(monkeypatch):
+    """vLLM's backend class wrapped by the plugin, with hooks into the fake vLLM; the drop runtimes
+    the rewrites made (the hooks' listeners)."""
+    made = []
+    listeners = types.SimpleNamespace(add=made.append)
+    hooks = VllmHooks(context_fn=lambda: WORLD.context, request_ids_fn=lambda: WORLD.context.request_ids,
+                      num_prompt_tokens_fn=lambda: None, listeners=listeners)
+    monkeypatch.setattr(VllmHooks, "from_vllm", classmethod(lambda cls: hooks))
+    assert piecewise.install(FakeVllmBackend) and not piecewise.install(FakeVllmBackend)
+    yield made
+    assert piecewise.uninstall(FakeVllmBackend)
+    torch._dynamo.reset()
+
+
+def compile_mode3(model, settings, **compilation):
+    """torch.compile as vLLM's mode 3 does it: dynamo hands the whole graph to a `VllmBackend`."""
+    compilation.setdefault("splitting_ops", FAKE_SPLITTING_OPS)
+    config = fake_mode3_config(settings, layers=LAYERS, block=BLOCK, **compilation)
+    backends = []
+
+    def backend(gm, example_inputs):
+        backends.append(FakeVllmBackend(config))
+        return backends[-1](gm, example_inputs)
+
+    return torch.compile(model, backend=backend, dynamic=True, fullgraph=True), backends
+
+
+def batch(query_lens, seed=1):
+    ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(seed))
+    return ids, torch.cat([torch.arange(q) for q in query_lens])
+
+
+def uniprefill_ops(gm) -> set[str]:
+    return {str(n.target) for n in gm.graph.nodes if str(n.target).startswith("uniprefill.")}
+
+
+@pytest.mark.parametrize("drops", [(1,), (1, 2)], ids=["one-drop", "two-drops"])
+def test_inductor_pieces_after_the_drop_match_the_eager_rewrite(model, runtimes, drops):
+    """The rewritten graph split at vLLM's and uniprefill's splitting ops, the pieces after a drop
+    compiled by Inductor for the drop's unbacked row count: every output row equals the eager
+    rewrite's (mode 2), over batches of several shapes; the settings never reach Inductor, and
+    vLLM's AOT cache would save the original graph."""
+    eager, state = compile_with_drops(model, UniPrefillConfig(**{k: v for k, v in SETTINGS.items() if k != "vllm_drop"}),
+                                      drops)
+    batches = [batch(query_lens, seed) for seed, query_lens in enumerate(([300, 40, 170], [500], [64, 100, 30, 90]))]
+    lens = [[300, 40, 170], [500], [64, 100, 30, 90]]
+    references, plains = [], []
+    with torch.no_grad():
+        for query_lens, (ids, positions) in zip(lens, batches):
+            WORLD.context = fake_context(query_lens)
+            references.append(eager(ids, positions))
+            WORLD.context = fake_context(query_lens)
+            plains.append(model(ids, positions))
+    assert state["runtime"].step.points  # the reference dropped
+    torch._dynamo.reset()  # one compiled entry per test: dynamo caches by code object
+    compiled, backends = compile_mode3(model, dict(SETTINGS, drop_layers=list(drops)))
+    for query_lens, (ids, positions), reference, plain in zip(lens, batches, references, plains):
+        WORLD.context = fake_context(query_lens)
+        with torch.no_grad():
+            ours = compiled(ids, positions)
+        torch.testing.assert_close(ours, reference, atol=2e-5, rtol=2e-5)
+        runtime = runtimes[-1]  # (the tiny model's float `.item()` makes Inductor restart dynamo once)
+        assert [p.layer for p in runtime.step.points] == list(drops)
+        assert sum(runtime.step.points[-1].kept) < sum(runtime.step.points[0].entering)  # rows were dropped
+        last = torch.tensor(query_lens).cumsum(0) - 1
+        assert not torch.allclose(ours[last], plain[last], atol=1e-3)  # and the answer moved with them
+    backend = backends[-1]
+    assert "uniprefill" not in backend.inductor_config  # Inductor rejects unknown options
+    assert set(SPLITTING_OPS) <= set(backend.compilation_config.splitting_ops)
+    assert len(backend.pieces) >= LAYERS + 1  # one piece between each pair of attention ops, after the drop too
+    assert uniprefill_ops(backend.compiled.graph_module) == set()  # the original graph, rewritten anew on load
+
+
+def test_a_piecewise_cuda_graph_step_keeps_every_row_from_one_tensor(model, runtimes):
+    """A step vLLM runs as piecewise CUDA graphs (the forward context says PIECEWISE): the pieces after
+    the drop replay for the captured row count, so nothing drops (reason CUDA_GRAPH) and the rows the
+    drop point returns are views of one persistent tensor; the output is the plain model's."""
+    compiled, _ = compile_mode3(model, dict(SETTINGS, drop_layers=[1]))
+    query_lens = [150, 90]
+    ids, positions = batch(query_lens)
+    pointers = []
+    for _ in range(2):
+        WORLD.context = fake_context(query_lens)
+        WORLD.context.cudagraph_runtime_mode = types.SimpleNamespace(name="PIECEWISE")
+        with torch.no_grad():
+            ours = compiled(ids, positions)
+        runtime = runtimes[-1]
+        assert runtime.step.reasons.tolist() == [SkipReason.CUDA_GRAPH] * 2
+        pointers.append(runtime._all_rows(ids).data_ptr())
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        plain = model(ids, positions)
+    torch.testing.assert_close(ours, plain, atol=2e-5, rtol=2e-5)
+    assert pointers[0] == pointers[1]
+
+
+def test_a_config_without_settings_is_left_to_vllm(model, runtimes):
+    compiled, backends = compile_mode3(model, None)
+    query_lens = [120]
+    ids, positions = batch(query_lens)
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        compiled(ids, positions)
+    backend = backends[-1]
+    assert backend.compilation_config.splitting_ops == FAKE_SPLITTING_OPS and not runtimes
+
+
+@pytest.mark.parametrize("compilation, reason", [
+    ({"use_inductor_graph_partition": True}, "use_inductor_graph_partition"),
+    ({"splitting_ops": []}, "no splitting_ops"),
+])
+def test_what_mode_3_cannot_drop_runs_unaccelerated_with_the_reason(model, runtimes, compilation, reason):
+    compiled, backends = compile_mode3(model, dict(SETTINGS, drop_layers=[1]), **compilation)
+    query_lens = [200]
+    ids, positions = batch(query_lens)
+    WORLD.context = fake_context(query_lens)
+    with pytest.warns(UserWarning, match=reason), torch.no_grad():
+        ours = compiled(ids, positions)
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        plain = model(ids, positions)
+    torch.testing.assert_close(ours, plain, atol=2e-5, rtol=2e-5)
+    assert not runtimes and "uniprefill" not in backends[0].inductor_config
+
+
+def test_mega_artifact_runs_unaccelerated():
+    config = fake_mode3_config(SETTINGS, layers=LAYERS, block=BLOCK, splitting_ops=FAKE_SPLITTING_OPS)
+    assert "VLLM_USE_MEGA_AOT_ARTIFACT" in piecewise.unaccelerated_reason(config, mega_artifact=True)
+    assert piecewise.unaccelerated_reason(config, mega_artifact=False) is None
