@@ -160,3 +160,36 @@ def test_mega_artifact_runs_unaccelerated():
     config = fake_mode3_config(SETTINGS, layers=LAYERS, block=BLOCK, splitting_ops=FAKE_SPLITTING_OPS)
     assert "VLLM_USE_MEGA_AOT_ARTIFACT" in piecewise.unaccelerated_reason(config, mega_artifact=True)
     assert piecewise.unaccelerated_reason(config, mega_artifact=False) is None
+
+
+def test_a_step_that_drops_nothing_leaves_vllms_metadata_untouched(model, runtimes):
+    """p = 1 keeps every row: the later layers then read the very metadata objects vLLM built (FA3's
+    ahead-of-time plan included, which a replaced object would lose: on the H200 that changed FA3's
+    schedule and so the last bits of attention), and the output is the plain model's. A step in which
+    rows drop replaces them."""
+    compiled, _ = compile_mode3(model, {**SETTINGS, "keep_ratio": None, "p": 1.0, "drop_layers": [1]})
+    query_lens = [300, 40, 170]
+    ids, positions = batch(query_lens)
+    context = WORLD.context = fake_context(query_lens)
+    plan = object()
+    for meta in context.attn_metadata.values():
+        meta.scheduler_metadata = plan
+    built = dict(context.attn_metadata)
+    with torch.no_grad():
+        ours = compiled(ids, positions)
+    runtime = runtimes[-1]
+    assert runtime.step.points and not runtime.step.changed
+    assert all(context.attn_metadata[name] is meta for name, meta in built.items())
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        plain = model(ids, positions)
+    torch.testing.assert_close(ours, plain, atol=2e-5, rtol=2e-5)
+    WORLD.context = context = fake_context(query_lens)  # and with rows dropped, the later layers' objects change
+    built = dict(context.attn_metadata)
+    torch._dynamo.reset()
+    dropping, _ = compile_mode3(model, dict(SETTINGS, drop_layers=[1]))
+    with torch.no_grad():
+        dropping(ids, positions)
+    assert runtimes[-1].step.changed
+    later = [name for name in built if name.startswith(("model.layers.2.", "model.layers.3."))]
+    assert later and all(context.attn_metadata[name] is not built[name] for name in later)

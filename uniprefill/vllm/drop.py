@@ -199,8 +199,11 @@ class VllmDropRuntime:
         out = compact(layout, kept, counts, kv_removed_cpu=removed)
         groups = self.step.groups
         later = [n for n in self.layer_names[layer + 1:] if n in groups]
-        install_layer_metadata(context.attn_metadata, context.slot_mapping,
-                               {n: groups[n] for n in later if n not in self.windows}, out)
+        self.step.changed = (self.step.changed or bool((counts != layout.query_lens_cpu).any())
+                             or (removed is not None and bool(removed.any())))
+        if self.step.changed:  # else the later layers see vLLM's own batch: its metadata (FA3's plan included) stays
+            install_layer_metadata(context.attn_metadata, context.slot_mapping,
+                                   {n: groups[n] for n in later if n not in self.windows}, out)
         sliding = [n for n in later if n in self.windows]
         if sliding:
             self._install_windows(context, kept, counts, eligible, layer, sliding)

@@ -100,6 +100,7 @@ class StepDrops:
     right_layout: TokenLayout | None = None  # after the last drop point, right-aligned (sliding layers)
     window_rows: dict[str, WindowRows] = field(default_factory=dict)  # sliding layer name -> its rows
     profiling: bool = False  # a forward without attention metadata (vLLM's dummy runs)
+    changed: bool = False  # a drop point so far removed a row, or a request holds fewer KV entries after one
     graph_base: dict = field(default_factory=dict)  # layer name -> (vLLM's metadata, slot mapping), in a capture
 
     @property

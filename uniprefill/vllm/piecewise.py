@@ -18,7 +18,8 @@ wraps `VllmBackend.__call__`; for a backend whose config carries those settings 
    and piecewise compilation read; after a drop point the row count is the drop's unbacked size);
 4. adds `graph_ops.SPLITTING_OPS` to the splitting ops: the drop point, its row count, the
    per-step reset and the window attention then run in Python on every step, between the
-   compiled pieces, as vLLM's attention does;
+   compiled pieces, as vLLM's attention does; and turns off Inductor's `benchmark_combo_kernel`
+   (vLLM's default on): it needs a size hint for every symbol, which a drop's row count has not;
 5. calls vLLM's backend with the rewritten graph, and makes the runtime current around each call
    of the compiled function (`graph_ops.running`). The function keeps the ORIGINAL graph for
    vLLM's AOT-compile cache: an engine that loads it calls the backend again, and this wrapper
@@ -133,6 +134,11 @@ def install(backend_cls: Any) -> bool:
             return original(self, graph, example_inputs)
         rewritten, runtime = prepared
         add_splitting_ops(self.compilation_config)
+        if self.inductor_config.get("benchmark_combo_kernel"):
+            # benchmarking a combined kernel generates code that needs a size hint for every symbol, and
+            # the rows kept at a drop point (an unbacked size) have none ("Cannot convert symbols to int",
+            # H200, vLLM 0.26.0, several drop points): combine kernels without benchmarking them
+            self.inductor_config["benchmark_combo_kernel"] = False
         compiled = original(self, rewritten, example_inputs)
         if hasattr(compiled, "graph_module"):
             compiled.graph_module = graph  # what vLLM's AOT-compile cache saves: rewritten again on load

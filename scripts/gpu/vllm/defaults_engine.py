@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=32, help="without --model-dir: a dummy Llama-3.1-8B shape")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's (8192 dummy)")
     parser.add_argument("--uniprefill", default=None, help="JSON of the uniprefill settings (the one option)")
+    parser.add_argument("--inductor", default=None,
+                        help="JSON of Inductor options for inductor_compile_config (a control run: what uniprefill's "
+                             "hook changes there, without uniprefill)")
     parser.add_argument("--parity", type=int, default=0)
     parser.add_argument("--parity-tokens", type=int, default=16)
     parser.add_argument("--throughput-lengths", default="")
@@ -101,8 +104,11 @@ def main(argv=None) -> int:
         folder = args.model_dir
         if args.max_model_len:
             kwargs["max_model_len"] = args.max_model_len
+    inductor = json.loads(args.inductor) if args.inductor else {}
     if args.uniprefill is not None:
-        kwargs["compilation_config"] = {"inductor_compile_config": {"uniprefill": json.loads(args.uniprefill)}}
+        inductor["uniprefill"] = json.loads(args.uniprefill)
+    if inductor:
+        kwargs["compilation_config"] = {"inductor_compile_config": inductor}
     summary["model"], summary["llm_kwargs"] = str(folder), dict(kwargs)
     save()
     start = time.perf_counter()

@@ -1,39 +1,41 @@
 #!/usr/bin/env bash
-# On the GPU box (vLLM installed by box_install.sh; SmolLM2 by box_install_models.sh for the set
-# "smollm2"): engines on vLLM's DEFAULT settings, standard vs. the one uniprefill option, each in its
-# own process, back to back, then compared (scripts/gpu/vllm/compare_engines.py).
-#   bash scripts/gpu/vllm/defaults_grid.sh smollm2|llama OUT_DIR
-# smollm2: SmolLM2-135M (real weights, 8K): 120 parity prompts (32..~8K tokens) + prefill throughput at
-#          2048/7000 x batch 1/4/16, for standard, p = 1, p = 0.95 and keep 0.3 at layer 7.
-# llama:   a Llama-3.1-8B shape (dummy weights, 32K): prefill throughput at 8192/16384/32000 x batch 1/4,
-#          8 decode tokens, for standard and keep 0.3 at layer 7.
+# On the GPU box (vLLM installed by box_install.sh; SmolLM2 by box_install_models.sh): engines on vLLM's
+# DEFAULT settings, standard vs. the one uniprefill option, each in its own process, back to back, then
+# compared with the standard engine of the same model (scripts/gpu/vllm/compare_engines.py).
+#   bash scripts/gpu/vllm/defaults_grid.sh OUT_DIR RUN...
+# RUN: smollm2-standard | smollm2-p1 | smollm2-p095 | smollm2-keep03   SmolLM2-135M (real weights, 8K): 120
+#          parity prompts (32..~8K tokens, 16 greedy tokens) + prefill throughput at 2048/7000 x batch 1/4/16
+#      smollm2-again (standard, a second engine) | smollm2-nocombo (standard with Inductor's benchmark_combo_kernel
+#          off, as uniprefill's hook sets it): controls for the parity of the others
+#      llama-standard | llama-keep03   a Llama-3.1-8B shape (dummy weights, 32K context): prefill throughput
+#          at 8192/16384 x batch 1/4 with 8 decode tokens
+# (p1: {"p": 1.0}; p095: {"p": 0.95}; keep03: {"keep_ratio": 0.3, "drop_layers": [7]}; all with "vllm_drop": true)
 set -uo pipefail
-SET="${1:?usage: defaults_grid.sh smollm2|llama OUT_DIR}"; OUT="${2:?OUT_DIR}"
+OUT="${1:?usage: defaults_grid.sh OUT_DIR RUN...}"; shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/env.sh"
-bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh"
+bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
 export UNIPREFILL_HAYSTACK=/tmp/eval/PaulGrahamEssays.json
-run() {  # name, timeout, arguments...
-  local name="$1" limit="$2"; shift 2
-  local start=$(date +%s)
-  timeout "$limit" python3 -P "$ROOT/scripts/gpu/vllm/defaults_engine.py" "$@" --out "$OUT/$name.json" \
-    > "$OUT/$name.log" 2>&1
-  echo "$name: exit $? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/$name.log" | cut -c1-300
-}
-compare() { python3 -P "$ROOT/scripts/gpu/vllm/compare_engines.py" "$OUT/$1.json" "$OUT/$2.json" --out "$OUT/compare-$2.json" \
-  | python3 -c "import json,sys; d=json.load(sys.stdin); p=d['parity']; print('$2:', 'parity', p and (p['identical'], p['prompts']), 'throughput', [(r['length'], r['batch'], r['ratio']) for r in d['throughput']], 'drops', str(d['drop_totals'])[:300])"; }
-case "$SET" in
-  smollm2)
-    M=(--model-dir /tmp/smollm2-135m --parity 120 --throughput-lengths 2048,7000 --throughput-batches 1,4,16)
-    run standard 170 "${M[@]}"
-    run p1 170 "${M[@]}" --uniprefill '{"p": 1.0, "vllm_drop": true}'
-    run p095 170 "${M[@]}" --uniprefill '{"p": 0.95, "vllm_drop": true}'
-    for x in p1 p095; do compare standard $x; done ;;
-  llama)
-    L=(--layers 32 --throughput-lengths 8192,16384,32000 --throughput-batches 1,4 --decode-tokens 8)
-    run standard 280 "${L[@]}"
-    run keep03 280 "${L[@]}" --uniprefill '{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}'
-    compare standard keep03 ;;
-  *) echo "unknown set $SET" >&2; exit 2 ;;
-esac
+SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120 --throughput-lengths 2048,7000 --throughput-batches 1,4,16)
+LLAMA=(--layers 32 --throughput-lengths 8192,16384 --throughput-batches 1,4 --decode-tokens 8)
+declare -A SETTINGS=([standard]="" [p1]='{"p": 1.0, "vllm_drop": true}' [p095]='{"p": 0.95, "vllm_drop": true}'
+                     [keep03]='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}')
+for name in "$@"; do
+  model="${name%%-*}" variant="${name#*-}"
+  case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; llama) args=("${LLAMA[@]}") ;; *) echo "unknown run $name" >&2; exit 2 ;; esac
+  case "$variant" in
+    again) ;;
+    nocombo) args+=(--inductor '{"benchmark_combo_kernel": false}') ;;
+    *) [[ -n "${SETTINGS[$variant]}" ]] && args+=(--uniprefill "${SETTINGS[$variant]}") ;;
+  esac
+  start=$(date +%s)
+  timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/defaults_engine.py" "${args[@]}" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $? in $(( $(date +%s) - start )) s"
+  grep -E "Traceback|Error" "$OUT/$name.log" | head -3 | cut -c1-300
+  if [[ "$variant" != standard && -f "$OUT/$model-standard.json" ]]; then
+    python3 -P "$ROOT/scripts/gpu/vllm/compare_engines.py" "$OUT/$model-standard.json" "$OUT/$name.json" \
+      --out "$OUT/compare-$name.json" | python3 -c "import json,sys; d=json.load(sys.stdin); p=d['parity']
+print('$name:', 'parity', p and (p['identical'], p['prompts']), 'throughput', [(r['length'], r['batch'], r['ratio']) for r in d['throughput']], 'drops', str(d['drop_totals'])[:300])"
+  fi
+done
