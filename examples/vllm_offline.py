@@ -1,31 +1,29 @@
 """uniprefill inside vLLM 0.26.0: offline generation with token dropping, one request opted out.
 
-    VLLM_USE_AOT_COMPILE=0 python examples/vllm_offline.py --model /path/to/hf-model-folder --p 0.95 [--decode-graphs]
+    python examples/vllm_offline.py --model /path/to/hf-model-folder --p 0.95
 
 Needs a GPU, vLLM 0.26.0 and uniprefill installed in the same environment (vLLM finds the
-plugin through its `vllm.general_plugins` entry point). What the settings mean and why each is
-needed: docs/vllm.md ("Switching it on"). Measured on an H200 (docs/benchmarks.md, "vLLM"):
-2.07-2.42x standard vLLM's prefill throughput on a Llama-3.1-8B shape at keep 0.3; slower than
-standard vLLM on a model as small as Gemma-3-270M. The same settings from the command line:
+plugin through its `vllm.general_plugins` entry point). The uniprefill settings are the one
+option; every other engine setting is vLLM's default (compilation mode 3 with Inductor and CUDA
+graphs, chunked prefill, prefix caching). docs/vllm.md says what runs accelerated. Measured on an
+H200 under these defaults (docs/results/vllm-defaults-h200-2026-12-03): 2.06-2.25x standard vLLM's
+prefill throughput on a Llama-3.1-8B shape at keep 0.3 (8K and 16K prompts). The same from the
+command line:
 
-    VLLM_USE_AOT_COMPILE=0 vllm serve MODEL \\
-        --no-enable-chunked-prefill --max-num-batched-tokens 32768 -cc '{"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
-        "inductor_compile_config": {"uniprefill": {"p": 0.95, "vllm_drop": true}}}'
+    vllm serve MODEL -cc '{"inductor_compile_config": {"uniprefill": {"p": 0.95, "vllm_drop": true}}}'
 """
 from __future__ import annotations
 
 import argparse
+import os
 
-from uniprefill import env
 from uniprefill.vllm.engine_settings import dropping_engine_kwargs
 
 
-def llm_kwargs(model: str, settings: dict, max_model_len: int = 32768, decode_graphs: bool = False) -> dict:
-    """`vllm.LLM(**kwargs)` for a dropping engine (`uniprefill.vllm.engine_settings` says why each
-    setting is needed); "vllm_drop" (the experimental rewrite; without it vLLM runs
-    unaccelerated) is added to the `UniPrefillConfig` fields in `settings`."""
-    return {"model": model, **dropping_engine_kwargs({"vllm_drop": True, **settings}, max_model_len=max_model_len,
-                                                     decode_graphs=decode_graphs)}
+def llm_kwargs(model: str, settings: dict, max_model_len: int = 32768) -> dict:
+    """`vllm.LLM(**kwargs)` for a dropping engine on vLLM's defaults; "vllm_drop" (the rewrite;
+    without it vLLM runs unaccelerated) is added to the `UniPrefillConfig` fields in `settings`."""
+    return {"model": model, **dropping_engine_kwargs({"vllm_drop": True, **settings}, max_model_len=max_model_len)}
 
 
 def main() -> None:
@@ -33,15 +31,15 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a local Hugging Face model folder")
     parser.add_argument("--p", type=float, default=0.95, help="share of the attention score to keep")
     parser.add_argument("--max-model-len", type=int, default=32768)
-    parser.add_argument("--decode-graphs", action="store_true", help="decode under CUDA graphs after drops")
     args = parser.parse_args()
-    env.prepare_vllm_channel()  # no AOT compile in mode 2; collective_rpc(drop_totals) sends a function
+    # vLLM's switch for collective_rpc with a function: collect_drop_totals below (a report, not a setting)
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
     from vllm import LLM, SamplingParams
 
     from uniprefill.vllm.runner_hook import collect_drop_totals
 
-    llm = LLM(**llm_kwargs(args.model, {"p": args.p}, args.max_model_len, args.decode_graphs))
+    llm = LLM(**llm_kwargs(args.model, {"p": args.p}, args.max_model_len))
     long_prompt = "Here is a long report. " + "The committee met and discussed the budget. " * 600
     prompts = [long_prompt + "\nQuestion: what did the committee discuss?\nAnswer:",
                long_prompt + "\nSummarise the report in one sentence:\n"]

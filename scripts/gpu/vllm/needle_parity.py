@@ -45,7 +45,7 @@ def engine_kwargs(args, max_len: int) -> dict:
     if args.kv_cache_gib:
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
     if args.system == "uniprefill":
-        kwargs.update(dropping_engine_kwargs(json.loads(args.settings), max_model_len=max_len))
+        kwargs.update(dropping_engine_kwargs(json.loads(args.settings), max_model_len=max_len, mode=2))  # as measured
     return kwargs
 
 

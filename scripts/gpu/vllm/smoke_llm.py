@@ -94,7 +94,7 @@ def engine_kwargs(args, lengths: list[int] | None) -> tuple[dict, dict]:
     elif args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.uniprefill:
-        kwargs["compilation_config"] = compilation_config(json.loads(args.uniprefill_settings),
+        kwargs["compilation_config"] = compilation_config(json.loads(args.uniprefill_settings), mode=2,
                                                           decode_graphs=args.decode_graphs)
         if not args.decode_graphs and os.environ.get("SMOKE_CUDAGRAPH_MODE"):  # debugging: e.g. NONE
             kwargs["compilation_config"]["cudagraph_mode"] = os.environ["SMOKE_CUDAGRAPH_MODE"]
