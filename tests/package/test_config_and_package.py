@@ -98,27 +98,45 @@ def test_eval_does_not_import_bench(tmp_path):
     assert result.returncode == 0 and "no cycle" in result.stdout, result.stderr[-2000:]
 
 
-def test_kernels_folder_does_not_trip_transformers_probe():
-    # `python -c` from the repository root puts the root on sys.path, so `kernels/` is
-    # importable there as a top-level module: transformers must still see no `kernels` package.
+def _hf_kernels_installed() -> bool:
+    import importlib.metadata as md
+
+    try:
+        md.version("kernels")
+        return True
+    except md.PackageNotFoundError:
+        return False
+
+
+def test_kernels_folder_does_not_shadow_the_hub_kernels_package():
+    """`python -c` from the repository root puts the root on sys.path, so `kernels/` is importable
+    there as a top-level module. transformers (>= 5.25 depends on the Hugging Face `kernels` package
+    and imports it from its model code) must get the real package, or none where it is not
+    installed; uniprefill's kernels stay `uniprefill.kernels`."""
     code = (
-        "import importlib.util\n"
+        "import importlib.util, importlib.metadata as md\n"
         "assert importlib.util.find_spec('kernels') is not None\n"
         "from transformers.utils import import_utils\n"
-        "assert not import_utils.is_kernels_available(), 'transformers thinks kernels is installed'\n"
+        "try:\n    md.version('kernels'); installed = True\n"
+        "except md.PackageNotFoundError:\n    installed = False\n"
+        "assert import_utils.is_kernels_available() == installed, 'our folder changed transformers probe'\n"
+        "import kernels\n"
+        "assert (kernels.__file__ or '').startswith(__import__('os').getcwd()) != installed, kernels.__file__\n"
+        "from transformers import LlamaForCausalLM\n"  # imports transformers' hub-kernel integration
         "import uniprefill.kernels.api\n"
+        "assert uniprefill.kernels.__name__ == 'uniprefill.kernels'\n"
         "print('ok')"
     )
     result = _python(code, ROOT)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 
-def test_transformers_kernels_probe_is_not_tripped_in_this_test_process():
+def test_transformers_kernels_probe_in_this_test_process_follows_the_installed_package():
     """However pytest was started (`pytest` or `python -m pytest`, which puts the root on
-    sys.path), transformers must not take our `kernels/` folder for the hub's `kernels` package."""
+    sys.path), transformers sees the hub's `kernels` package exactly when it is installed."""
     from transformers.utils import import_utils
 
-    assert not import_utils.is_kernels_available()
+    assert import_utils.is_kernels_available() == _hf_kernels_installed()
 
 
 def test_import_registers_the_backend_name_without_the_entry_point(tmp_path):

@@ -49,11 +49,12 @@ def test_hybrid_kinds_parity_and_drop(name):
 
 
 def _state_tensors(cache_layer) -> list[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor a cache layer holds (states may sit in per-row dicts)."""
+    """(name, tensor) of every floating-point tensor a cache layer holds (states may sit in per-row
+    dicts); integer counters (transformers 5.25's `cumulative_length_linear`) are bookkeeping, not states."""
     out = []
     for name, value in vars(cache_layer).items():
         values = value.values() if isinstance(value, dict) else [value]
-        out += [(name, v) for v in values if isinstance(v, torch.Tensor)]
+        out += [(name, v) for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
     return out
 
 
