@@ -6,6 +6,8 @@ call cannot be accelerated soundly it runs unaccelerated and says why.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
@@ -281,16 +283,71 @@ def test_stablelm_generate_after_a_drop_reaches_the_decode_attention():
     assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=5, do_sample=False))
 
 
+def _calls_the_attention_interface(model, ids) -> bool:
+    """Whether the model's attention goes through transformers' attention interface: one plain
+    forward with the interface's function for the model's implementation wrapped to count calls
+    (a local override of `ALL_ATTENTION_FUNCTIONS`, removed after)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    key = model.config._attn_implementation
+    original, calls = ALL_ATTENTION_FUNCTIONS[key], []
+
+    def counting(*args, **kwargs):
+        calls.append(key)
+        return original(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[key] = counting
+    try:
+        model(input_ids=ids, use_cache=False)
+    finally:
+        del ALL_ATTENTION_FUNCTIONS[key]
+        if ALL_ATTENTION_FUNCTIONS[key] is not original:  # it was a local override before
+            ALL_ATTENTION_FUNCTIONS[key] = original
+    return bool(calls)
+
+
 @torch.no_grad()
-def test_falcon_attention_outside_the_interface_generates_unaccelerated_with_the_reason():
+def test_falcon_generates_through_the_attention_interface_or_unaccelerated_with_the_reason():
+    """Falcon's attention bypassed transformers' attention interface up to transformers 5.24
+    (it called SDPA itself): there a call that fills a cache runs unaccelerated and says so,
+    equal to the plain model, while prefill-only calls still drop. From 5.25 it calls the
+    interface: generate() is accelerated, equals the plain model at p = 1, and at keep_ratio 0.5
+    drops and decodes over the compacted cache. Which case holds is found by running the model."""
     model = _tiny("FalconConfig", num_kv_heads=2, new_decoder_architecture=True)
     ids = _ids(1, 200)
+    reference = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    if not _calls_the_attention_interface(model, ids[:, :8]):
+        fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers=(1,), **SMALL))
+        with pytest.warns(UserWarning, match="not through transformers' attention interface"):
+            out = fast.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+        assert torch.equal(out, reference)
+        fast(input_ids=ids, use_cache=False)
+        assert uniprefill.last_drop_report(fast) is not None, "prefill-only calls still drop"
+        return
+    exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers=(1,), **SMALL))
+    out = exact(input_ids=ids, use_cache=False)
+    assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
+    torch.testing.assert_close(_last(out), _last(model(input_ids=ids, use_cache=False)), atol=ATOL, rtol=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = exact.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    assert not [w for w in caught if "unaccelerated" in str(w.message)], [str(w.message) for w in caught]
+    assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
+    assert uniprefill.last_drop_report(exact).points[0].entering == (200,)
+    assert torch.equal(out, reference)
     fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers=(1,), **SMALL))
-    with pytest.warns(UserWarning, match="not through transformers' attention interface"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         out = fast.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
-    assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=5, do_sample=False))
-    fast(input_ids=ids, use_cache=False)
-    assert uniprefill.last_drop_report(fast) is not None, "prefill-only calls still drop"
+    assert not [w for w in caught if "unaccelerated" in str(w.message)], [str(w.message) for w in caught]
+    assert fast.backend.last_unaccelerated is None, fast.backend.last_unaccelerated
+    point = uniprefill.last_drop_report(fast).points[0]
+    assert point.layer == 1 and point.entering == (200,) and point.kept[0] <= 0.6 * 200
+    assert out.shape == (1, 205) and torch.equal(out[:, :200], ids)
+    cache = DynamicCache(config=model.config)
+    fast(input_ids=ids, cache=cache)
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [200, 200, point.kept[0]], \
+        "layers after the drop cache only the kept tokens"
 
 
 @torch.no_grad()

@@ -10,6 +10,8 @@ those tokens.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch._dynamo
 
@@ -63,6 +65,15 @@ def _jamba_reference(model, ids: torch.Tensor, kept: dict[int, torch.Tensor]) ->
     return model.lm_head(model.model.final_layernorm(h))[:, -1]
 
 
+def _zamba_shared_block(shared, h, emb, idx, mask):
+    """The shared attention block on `h ++ embeddings`: up to transformers 5.24 it takes the
+    embeddings as `original_hidden_states` and concatenates them itself; from 5.25 the hybrid
+    layer concatenates and the block takes the concatenation."""
+    if "original_hidden_states" in inspect.signature(shared.forward).parameters:
+        return shared(h, original_hidden_states=emb, layer_idx=idx, attention_mask=mask)
+    return shared(torch.cat([h, emb], dim=-1), layer_idx=idx, attention_mask=mask)
+
+
 def _zamba_reference(model, ids: torch.Tensor, kept: dict[int, torch.Tensor]) -> torch.Tensor:
     """Zamba the same way (no positional encoding either). A hybrid layer runs the shared attention
     block on the live tokens, `t = linear(mlp(attention(h ++ embeddings)))`; at a drop layer the
@@ -75,7 +86,7 @@ def _zamba_reference(model, ids: torch.Tensor, kept: dict[int, torch.Tensor]) ->
         mamba, t = getattr(layer, "mamba_decoder", layer), None
         if hasattr(layer, "shared_transf"):
             causal = torch.ones(pos.numel(), pos.numel(), dtype=torch.bool).tril()[None, None]
-            t = layer.linear(layer.shared_transf(h, original_hidden_states=emb, layer_idx=idx, attention_mask=causal))
+            t = layer.linear(_zamba_shared_block(layer.shared_transf, h, emb, idx, causal))
         if idx in kept:
             take = torch.searchsorted(pos, kept[idx])
             assert torch.equal(pos[take], kept[idx]), "kept positions must be a subset of the live ones"
