@@ -4,6 +4,7 @@
 * Every test starts with dynamo's caches reset: each compiled model adds cache entries to
   the same transformers code objects, so without a reset a test's outcome would depend on
   how many models earlier tests compiled (dynamo's recompile limits).
+* Under pytest-xdist (`-n 2` in pyproject's addopts) each worker process uses one torch thread.
 * Without CUDA, the Triton kernels (tests/kernels/test_kernels.py) run in Triton's CPU interpreter.
   Triton chooses interpreter or compiler when it is first imported (it decorates its own
   `triton.language` helpers then), and other test modules import it early through
@@ -18,6 +19,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-xdist runs the suite in processes, one per core (addopts)
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
