@@ -193,3 +193,22 @@ def test_a_step_that_drops_nothing_leaves_vllms_metadata_untouched(model, runtim
     assert runtimes[-1].step.changed
     later = [name for name in built if name.startswith(("model.layers.2.", "model.layers.3."))]
     assert later and all(context.attn_metadata[name] is not built[name] for name in later)
+
+
+def test_settings_without_vllm_drop_leave_the_graph_to_vllm_with_the_reason(model, runtimes):
+    """The option present but `vllm_drop` off: vLLM compiles its own graph (no uniprefill op, the
+    splitting ops as vLLM set them), the settings still never reach Inductor, and the log says why."""
+    compiled, backends = compile_mode3(model, {"p": 0.9})
+    query_lens = [200]
+    ids, positions = batch(query_lens)
+    WORLD.context = fake_context(query_lens)
+    with pytest.warns(UserWarning, match="vllm_drop"), torch.no_grad():
+        ours = compiled(ids, positions)
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        plain = model(ids, positions)
+    torch.testing.assert_close(ours, plain, atol=2e-5, rtol=2e-5)
+    backend = backends[-1]
+    assert not runtimes and "uniprefill" not in backend.inductor_config
+    assert backend.compilation_config.splitting_ops == FAKE_SPLITTING_OPS
+    assert uniprefill_ops(backend.compiled.graph_module) == set()
