@@ -37,13 +37,13 @@ so no runtime would be attached to the rewritten pieces).
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import warnings
 from typing import Any
 
 from .checks import CONFIG_KEY, _get, config_from_compilation_config
+from .class_patch import unwrap_method, wrap_method
 from .graph_ops import SPLITTING_OPS, running
 
 logger = logging.getLogger("uniprefill.vllm")
@@ -120,11 +120,15 @@ def add_splitting_ops(compilation_config: Any) -> list[str]:
 def install(backend_cls: Any) -> bool:
     """Wrap `backend_cls.__call__` (vLLM's `VllmBackend`) as the module docstring says; False when
     it was already installed."""
-    if getattr(backend_cls.__call__, _MARK, False):
-        return False
-    original = backend_cls.__call__
+    return wrap_method(backend_cls, "__call__", _rewriting_call, _MARK)
 
-    @functools.wraps(original)
+
+def uninstall(backend_cls: Any) -> bool:
+    """Undo `install`. False when it was not installed."""
+    return unwrap_method(backend_cls, "__call__", _MARK)
+
+
+def _rewriting_call(original):
     def __call__(self, graph, example_inputs):
         if config_from_compilation_config(self.compilation_config) is None:
             return original(self, graph, example_inputs)
@@ -151,19 +155,7 @@ def install(backend_cls: Any) -> bool:
         compiled.optimized_call = optimized_call
         return compiled
 
-    setattr(__call__, _MARK, True)
-    __call__._uniprefill_original = original
-    backend_cls.__call__ = __call__
-    return True
-
-
-def uninstall(backend_cls: Any) -> bool:
-    """Undo `install`. False when it was not installed."""
-    current = backend_cls.__call__
-    if not getattr(current, _MARK, False):
-        return False
-    backend_cls.__call__ = current._uniprefill_original
-    return True
+    return __call__
 
 
 def install_where_vllm_runs() -> bool:

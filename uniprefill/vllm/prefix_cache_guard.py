@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checks import _get, _settings
+from .class_patch import unwrap_method, wrap_method
 
 logger = logging.getLogger("uniprefill.vllm")
 
@@ -82,11 +83,15 @@ def guard_for(vllm_config: Any) -> PrefixCacheGuard | None:
 def install(scheduler_cls) -> bool:
     """Wrap `scheduler_cls.__init__` so that schedulers of dropping, caching engines get a guard.
     Returns False when it was already installed."""
-    if getattr(scheduler_cls.__init__, _MARK, False):
-        return False
-    original = scheduler_cls.__init__
+    return wrap_method(scheduler_cls, "__init__", _guarding_init, _MARK)
 
-    @functools.wraps(original)
+
+def uninstall(scheduler_cls) -> bool:
+    """Undo `install` (schedulers built before keep their guard). False when it was not installed."""
+    return unwrap_method(scheduler_cls, "__init__", _MARK)
+
+
+def _guarding_init(original):
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
         guard = guard_for(vllm_config)
@@ -95,19 +100,7 @@ def install(scheduler_cls) -> bool:
             logger.info("uniprefill: prefix caching stays on; requests of at least %d prompt tokens may drop and "
                         "publish no KV blocks to the prefix cache", guard.min_tokens)
 
-    setattr(__init__, _MARK, True)
-    __init__._uniprefill_original = original
-    scheduler_cls.__init__ = __init__
-    return True
-
-
-def uninstall(scheduler_cls) -> bool:
-    """Undo `install` (schedulers built before keep their guard). False when it was not installed."""
-    current = scheduler_cls.__init__
-    if not getattr(current, _MARK, False):
-        return False
-    scheduler_cls.__init__ = current._uniprefill_original
-    return True
+    return __init__
 
 
 def install_where_vllm_runs() -> bool:
