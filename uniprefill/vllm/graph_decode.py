@@ -87,22 +87,25 @@ def segment_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_map
 _VLLM_BASE = "_uniprefill_vllm_base"  # on metadata a capture installed: (vLLM's metadata, slot mapping) it came from
 
 
+def _runtime_mode(context) -> str | None:
+    """The forward context's CUDA-graph runtime mode by name (an enum's name is compared, so vLLM is not imported)."""
+    mode = getattr(context, "cudagraph_runtime_mode", None)
+    return getattr(mode, "name", mode)
+
+
 def _capturing_full_graph(context) -> bool:
     """Whether this forward is being captured into a CUDA graph: the current CUDA stream is
     capturing (vLLM 0.26's runner V2 captures its FULL graphs with the forward context's mode set
-    to NONE, read in `CudaGraphManager.capture`), or the forward context says FULL (runner V1;
-    an enum whose name is compared so that vLLM is not imported)."""
-    mode = getattr(context, "cudagraph_runtime_mode", None)
-    if getattr(mode, "name", mode) == "FULL":
+    to NONE, read in `CudaGraphManager.capture`), or the forward context says FULL (runner V1)."""
+    if _runtime_mode(context) == "FULL":
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _piecewise_graph_step(context) -> bool:
     """Whether this forward runs (replays or captures) vLLM's piecewise CUDA graphs (mode 3): the
-    forward context says PIECEWISE (runners V1 and V2; the enum's name, so vLLM is not imported)."""
-    mode = getattr(context, "cudagraph_runtime_mode", None)
-    return getattr(mode, "name", mode) == "PIECEWISE"
+    forward context says PIECEWISE (runners V1 and V2)."""
+    return _runtime_mode(context) == "PIECEWISE"
 
 
 def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.Tensor:
