@@ -84,6 +84,12 @@ class UniPrefillConfig:
         vllm_allow_untested: inside vLLM only: let a dropping engine start on a vLLM version other
             than the verified ones (the rewrite reads vLLM internals that may change). Formerly
             UNIPREFILL_VLLM_ALLOW_UNTESTED=1.
+        vllm_context_drops: inside vLLM only: a request whose prompt starts in vLLM's KV cache (the
+            last chunk of a chunked prefill, or a prefix-cache hit) drops among the tokens of that
+            last prefill step: its last n queries score those tokens' keys, and the cached context
+            stays whole at every layer. False: such requests run unaccelerated
+            (`SkipReason.HAS_CONTEXT`). Engines with sliding-window layers after a drop point never
+            drop such requests (not built for them yet).
         early_sparse_p: None (default) or a float in (0, 1]: every full-attention layer before
             the first drop point runs block-sparse attention instead of dense, over blocks of
             128 tokens: per head, the sink blocks, a local band of `early_sparse_window` tokens
@@ -118,6 +124,7 @@ class UniPrefillConfig:
     vllm_drop: bool = False
     vllm_decode_graphs: bool = False
     vllm_allow_untested: bool = False
+    vllm_context_drops: bool = True
     early_sparse_p: float | None = None
     early_sparse_keep: float | None = None
     early_sparse_window: int = 1024
@@ -153,7 +160,8 @@ class UniPrefillConfig:
             raise ValueError(f"early_sparse_p={self.early_sparse_p} and early_sparse_keep={self.early_sparse_keep}: "
                              "give one of them (top-p or a forced share)")
         _check_int("early_sparse_window", self.early_sparse_window, low=0)
-        for name in ("strict", "debug", "vllm_drop", "vllm_decode_graphs", "vllm_allow_untested"):
+        for name in ("strict", "debug", "vllm_drop", "vllm_decode_graphs", "vllm_allow_untested",
+                     "vllm_context_drops"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
 
@@ -217,7 +225,7 @@ class UniPrefillConfig:
 
 
 _ADDED_LATER = {"window_positions": "original", "selection": "paper", "vllm_drop": False,
-                "vllm_decode_graphs": False, "vllm_allow_untested": False, "early_sparse_p": None,
+                "vllm_decode_graphs": False, "vllm_allow_untested": False, "vllm_context_drops": True, "early_sparse_p": None,
                 "early_sparse_keep": None, "early_sparse_window": 1024}
 
 

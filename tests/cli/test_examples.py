@@ -50,7 +50,7 @@ def test_the_example_asks_for_the_one_option_on_vllms_defaults():
     check = check_vllm_config(as_vllm_config(kwargs), "0.26.0", aot_compile=True, drop_enabled=True)
     assert check.errors == []  # mode 3 with AOT compile, CUDA graphs, chunked prefill and prefix caching on
     assert any("FULL_AND_PIECEWISE" in note for note in check.notes)  # decode under vLLM's full graphs
-    assert any("publish no KV blocks to the prefix cache" in note for note in check.notes)
+    assert any("publish no KV blocks from the step that ends their prompt" in note for note in check.notes)
     assert not any("without Inductor" in note for note in check.notes)
 
 
@@ -63,7 +63,7 @@ def test_the_mode_2_channel_settings_are_ones_the_checks_accept():
     assert check.errors == []
     assert not any("chunked" in note for note in check.notes)
     assert "enable_prefix_caching" not in kwargs  # vLLM's default (on): the plugin guards the cache
-    assert any("publish no KV blocks to the prefix cache" in note for note in check.notes)
+    assert any("publish no KV blocks from the step that ends their prompt" in note for note in check.notes)
     assert config_from_compilation_config(kwargs["compilation_config"]).vllm_drop
     graphs = llm_kwargs({"p": 0.95}, mode=2, decode_graphs=True)
     assert config_from_compilation_config(graphs["compilation_config"]).vllm_decode_graphs

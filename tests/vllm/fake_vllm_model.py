@@ -163,6 +163,7 @@ def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, window
                                   context_fn=lambda: WORLD.context, block_size_fn=lambda name: BLOCK,
                                   request_ids_fn=lambda: WORLD.context.request_ids,
                                   request_p_fn=lambda: getattr(WORLD.context, "request_p", None),
+                                  num_prompt_tokens_fn=lambda: getattr(WORLD.context, "num_prompt_tokens", None),
                                   windows={names[i]: w for i, w in windows.items() if i > drops[0]},
                                   window_layer_fn=fake_window_layer, graph_decode_max_reqs=graph_decode_max_reqs)
         state.update(info=info, runtime=runtime, gm=gm,

@@ -1,4 +1,4 @@
-"""The prefix-cache guard: a request that may drop never publishes its KV blocks (vLLM's default
+"""The prefix-cache guard: a request never publishes KV blocks its drop may have changed (vLLM's default
 prefix caching stays on). A stand-in for vLLM 0.26's scheduler with the one call the guard wraps,
 `kv_cache_manager.coordinator.cache_blocks(request, num_tokens)`; the engine-level check on real vLLM
 is `test_vllm_engine_gpu.py::test_prefix_caching_stays_on_while_dropping`."""
@@ -66,6 +66,25 @@ def test_a_request_that_may_drop_publishes_no_blocks(installed):
     assert scheduler.kv_cache_manager.coordinator.published == {"short": 40}
     guard = scheduler.uniprefill_prefix_cache_guard
     assert (guard.withheld, guard.published, guard.min_tokens) == (2, 1, 256)  # min_tokens raised to sink + last_q
+
+
+def test_earlier_chunks_of_a_chunked_prompt_publish_and_its_last_chunk_does_not(installed):
+    """A step that schedules part of the rest of a prompt never drops (the worker's PARTIAL_CHUNK): its
+    blocks publish; the step that reaches the prompt's end may drop, and it and every later step (decode,
+    a preempted request's recompute) publish nothing. Fails with a guard that counts prompt lengths only
+    (nothing of a long prompt would publish) or with no guard (the last chunk would publish)."""
+    scheduler = Scheduler(config())
+    published = scheduler.kv_cache_manager.coordinator.published
+    long = request("long", 1000)
+    scheduler.schedule(long, 400)  # vLLM: min(computed + new, num_tokens), chunk 1
+    assert published == {"long": 400}
+    scheduler.schedule(long, 800)  # chunk 2
+    assert published == {"long": 800}
+    for num_tokens in (1000, 1001, 1002):  # the last chunk, then decode steps
+        scheduler.schedule(long, num_tokens)
+        assert published == {"long": 800}
+    guard = scheduler.uniprefill_prefix_cache_guard
+    assert (guard.published, guard.withheld) == (2, 3)
 
 
 @pytest.mark.parametrize("drop, caching", [(False, True), (True, False)])

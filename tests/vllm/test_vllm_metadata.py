@@ -619,9 +619,13 @@ def test_vllm_config_checks():
     assert any("without Inductor's fusion" in n and "compare with standard vLLM" in n for n in ok.notes)
     chunked = fake_vllm_config(settings={})
     chunked.scheduler_config.max_num_batched_tokens, chunked.model_config = 8192, NS(max_model_len=32768)
-    assert any("prompts longer than 8192 tokens" in n for n in check_vllm_config(chunked).notes)
+    assert any("a prompt longer than 8192 tokens" in n and "drops among the tokens of its last step" in n
+               for n in check_vllm_config(chunked).notes)
+    chunked.compilation_config.inductor_compile_config["uniprefill"]["vllm_context_drops"] = False
+    assert any("a prompt longer than 8192 tokens" in n and "runs unaccelerated" in n
+               for n in check_vllm_config(chunked).notes)
     dropping = check_vllm_config(fake_vllm_config(settings={}), "0.26.0", drop_enabled=True)
-    assert dropping.errors == [] and any("publish no KV blocks to the prefix cache" in n for n in dropping.notes)
+    assert dropping.errors == [] and any("publish no KV blocks from the step that ends their prompt" in n for n in dropping.notes)
     custom = fake_vllm_config(settings={})  # a scheduler the prefix-cache guard does not wrap
     custom.scheduler_config.scheduler_cls = "my.pkg.MyScheduler"
     (error,) = check_vllm_config(custom, "0.26.0", drop_enabled=True).errors

@@ -192,13 +192,13 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         check.notes.append("tensor_parallel_size > 1: block scores are summed across the TP group (rank-consistent "
                            "selection, tested with gloo ranks on CPU; not yet run on GPUs)")
     if _get(_get(vllm_config, "cache_config"), "enable_prefix_caching", False):
-        check.notes.append("prefix caching: requests with cached context run unaccelerated")
+        check.notes.append(_context_note(settings, "prefix caching: a request that finds its prompt's start cached"))
         custom = _get(_get(vllm_config, "scheduler_config"), "scheduler_cls")
         if drop_enabled:
             check.notes.append(
                 f"prefix caching with token dropping: requests of at least {settings.effective_min_tokens} prompt "
-                "tokens publish no KV blocks to the prefix cache (after a drop point their blocks hold only the kept "
-                "tokens; uniprefill.vllm.prefix_cache_guard)")
+                "tokens publish no KV blocks from the step that ends their prompt on (after a drop point those "
+                "blocks hold only the kept tokens); earlier chunks publish as usual (uniprefill.vllm.prefix_cache_guard)")
             if not _guarded_scheduler(custom):
                 check.errors.append(
                     f"scheduler_config.scheduler_cls={custom!r} with prefix caching and token dropping: the guard "
@@ -208,12 +208,10 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
     if _get(scheduler, "enable_chunked_prefill", False):
         budget = _get(scheduler, "max_num_batched_tokens")
         longest = _get(_get(vllm_config, "model_config"), "max_model_len")
-        if budget and longest and budget < longest:
-            check.notes.append(f"chunked prefill with max_num_batched_tokens={budget} < max_model_len={longest}: prompts "
-                               f"longer than {budget} tokens are split over several steps and run unaccelerated; "
-                               "raise max_num_batched_tokens to accelerate them")
-        else:
-            check.notes.append("chunked prefill: prompts split over several steps run unaccelerated")
+        split = (f"chunked prefill with max_num_batched_tokens={budget} < max_model_len={longest}: a prompt longer "
+                 f"than {budget} tokens is prefilled over several steps" if budget and longest and budget < longest
+                 else "chunked prefill: a prompt split over several steps")
+        check.notes.append(_context_note(settings, split))
     if vllm_version is not None and vllm_version.split("+")[0] not in VERIFIED_VLLM_VERSIONS:
         if drop_enabled and not settings.vllm_allow_untested:
             check.errors.append(
@@ -225,3 +223,11 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
             check.notes.append(f"vLLM {vllm_version} is untested; the channel was read in "
                                f"{list(VERIFIED_VLLM_VERSIONS)}")
     return check
+
+
+def _context_note(settings: UniPrefillConfig, what: str) -> str:
+    """What happens to a prompt whose start is in the KV cache when its last step runs."""
+    if settings.vllm_context_drops:
+        return (f"{what} drops among the tokens of its last step, its context whole (vllm_context_drops; not in "
+                "models with sliding-window layers after a drop point, where it runs unaccelerated)")
+    return f"{what} runs unaccelerated (vllm_context_drops is off)"

@@ -7,8 +7,10 @@ attention of drop layer `layer` (`uniprefill.vllm.rewrite`). For the step's batc
    `query_start_loc` / `seq_lens` (one device-to-host copy at the first drop point of the
    step; later drop points reuse the host layout), the per-layer metadata objects give the
    KV-cache groups (vLLM shares one object among a group's layers);
-2. picks the requests that may drop (`drop_eligibility`: the whole prompt in this step, no
-   cached context, at least `min_tokens`); decode tokens and other requests keep every row;
+2. picks the requests that may drop (`drop_eligibility`: the rest of the prompt in this step,
+   at least `min_tokens` of it; a prompt whose start is already cached, as the last chunk of a
+   chunked prefill or after a prefix-cache hit, drops among this step's tokens only, its context
+   whole: `vllm_context_drops`); decode tokens and other requests keep every row;
 3. scores the eligible requests' last-n queries against their keys and selects blocks
    (`kernels.api.score_and_select`, one host sync for the kept counts);
 4. compacts the layout (`compact`) and points every LATER layer of the forward context at it
@@ -346,7 +348,10 @@ class VllmDropRuntime:
         prompt = self.num_prompt_tokens_fn()
         if prompt is None:  # no chunking: a request without context holds its whole prompt
             prompt = torch.where(ctx == 0, qlen, ctx)
-        return drop_eligibility(qlen, ctx, prompt, self.config.effective_min_tokens,
+        # a prompt whose start is cached drops among this step's tokens (`vllm_context_drops`); not
+        # where sliding layers follow a drop: their window tables assume the prompt starts at 0
+        allow_context = self.config.vllm_context_drops and not self.windows
+        return drop_eligibility(qlen, ctx, prompt, self.config.effective_min_tokens, allow_context=allow_context,
                                 opted_out_cpu=self.opted_out_fn())
 
     def _select(self, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, eligible: torch.Tensor,

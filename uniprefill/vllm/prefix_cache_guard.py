@@ -1,18 +1,24 @@
-"""Prefix caching beside token dropping: a request that may drop never publishes its KV blocks.
+"""Prefix caching beside token dropping: a request never publishes KV blocks its drop may have changed.
 
 vLLM's prefix cache (on by default) registers a request's full KV blocks under the hash of the
 tokens they hold, at scheduling time, so a later request with the same prefix reads them instead of
 computing them. After a drop point a dropped request's blocks hold, in every later layer, only its
-KEPT tokens, compacted to the front: handed to another request as if they held every token, they
-would give that request wrong answers without any error. The scheduler decides what to publish
-before the forward that decides what to drop, so the guard is conservative: every request whose
-prompt has at least `effective_min_tokens` tokens (the worker's own lower bound for a drop,
-`uniprefill.vllm.metadata.drop_eligibility`) publishes none of its blocks, whether it drops or not;
-shorter requests publish as usual.
+KEPT tokens, compacted to the front, and its later tokens (the rest of the prompt step, every decoded
+token) were computed from them: handed to another request as if they held every token, they would
+give that request wrong answers without any error. The scheduler decides what to publish before the
+forward that decides what to drop, so the guard is conservative. For a request whose prompt has at
+least `effective_min_tokens` tokens (the worker's own lower bound for a drop,
+`uniprefill.vllm.metadata.drop_eligibility`):
+- a step that schedules only PART of the rest of its prompt (an earlier chunk of a chunked prefill)
+  never drops (`SkipReason.PARTIAL_CHUNK`): its blocks publish as usual;
+- a step that reaches the end of its prompt may drop, and so may every step after it: they publish
+  nothing (the blocks of its earlier chunks were published when those ran).
+Shorter requests publish as usual. Stateless: a request that vLLM preempts and recomputes follows the
+same rule.
 
 Reading the cache is left as vLLM does it: a request that finds a cached prefix has context when its
-prefill runs, and the worker runs such a request unaccelerated (`SkipReason.HAS_CONTEXT`), so it reads
-blocks that only undropped requests published, and drops nothing itself.
+prefill runs; it reads blocks published by the rule above (every one computed without a drop), and,
+with `vllm_context_drops` (the default), drops among the tokens of its own last step.
 
 Where it hooks (read in vLLM 0.26.0's source): every publication goes through
 `KVCacheCoordinator.cache_blocks(request, num_tokens)` of the scheduler's `kv_cache_manager`
@@ -43,10 +49,10 @@ _MARK = "_uniprefill_prefix_cache_guard"
 
 @dataclass
 class PrefixCacheGuard:
-    """Withholds from the prefix cache the blocks of every request that may drop."""
+    """Withholds from the prefix cache the blocks a request's drop may have changed (module docstring)."""
 
     min_tokens: int
-    withheld: int = 0  # calls that published nothing because the request may drop
+    withheld: int = 0  # calls that published nothing: the request may drop in this step or did earlier
     published: int = 0  # calls passed on to vLLM
 
     def may_drop(self, request: Any) -> bool:
@@ -59,7 +65,7 @@ class PrefixCacheGuard:
 
         @functools.wraps(original)
         def cache_blocks(request, num_computed_tokens, *args, **kwargs):
-            if self.may_drop(request):
+            if self.may_drop(request) and num_computed_tokens >= int(_get(request, "num_prompt_tokens")):
                 self.withheld += 1
                 return None
             self.published += 1
@@ -98,7 +104,7 @@ def _guarding_init(original):
         if guard is not None and getattr(self, "kv_cache_manager", None) is not None:
             guard.attach(self)
             logger.info("uniprefill: prefix caching stays on; requests of at least %d prompt tokens may drop and "
-                        "publish no KV blocks to the prefix cache", guard.min_tokens)
+                        "publish no KV blocks from the step that ends their prompt on", guard.min_tokens)
 
     return __init__
 

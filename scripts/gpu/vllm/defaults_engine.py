@@ -18,7 +18,13 @@ chunking, caching, AOT compile), the engine's start time, and:
 * `--throughput-lengths/--throughput-batches`: `uniprefill.vllm.measure.run_throughput` (prefill
   tokens/s of B prompts of exactly L tokens, engine timestamps; `--decode-tokens` more for ms per
   output token);
+* `--needles LENGTHS`: RULER-style needle prompts (`uniprefill.eval.paired.make_prompts`, the prompts
+  of `uniprefill eval` and `needle_parity.py`), greedy, scored records to `--needles-out` (JSONL;
+  `needle_parity.py compare` pairs two runs);
 * with the option: the drop totals of every worker (`collect_drop_totals`).
+
+`--max-num-batched-tokens` departs from the defaults on purpose (an experiment on vLLM's step
+budget: a smaller one chunks more prompts, a larger one prefills them in one step); the JSON says so.
 
 Run each engine in its own process (a fresh GPU), back to back; `scripts/gpu/vllm/defaults_grid.sh`
 runs the sets of docs/vllm.md.
@@ -61,6 +67,30 @@ def settled(llm) -> dict:
             "max_num_seqs": sched.max_num_seqs}
 
 
+def run_needles(llm, args, sampling_params) -> dict:
+    """The needle prompts in one `generate` call (vLLM batches them continuously); scored records to
+    `args.needles_out`; returns the score per length."""
+    from uniprefill.eval.paired import make_prompts, score_records
+
+    samples = make_prompts(llm.get_tokenizer(), args.needle_tasks.split(","),
+                           [int(x) for x in args.needles.split(",")], args.needle_samples, HAYSTACK)
+    params = [sampling_params(temperature=0.0, max_tokens=s.max_new_tokens, stop=["\n"] if s.stop_at_newline else None)
+              for s in samples]
+    start = time.perf_counter()
+    outputs = llm.generate([s.prompt for s in samples], params, use_tqdm=False)
+    seconds = round(time.perf_counter() - start, 2)
+    system = "uniprefill" if args.uniprefill is not None else "standard"
+    records = score_records(samples, [o.outputs[0].text for o in outputs], system,
+                            {"settings": json.loads(args.uniprefill or "null")})
+    out = args.needles_out or args.out.with_suffix(".needles.jsonl")
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    by_length: dict = {}
+    for r in records:
+        by_length.setdefault(r["length"], []).append(r["score"])
+    return {"seconds": seconds, "prompts": len(records), "records": str(out),
+            "score_by_length": {k: round(100 * sum(v) / len(v), 1) for k, v in sorted(by_length.items())}}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=None, help="a real HF model folder")
@@ -75,6 +105,12 @@ def main(argv=None) -> int:
     parser.add_argument("--throughput-lengths", default="")
     parser.add_argument("--throughput-batches", default="1,4")
     parser.add_argument("--decode-tokens", type=int, default=0)
+    parser.add_argument("--needles", default="", help="comma-separated needle prompt lengths")
+    parser.add_argument("--needle-samples", type=int, default=10, help="prompts per task and length")
+    parser.add_argument("--needle-tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
+    parser.add_argument("--needles-out", type=Path, default=None, help="JSONL of the scored needle answers")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="NOT a default: vLLM's step budget, for the chunking experiments")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collect_drop_totals: a function over RPC
@@ -104,6 +140,8 @@ def main(argv=None) -> int:
         folder = args.model_dir
         if args.max_model_len:
             kwargs["max_model_len"] = args.max_model_len
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
     inductor = json.loads(args.inductor) if args.inductor else {}
     if args.uniprefill is not None:
         inductor["uniprefill"] = json.loads(args.uniprefill)
@@ -125,6 +163,9 @@ def main(argv=None) -> int:
         summary["parity"] = {"seconds": round(time.perf_counter() - start, 2),
                              "prompt_lengths": [len(p) for p in prompts],
                              "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+        save()
+    if args.needles:
+        summary["needles"] = run_needles(llm, args, SamplingParams)
         save()
     if args.throughput_lengths:
         lengths = [int(x) for x in args.throughput_lengths.split(",")]

@@ -3,13 +3,18 @@
 # DEFAULT settings, standard vs. the one uniprefill option, each in its own process, back to back, then
 # compared with the standard engine of the same model (scripts/gpu/vllm/compare_engines.py).
 #   bash scripts/gpu/vllm/defaults_grid.sh OUT_DIR RUN...
-# RUN: smollm2-standard | smollm2-p1 | smollm2-p095 | smollm2-keep03   SmolLM2-135M (real weights, 8K): 120
-#          parity prompts (32..~8K tokens, 16 greedy tokens) + prefill throughput at 2048/7000 x batch 1/4/16
-#      smollm2-again (standard, a second engine) | smollm2-nocombo (standard with Inductor's benchmark_combo_kernel
-#          off, as uniprefill's hook sets it): controls for the parity of the others
-#      llama-standard | llama-keep03   a Llama-3.1-8B shape (dummy weights, 32K context): prefill throughput
-#          at 8192/16384 x batch 1/4 with 8 decode tokens
-# (p1: {"p": 1.0}; p095: {"p": 0.95}; keep03: {"keep_ratio": 0.3, "drop_layers": [7]}; all with "vllm_drop": true)
+# RUN: MODEL-VARIANT.
+#   MODEL smollm2: SmolLM2-135M (real weights, 8K): 120 parity prompts (32..~8K tokens, 16 greedy tokens),
+#          120 needle prompts (2048/4096/7900 tokens, 4 RULER tasks) and, unless SKIP_THROUGHPUT=1, prefill
+#          throughput at 2048/7000 x batch 1/4/16
+#   MODEL llama: a Llama-3.1-8B shape (dummy weights, 32K context): prefill throughput at 8192/16384 x batch
+#          1/4 with 8 decode tokens; llama32k: the same at 32000 tokens (longer than vLLM's default step
+#          budget of 16384: chunked)
+#   VARIANT standard | again (a second standard engine) | nocombo (standard with Inductor's
+#          benchmark_combo_kernel off, as uniprefill's hook sets it) | p1 | p095 | p099 | keep03 (the option:
+#          {"p": 1.0} / {"p": 0.95} / {"p": 0.99} / {"keep_ratio": 0.3, "drop_layers": [7]}, each with
+#          "vllm_drop": true) | p099chunk2k (p099 with max_num_batched_tokens 2048: prompts chunked, the last
+#          chunk drops) | keep03onestep (keep03 with max_num_batched_tokens 32768: prompts in one step)
 set -uo pipefail
 OUT="${1:?usage: defaults_grid.sh OUT_DIR RUN...}"; shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -17,17 +22,24 @@ mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/env.sh"
 bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
 export UNIPREFILL_HAYSTACK=/tmp/eval/PaulGrahamEssays.json
-SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120 --throughput-lengths 2048,7000 --throughput-batches 1,4,16)
+SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120 --needles 2048,4096,7900)
+[[ "${SKIP_THROUGHPUT:-0}" == 1 ]] || SMOLLM2+=(--throughput-lengths 2048,7000 --throughput-batches 1,4,16)
 LLAMA=(--layers 32 --throughput-lengths 8192,16384 --throughput-batches 1,4 --decode-tokens 8)
+LLAMA32K=(--layers 32 --throughput-lengths 32000 --throughput-batches 1,4 --decode-tokens 8)
 declare -A SETTINGS=([standard]="" [p1]='{"p": 1.0, "vllm_drop": true}' [p095]='{"p": 0.95, "vllm_drop": true}'
+                     [p099]='{"p": 0.99, "vllm_drop": true}'
                      [keep03]='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}')
 for name in "$@"; do
   model="${name%%-*}" variant="${name#*-}"
-  case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; llama) args=("${LLAMA[@]}") ;; *) echo "unknown run $name" >&2; exit 2 ;; esac
+  case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; llama) args=("${LLAMA[@]}") ;; llama32k) args=("${LLAMA32K[@]}") ;;
+    *) echo "unknown run $name" >&2; exit 2 ;; esac
   case "$variant" in
     again) ;;
     nocombo) args+=(--inductor '{"benchmark_combo_kernel": false}') ;;
-    *) [[ -n "${SETTINGS[$variant]}" ]] && args+=(--uniprefill "${SETTINGS[$variant]}") ;;
+    p099chunk2k) args+=(--uniprefill "${SETTINGS[p099]}" --max-num-batched-tokens 2048) ;;
+    keep03onestep) args+=(--uniprefill "${SETTINGS[keep03]}" --max-num-batched-tokens 32768) ;;
+    *) [[ -v "SETTINGS[$variant]" ]] || { echo "unknown variant $variant" >&2; exit 2; }
+       [[ -n "${SETTINGS[$variant]}" ]] && args+=(--uniprefill "${SETTINGS[$variant]}") ;;
   esac
   start=$(date +%s)
   timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/defaults_engine.py" "${args[@]}" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
@@ -37,5 +49,9 @@ for name in "$@"; do
     python3 -P "$ROOT/scripts/gpu/vllm/compare_engines.py" "$OUT/$model-standard.json" "$OUT/$name.json" \
       --out "$OUT/compare-$name.json" | python3 -c "import json,sys; d=json.load(sys.stdin); p=d['parity']
 print('$name:', 'parity', p and (p['identical'], p['prompts']), 'throughput', [(r['length'], r['batch'], r['ratio']) for r in d['throughput']], 'drops', str(d['drop_totals'])[:300])"
+    if [[ -f "$OUT/$model-standard.needles.jsonl" && -f "$OUT/$name.needles.jsonl" ]]; then
+      python3 -P "$ROOT/scripts/gpu/vllm/needle_parity.py" compare "$OUT/$model-standard.needles.jsonl" \
+        "$OUT/$name.needles.jsonl" --out "$OUT/needles-$name.json"
+    fi
   fi
 done

@@ -1,0 +1,118 @@
+"""Requests whose prompt starts in vLLM's KV cache (the last chunk of a chunked prefill, or a prefix-cache
+hit: the same thing to the worker, `num_computed_tokens` > 0 at the step that reaches the prompt's end) drop
+among that step's tokens, their context whole (`UniPrefillConfig.vllm_context_drops`, on by default).
+
+In the fake vLLM of `tests/vllm/fake_vllm_model.py`: step 1 prefills two prompts in part (earlier chunks)
+and one whole; step 2 brings the two chunked prompts to their end and decodes the third; step 3 decodes all.
+Reference: each request alone in plain PyTorch, the drop point keeping its whole context plus the rows the
+rewritten graph kept (`TinyBackbone.reference`), and decode steps attending over exactly those prompt
+tokens at each later layer (`TinyBackbone.decode_reference`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fake_vllm_model import BLOCK, VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context, kept_per_request, step_context
+from uniprefill.config import UniPrefillConfig
+from uniprefill.vllm.metadata import SkipReason
+
+PROMPTS = [300, 170, 278]  # request 1 prefills whole in step 1; 0 and 2 in two chunks
+FIRST = [200, 170, 128]  # step 1's tokens of each request
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TinyBackbone().eval()
+
+
+def run_chunked(model, config: UniPrefillConfig, drops, windows=None, seed: int = 7):
+    """Steps 1-3 above; returns the runtime, each step's hidden states, reasons and kept prompt positions,
+    and the token ids of each request."""
+    compiled, state = compile_with_drops(model, config, drops, windows)
+    torch.manual_seed(seed)
+    tokens = [torch.randint(0, VOCAB, (n,)) for n in PROMPTS]
+    world = fake_context(PROMPTS)
+    if windows:
+        world.windows = {world.names[i]: w for i, w in windows.items()}
+    world.num_prompt_tokens = torch.tensor(PROMPTS)
+    prompt_kept = [[set() for _ in drops] for _ in PROMPTS]  # prompt positions each drop point kept
+    steps = []
+    computed = [0, 0, 0]
+    plan = [FIRST, [PROMPTS[0] - FIRST[0], 1, PROMPTS[2] - FIRST[2]], [1, 1, 1]]
+    for query_lens in plan:
+        WORLD.context = step_context(world, computed, query_lens)
+        ids, positions = [], []
+        for r, (c, q) in enumerate(zip(computed, query_lens)):
+            if c + q > tokens[r].numel():  # a decode step: a new token
+                tokens[r] = torch.cat([tokens[r], torch.randint(0, VOCAB, (1,))])
+            ids.append(tokens[r][c:c + q])
+            positions.append(torch.arange(c, c + q))
+        with torch.no_grad():
+            hidden = compiled(torch.cat(ids), torch.cat(positions))
+        runtime = state["runtime"]
+        reasons = [SkipReason(int(x)) for x in runtime.step.reasons]
+        for r, reason in enumerate(reasons):
+            if computed[r] + query_lens[r] >= PROMPTS[r] > computed[r]:  # the step that ends request r's prompt
+                for d, point in enumerate(runtime.step.points):
+                    prompt_kept[r][d] = set(range(computed[r])) | {computed[r] + i for i in
+                                                                   kept_per_request(point, query_lens)[r]}
+        steps.append((hidden, reasons, list(query_lens)))
+        computed = [c + q for c, q in zip(computed, query_lens)]
+    torch._dynamo.reset()
+    return state["runtime"], steps, prompt_kept, tokens
+
+
+@pytest.mark.parametrize("drops", [(1,), (1, 2)], ids=["one-drop", "two-drops"])
+@pytest.mark.parametrize("keep", [0.5, None], ids=["keep-0.5", "p-1"])
+def test_the_last_chunk_drops_among_its_own_tokens_and_decode_follows(model, drops, keep):
+    """Every request's hidden state at every step equals the reference that keeps its context whole; at
+    p = 1 every row is kept (the plain model); with keep 0.5 the last chunks lose rows, their contexts none."""
+    options = {"keep_ratio": keep} if keep else {"p": 1.0}
+    config = UniPrefillConfig(block_size=BLOCK, last_q=16, sink=16, min_tokens=64, **options)
+    runtime, steps, prompt_kept, tokens = run_chunked(model, config, drops)
+    (_, first, _), (_, second, _), (_, third, _) = steps
+    assert first == [SkipReason.PARTIAL_CHUNK, SkipReason.ELIGIBLE, SkipReason.PARTIAL_CHUNK]
+    assert second == [SkipReason.ELIGIBLE, SkipReason.DECODE, SkipReason.ELIGIBLE]
+    assert third == [SkipReason.DECODE] * 3
+    for r, n in enumerate(PROMPTS):
+        last = prompt_kept[r][-1]
+        if keep:
+            assert len(last) < (FIRST[r] if r != 1 else 0) + 0.6 * (n - (FIRST[r] if r != 1 else 0))
+        else:
+            assert last == set(range(n))
+        assert set(range(FIRST[r] if r != 1 else 0)) <= last  # the context stays whole
+    assert len(runtime.store) == 3
+    for i in (1, 2):  # step 2: two last chunks and a decode; step 3: decodes
+        hidden, _, query_lens = steps[i]
+        qsl = torch.tensor([0] + query_lens).cumsum(0)
+        for r in range(3):
+            length = sum(s[2][r] for s in steps[:i + 1])  # request r's tokens so far
+            with torch.no_grad():
+                ref = model.decode_reference(tokens[r][:length], PROMPTS[r], prompt_kept[r], drops)
+            torch.testing.assert_close(hidden[int(qsl[r + 1]) - 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_with_context_drops_off_the_last_chunk_keeps_every_row(model):
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64,
+                              vllm_context_drops=False)
+    runtime, steps, prompt_kept, _ = run_chunked(model, config, (1,))
+    assert steps[1][1] == [SkipReason.HAS_CONTEXT, SkipReason.DECODE, SkipReason.HAS_CONTEXT]
+    assert prompt_kept[0][0] == set(range(PROMPTS[0])) and prompt_kept[2][0] == set(range(PROMPTS[2]))
+    assert runtime.store.get("req-0") is None and runtime.store.get("req-1") is not None
+
+
+def test_sliding_layers_after_a_drop_keep_requests_with_context_whole(model):
+    """Their window tables assume a prompt that starts at position 0: such requests run unaccelerated."""
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    _, steps, _, _ = run_chunked(model, config, (1,), windows={0: 24, 2: 24})
+    assert steps[0][1] == [SkipReason.PARTIAL_CHUNK, SkipReason.ELIGIBLE, SkipReason.PARTIAL_CHUNK]
+    assert steps[1][1] == [SkipReason.HAS_CONTEXT, SkipReason.DECODE, SkipReason.HAS_CONTEXT]
+
+
+def test_the_option_is_on_by_default_and_enters_the_digest_only_when_off():
+    assert UniPrefillConfig().vllm_context_drops is True
+    assert UniPrefillConfig().stable_hash() != UniPrefillConfig(vllm_context_drops=False).stable_hash()
+    with pytest.raises(ValueError, match="vllm_context_drops"):
+        UniPrefillConfig(vllm_context_drops=1)
