@@ -23,8 +23,9 @@ chunking, caching, AOT compile), the engine's start time, and:
   `needle_parity.py compare` pairs two runs);
 * with the option: the drop totals of every worker (`collect_drop_totals`).
 
-`--max-num-batched-tokens` departs from the defaults on purpose (an experiment on vLLM's step
-budget: a smaller one chunks more prompts, a larger one prefills them in one step); the JSON says so.
+`--max-num-batched-tokens` and `--cudagraph-mode` depart from the defaults on purpose (experiments on
+vLLM's step budget, where a smaller one chunks more prompts and a larger one prefills them in one step,
+and on decode without full CUDA graphs); the JSON's `llm_kwargs` says so.
 
 Run each engine in its own process (a fresh GPU), back to back; `scripts/gpu/vllm/defaults_grid.sh`
 runs the sets of docs/vllm.md.
@@ -109,6 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--needle-samples", type=int, default=10, help="prompts per task and length")
     parser.add_argument("--needle-tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
     parser.add_argument("--needles-out", type=Path, default=None, help="JSONL of the scored needle answers")
+    parser.add_argument("--cudagraph-mode", default=None,
+                        help="NOT a default: compilation_config's cudagraph_mode (a diagnosis: PIECEWISE decodes "
+                             "without full graphs)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="NOT a default: vLLM's step budget, for the chunking experiments")
     parser.add_argument("--out", type=Path, required=True)
@@ -145,8 +149,11 @@ def main(argv=None) -> int:
     inductor = json.loads(args.inductor) if args.inductor else {}
     if args.uniprefill is not None:
         inductor["uniprefill"] = json.loads(args.uniprefill)
+    compilation: dict = {"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {}
     if inductor:
-        kwargs["compilation_config"] = {"inductor_compile_config": inductor}
+        compilation["inductor_compile_config"] = inductor
+    if compilation:
+        kwargs["compilation_config"] = compilation
     summary["model"], summary["llm_kwargs"] = str(folder), dict(kwargs)
     save()
     start = time.perf_counter()

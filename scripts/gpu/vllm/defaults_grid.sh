@@ -7,6 +7,8 @@
 #   MODEL smollm2: SmolLM2-135M (real weights, 8K): 120 parity prompts (32..~8K tokens, 16 greedy tokens),
 #          120 needle prompts (2048/4096/7900 tokens, 4 RULER tasks) and, unless SKIP_THROUGHPUT=1, prefill
 #          throughput at 2048/7000 x batch 1/4/16
+#   MODEL smollm2pw: the same with cudagraph_mode PIECEWISE (a diagnosis of p = 1 parity: decode without full
+#          graphs; its variants compare with smollm2pw-standard)
 #   MODEL llama: a Llama-3.1-8B shape (dummy weights, 32K context): prefill throughput at 8192/16384 x batch
 #          1/4 with 8 decode tokens; llama32k: the same at 32000 tokens (longer than vLLM's default step
 #          budget of 16384: chunked)
@@ -31,7 +33,7 @@ declare -A SETTINGS=([standard]="" [p1]='{"p": 1.0, "vllm_drop": true}' [p095]='
                      [keep03]='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}')
 for name in "$@"; do
   model="${name%%-*}" variant="${name#*-}"
-  case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; llama) args=("${LLAMA[@]}") ;; llama32k) args=("${LLAMA32K[@]}") ;;
+  case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; smollm2pw) args=("${SMOLLM2[@]}" --cudagraph-mode PIECEWISE) ;; llama) args=("${LLAMA[@]}") ;; llama32k) args=("${LLAMA32K[@]}") ;;
     *) echo "unknown run $name" >&2; exit 2 ;; esac
   case "$variant" in
     again) ;;
