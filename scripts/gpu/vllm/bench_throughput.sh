@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# On the GPU box (vLLM installed by box_install.sh): vLLM's own `vllm bench throughput`, standard vLLM on its
+# defaults against the same command plus the one uniprefill option, back to back per prompt length, then a
+# table of the ratios (scripts/gpu/vllm/bench_table.py). Not yet run on the GPU (written 2026-12-03).
+#   bash scripts/gpu/vllm/bench_throughput.sh OUT_DIR SETTINGS_JSON [LENGTHS] [NUM_PROMPTS]
+# e.g. bash scripts/gpu/vllm/bench_throughput.sh /tmp/bench '{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}'
+# Model: the Llama-3.1-8B shape with dummy weights (uniprefill.testing.word_llama, 32 layers, max_model_len
+# 32768). LENGTHS default 8192,16384,32000; NUM_PROMPTS default 16 (all queued at once: vLLM's own batching);
+# --output-len 1, so the time is the prefill's. Each run is one engine (about two minutes with the compile).
+set -uo pipefail
+OUT="${1:?usage: bench_throughput.sh OUT_DIR SETTINGS_JSON [LENGTHS] [NUM_PROMPTS]}"
+SETTINGS="${2:?give the uniprefill settings as JSON}"
+LENGTHS="${3:-8192,16384,32000}"
+NUM_PROMPTS="${4:-16}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+mkdir -p "$OUT"
+source "$ROOT/scripts/gpu/vllm/env.sh"
+bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
+MODEL=/tmp/llama8b-shaped-32
+python3 -P -c "from pathlib import Path; from uniprefill.testing.word_llama import write_model_folder as w; w(Path('$MODEL'), 32)"
+echo "$SETTINGS" > "$OUT/settings.json"
+for length in ${LENGTHS//,/ }; do
+  for system in standard uniprefill; do
+    extra=()
+    [[ "$system" == uniprefill ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $SETTINGS}}")
+    start=$(date +%s)
+    timeout 540 vllm bench throughput --model "$MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
+      --dataset-name random --input-len "$length" --output-len 1 --num-prompts "$NUM_PROMPTS" \
+      --output-json "$OUT/$system-$length.json" "${extra[@]}" > "$OUT/$system-$length.log" 2>&1
+    echo "$system $length: exit $? in $(( $(date +%s) - start )) s"
+    grep -E "^Throughput|Traceback|Error" "$OUT/$system-$length.log" | head -3 | cut -c1-300
+  done
+done
+python3 -P "$ROOT/scripts/gpu/vllm/bench_table.py" "$OUT"

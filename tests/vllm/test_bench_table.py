@@ -1,0 +1,34 @@
+"""scripts/gpu/vllm/bench_table.py, run as the bench script runs it: the ratio table of `vllm bench
+throughput`'s JSON files, and a length with one system only is an error."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm" / "bench_table.py"
+
+
+def write(folder: Path, system: str, length: int, tokens_per_s: float) -> None:
+    (folder / f"{system}-{length}.json").write_text(json.dumps(
+        {"elapsed_time": 1.0, "num_requests": 16, "total_num_tokens": 16 * length,
+         "requests_per_second": tokens_per_s / length, "tokens_per_second": tokens_per_s}))
+
+
+def test_ratios_per_length_in_order(tmp_path):
+    for length, std, ours in ((16384, 30000.0, 69000.0), (8192, 40000.0, 80000.0)):
+        write(tmp_path, "standard", length, std)
+        write(tmp_path, "uniprefill", length, ours)
+    done = subprocess.run([sys.executable, "-P", str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 8") or line.startswith("| 1")]
+    assert rows == ["| 8192 | 4.88 | 9.77 | 40,000 | 80,000 | **2.00x** |",
+                    "| 16384 | 1.83 | 4.21 | 30,000 | 69,000 | **2.30x** |"]
+    assert (tmp_path / "table.md").read_text() == done.stdout
+
+
+def test_a_length_run_by_one_system_only_is_an_error(tmp_path):
+    write(tmp_path, "standard", 8192, 1.0)
+    done = subprocess.run([sys.executable, "-P", str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode != 0 and "runs missing" in done.stderr and "'uniprefill', 8192" in done.stderr
