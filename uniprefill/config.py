@@ -225,8 +225,8 @@ class UniPrefillConfig:
 
 
 _ADDED_LATER = {"window_positions": "original", "selection": "paper", "vllm_drop": False,
-                "vllm_decode_graphs": False, "vllm_allow_untested": False, "vllm_context_drops": True, "early_sparse_p": None,
-                "early_sparse_keep": None, "early_sparse_window": 1024}
+                "vllm_decode_graphs": False, "vllm_allow_untested": False, "vllm_context_drops": True,
+                "early_sparse_p": None, "early_sparse_keep": None, "early_sparse_window": 1024}
 
 
 def _plain(value):
