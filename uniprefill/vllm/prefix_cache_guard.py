@@ -55,8 +55,11 @@ class PrefixCacheGuard:
     withheld: int = 0  # calls that published nothing: the request may drop in this step or did earlier
     published: int = 0  # calls passed on to vLLM
 
-    def may_drop(self, request: Any) -> bool:
-        return int(_get(request, "num_prompt_tokens", 0) or 0) >= self.min_tokens
+    def may_have_dropped(self, request: Any, num_tokens: int) -> bool:
+        """Whether the blocks of `request`'s first `num_tokens` tokens may hold a drop's result: its prompt is
+        long enough to drop and this step reaches the prompt's end (or runs after it)."""
+        prompt = int(_get(request, "num_prompt_tokens", 0) or 0)
+        return prompt >= self.min_tokens and num_tokens >= prompt
 
     def attach(self, scheduler: Any) -> None:
         """Wrap `scheduler.kv_cache_manager.coordinator.cache_blocks` on this instance."""
@@ -65,7 +68,7 @@ class PrefixCacheGuard:
 
         @functools.wraps(original)
         def cache_blocks(request, num_computed_tokens, *args, **kwargs):
-            if self.may_drop(request) and num_computed_tokens >= int(_get(request, "num_prompt_tokens")):
+            if self.may_have_dropped(request, num_computed_tokens):
                 self.withheld += 1
                 return None
             self.published += 1
