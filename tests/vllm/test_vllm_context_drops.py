@@ -53,7 +53,7 @@ def run_chunked(model, config: UniPrefillConfig, drops, windows=None, seed: int 
             hidden = compiled(torch.cat(ids), torch.cat(positions))
         runtime = state["runtime"]
         reasons = [SkipReason(int(x)) for x in runtime.step.reasons]
-        for r, reason in enumerate(reasons):
+        for r in range(len(PROMPTS)):
             if computed[r] + query_lens[r] >= PROMPTS[r] > computed[r]:  # the step that ends request r's prompt
                 for d, point in enumerate(runtime.step.points):
                     prompt_kept[r][d] = set(range(computed[r])) | {computed[r] + i for i in
