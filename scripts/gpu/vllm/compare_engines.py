@@ -26,8 +26,27 @@ def parity(a: dict, b: dict) -> dict | None:
             first = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
             differ.append({"prompt": i, "length": pa["prompt_lengths"][i], "first_different_token": first})
     n = len(pa["output_token_ids"])
-    return {"prompts": n, "identical": n - len(differ), "differ": differ,
-            "lengths": [min(pa["prompt_lengths"]), max(pa["prompt_lengths"])]}
+    result = {"prompts": n, "identical": n - len(differ), "differ": differ,
+              "lengths": [min(pa["prompt_lengths"]), max(pa["prompt_lengths"])]}
+    if "output_logprobs" in pa and "output_logprobs" in pb:
+        result["logprobs"] = logprob_differences(pa, pb)
+    return result
+
+
+def logprob_differences(pa: dict, pb: dict) -> dict:
+    """Where two runs' numbers first part, finer than their tokens: per prompt the first position
+    whose sampled token or its logprob differs (bit for bit). Position 0 is the prefill's output, later
+    positions are decode steps; a run equal everywhere has no first position."""
+    first_positions, first_token_gap = {}, []
+    for x, y, lx, ly in zip(pa["output_token_ids"], pb["output_token_ids"], pa["output_logprobs"], pb["output_logprobs"]):
+        first = next((j for j, (u, v, a, b) in enumerate(zip(x, y, lx, ly)) if u != v or a != b), None)
+        key = "equal" if first is None else str(first)
+        first_positions[key] = first_positions.get(key, 0) + 1
+        if x[:1] == y[:1]:
+            first_token_gap.append(abs(lx[0] - ly[0]))
+    return {"first_difference_at": dict(sorted(first_positions.items(), key=lambda kv: (kv[0] == "equal", len(kv[0]), kv[0]))),
+            "prefill_logprob_equal": sum(g == 0 for g in first_token_gap),
+            "prefill_logprob_max_abs_diff": max(first_token_gap, default=0.0)}
 
 
 def throughput(a: dict, b: dict) -> list[dict]:

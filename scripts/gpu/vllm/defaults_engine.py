@@ -103,6 +103,9 @@ def main(argv=None) -> int:
                              "hook changes there, without uniprefill)")
     parser.add_argument("--parity", type=int, default=0)
     parser.add_argument("--parity-tokens", type=int, default=16)
+    parser.add_argument("--parity-logprobs", action="store_true",
+                        help="also record each generated token's logprob (compare_engines.py finds the first "
+                             "position where two runs' logprobs differ: the prefill's, or a decode step's)")
     parser.add_argument("--throughput-lengths", default="")
     parser.add_argument("--throughput-batches", default="1,4")
     parser.add_argument("--decode-tokens", type=int, default=0)
@@ -164,12 +167,17 @@ def main(argv=None) -> int:
     save()
     if args.parity:
         prompts = parity_prompts(llm.get_tokenizer(), args.parity, max_len - args.parity_tokens - 48)
-        params = SamplingParams(max_tokens=args.parity_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=args.parity_tokens, temperature=0.0, ignore_eos=True,
+                                logprobs=0 if args.parity_logprobs else None)
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         summary["parity"] = {"seconds": round(time.perf_counter() - start, 2),
                              "prompt_lengths": [len(p) for p in prompts],
                              "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+        if args.parity_logprobs:  # the sampled token's logprob at each position (float32 from vLLM's sampler)
+            summary["parity"]["output_logprobs"] = [
+                [step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                for o in outputs]
         save()
     if args.needles:
         summary["needles"] = run_needles(llm, args, SamplingParams)

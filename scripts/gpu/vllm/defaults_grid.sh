@@ -16,7 +16,10 @@
 #          benchmark_combo_kernel off, as uniprefill's hook sets it) | p1 | p095 | p099 | keep03 (the option:
 #          {"p": 1.0} / {"p": 0.95} / {"p": 0.99} / {"keep_ratio": 0.3, "drop_layers": [7]}, each with
 #          "vllm_drop": true) | p099chunk2k (p099 with max_num_batched_tokens 2048: prompts chunked, the last
-#          chunk drops) | keep03onestep (keep03 with max_num_batched_tokens 32768: prompts in one step)
+#          chunk drops) | keep03onestep (keep03 with max_num_batched_tokens 32768: prompts in one step) |
+#          p1keepplan (p1 with the diagnosis aid UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1, sound at p = 1 only)
+# SKIP_NEEDLES=1 leaves the SmolLM2 needle prompts out; LOGPROBS=1 records the parity tokens' logprobs
+# (compare_engines.py then says where two runs' numbers first part: the prefill or a decode step).
 set -uo pipefail
 OUT="${1:?usage: defaults_grid.sh OUT_DIR RUN...}"; shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -24,7 +27,9 @@ mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/env.sh"
 bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
 export UNIPREFILL_HAYSTACK=/tmp/eval/PaulGrahamEssays.json
-SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120 --needles 2048,4096,7900)
+SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120)
+[[ "${SKIP_NEEDLES:-0}" == 1 ]] || SMOLLM2+=(--needles 2048,4096,7900)
+[[ "${LOGPROBS:-0}" == 1 ]] && SMOLLM2+=(--parity-logprobs)
 [[ "${SKIP_THROUGHPUT:-0}" == 1 ]] || SMOLLM2+=(--throughput-lengths 2048,7000 --throughput-batches 1,4,16)
 LLAMA=(--layers 32 --throughput-lengths 8192,16384 --throughput-batches 1,4 --decode-tokens 8)
 LLAMA32K=(--layers 32 --throughput-lengths 32000 --throughput-batches 1,4 --decode-tokens 8)
@@ -35,8 +40,10 @@ for name in "$@"; do
   model="${name%%-*}" variant="${name#*-}"
   case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; smollm2pw) args=("${SMOLLM2[@]}" --cudagraph-mode PIECEWISE) ;; llama) args=("${LLAMA[@]}") ;; llama32k) args=("${LLAMA32K[@]}") ;;
     *) echo "unknown run $name" >&2; exit 2 ;; esac
+  envs=()
   case "$variant" in
     again) ;;
+    p1keepplan) args+=(--uniprefill "${SETTINGS[p1]}"); envs=(UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1) ;;
     nocombo) args+=(--inductor '{"benchmark_combo_kernel": false}') ;;
     p099chunk2k) args+=(--uniprefill "${SETTINGS[p099]}" --max-num-batched-tokens 2048) ;;
     keep03onestep) args+=(--uniprefill "${SETTINGS[keep03]}" --max-num-batched-tokens 32768) ;;
@@ -44,7 +51,7 @@ for name in "$@"; do
        [[ -n "${SETTINGS[$variant]}" ]] && args+=(--uniprefill "${SETTINGS[$variant]}") ;;
   esac
   start=$(date +%s)
-  timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/defaults_engine.py" "${args[@]}" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  env "${envs[@]}" timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/defaults_engine.py" "${args[@]}" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - start )) s"
   grep -E "Traceback|Error" "$OUT/$name.log" | head -3 | cut -c1-300
   if [[ "$variant" != standard && -f "$OUT/$model-standard.json" ]]; then
