@@ -14,7 +14,9 @@ chunking, caching, AOT compile), the engine's start time, and:
 
 * `--parity N`: N prompts of mixed lengths (log-spaced from 32 tokens to `max_model_len` - 64,
   cut from the haystack with the model's tokenizer), greedy, 16 new tokens each: the token ids
-  (`compare_engines.py` compares two runs token for token);
+  (`compare_engines.py` compares two runs token for token); all at once (vLLM batches them as they
+  arrive: the steps' composition depends on timing) or, `--parity-sequential`, one at a time;
+  `--parity-logprobs` adds each token's logprob (where two runs' numbers first part);
 * `--throughput-lengths/--throughput-batches`: `uniprefill.vllm.measure.run_throughput` (prefill
   tokens/s of B prompts of exactly L tokens, engine timestamps; `--decode-tokens` more for ms per
   output token);
@@ -103,6 +105,9 @@ def main(argv=None) -> int:
                              "hook changes there, without uniprefill)")
     parser.add_argument("--parity", type=int, default=0)
     parser.add_argument("--parity-tokens", type=int, default=16)
+    parser.add_argument("--parity-sequential", action="store_true",
+                        help="generate the parity prompts one at a time (every step holds one request: no "
+                             "batch composition, which vLLM's kernels are not invariant to, enters the comparison)")
     parser.add_argument("--parity-logprobs", action="store_true",
                         help="also record each generated token's logprob (compare_engines.py finds the first "
                              "position where two runs' logprobs differ: the prefill's, or a decode step's)")
@@ -170,8 +175,12 @@ def main(argv=None) -> int:
         params = SamplingParams(max_tokens=args.parity_tokens, temperature=0.0, ignore_eos=True,
                                 logprobs=0 if args.parity_logprobs else None)
         start = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        summary["parity"] = {"seconds": round(time.perf_counter() - start, 2),
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        if args.parity_sequential:
+            outputs = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
+        else:
+            outputs = llm.generate(requests, params, use_tqdm=False)
+        summary["parity"] = {"seconds": round(time.perf_counter() - start, 2), "sequential": args.parity_sequential,
                              "prompt_lengths": [len(p) for p in prompts],
                              "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
         if args.parity_logprobs:  # the sampled token's logprob at each position (float32 from vLLM's sampler)

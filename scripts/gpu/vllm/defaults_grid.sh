@@ -19,7 +19,8 @@
 #          chunk drops) | keep03onestep (keep03 with max_num_batched_tokens 32768: prompts in one step) |
 #          p1keepplan (p1 with the diagnosis aid UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1, sound at p = 1 only)
 # SKIP_NEEDLES=1 leaves the SmolLM2 needle prompts out; LOGPROBS=1 records the parity tokens' logprobs
-# (compare_engines.py then says where two runs' numbers first part: the prefill or a decode step).
+# (compare_engines.py then says where two runs' numbers first part: the prefill or a decode step);
+# SEQUENTIAL=1 generates the parity prompts one at a time (no batch composition in the comparison).
 set -uo pipefail
 OUT="${1:?usage: defaults_grid.sh OUT_DIR RUN...}"; shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -30,6 +31,7 @@ export UNIPREFILL_HAYSTACK=/tmp/eval/PaulGrahamEssays.json
 SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120)
 [[ "${SKIP_NEEDLES:-0}" == 1 ]] || SMOLLM2+=(--needles 2048,4096,7900)
 [[ "${LOGPROBS:-0}" == 1 ]] && SMOLLM2+=(--parity-logprobs)
+[[ "${SEQUENTIAL:-0}" == 1 ]] && SMOLLM2+=(--parity-sequential)
 [[ "${SKIP_THROUGHPUT:-0}" == 1 ]] || SMOLLM2+=(--throughput-lengths 2048,7000 --throughput-batches 1,4,16)
 LLAMA=(--layers 32 --throughput-lengths 8192,16384 --throughput-batches 1,4 --decode-tokens 8)
 LLAMA32K=(--layers 32 --throughput-lengths 32000 --throughput-batches 1,4 --decode-tokens 8)
