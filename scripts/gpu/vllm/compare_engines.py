@@ -46,7 +46,14 @@ def logprob_differences(pa: dict, pb: dict) -> dict:
             first_token_gap.append(abs(lx[0] - ly[0]))
     return {"first_difference_at": dict(sorted(first_positions.items(), key=lambda kv: (kv[0] == "equal", len(kv[0]), kv[0]))),
             "prefill_logprob_equal": sum(g == 0 for g in first_token_gap),
-            "prefill_logprob_max_abs_diff": max(first_token_gap, default=0.0)}
+            "prefill_logprob_abs_diff": _quantiles(first_token_gap)}
+
+
+def _quantiles(values: list[float]) -> dict:
+    """Median, 90th percentile and maximum (nearest rank) of `values`; empty: zeros."""
+    ordered = sorted(values) or [0.0]
+    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"median": at(0.5), "p90": at(0.9), "max": ordered[-1]}
 
 
 def throughput(a: dict, b: dict) -> list[dict]:

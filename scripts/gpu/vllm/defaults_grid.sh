@@ -17,7 +17,12 @@
 #          {"p": 1.0} / {"p": 0.95} / {"p": 0.99} / {"keep_ratio": 0.3, "drop_layers": [7]}, each with
 #          "vllm_drop": true) | p099chunk2k (p099 with max_num_batched_tokens 2048: prompts chunked, the last
 #          chunk drops) | keep03onestep (keep03 with max_num_batched_tokens 32768: prompts in one step) |
-#          p1keepplan (p1 with the diagnosis aid UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1, sound at p = 1 only)
+#          p1keepplan (p1 with the diagnosis aid UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1, sound at p = 1 only) |
+#          p1last (p1 with one drop point, after the last layer but one: SmolLM2's layer 28) | p1hint (p1 with
+#          Inductor's unbacked_symint_fallback 16384, vLLM's hint for the token count: is the kept count's
+#          missing hint what changes the pieces' kernels?)
+# DUMP_CODE=1 gives each engine a fresh vLLM cache (VLLM_CACHE_ROOT=OUT_DIR/cache-RUN) and keeps the Python
+# Inductor generated there (the Triton kernels of every piece) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
 # SKIP_NEEDLES=1 leaves the SmolLM2 needle prompts out; LOGPROBS=1 records the parity tokens' logprobs
 # (compare_engines.py then says where two runs' numbers first part: the prefill or a decode step);
 # SEQUENTIAL=1 generates the parity prompts one at a time (no batch composition in the comparison).
@@ -46,16 +51,23 @@ for name in "$@"; do
   case "$variant" in
     again) ;;
     p1keepplan) args+=(--uniprefill "${SETTINGS[p1]}"); envs=(UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1) ;;
+    p1last) args+=(--uniprefill '{"p": 1.0, "vllm_drop": true, "drop_layers": [28]}') ;;
+    p1hint) args+=(--uniprefill "${SETTINGS[p1]}" --inductor '{"unbacked_symint_fallback": 16384}') ;;
     nocombo) args+=(--inductor '{"benchmark_combo_kernel": false}') ;;
     p099chunk2k) args+=(--uniprefill "${SETTINGS[p099]}" --max-num-batched-tokens 2048) ;;
     keep03onestep) args+=(--uniprefill "${SETTINGS[keep03]}" --max-num-batched-tokens 32768) ;;
     *) [[ -v "SETTINGS[$variant]" ]] || { echo "unknown variant $variant" >&2; exit 2; }
        [[ -n "${SETTINGS[$variant]}" ]] && args+=(--uniprefill "${SETTINGS[$variant]}") ;;
   esac
+  [[ "${DUMP_CODE:-0}" == 1 ]] && { rm -rf "$OUT/cache-$name"; envs+=(VLLM_CACHE_ROOT="$OUT/cache-$name"); }
   start=$(date +%s)
   env "${envs[@]}" timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/defaults_engine.py" "${args[@]}" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - start )) s"
   grep -E "Traceback|Error" "$OUT/$name.log" | head -3 | cut -c1-300
+  if [[ "${DUMP_CODE:-0}" == 1 ]]; then
+    (cd "$OUT/cache-$name" && find . -name "*.py" -print0 | tar -czf "$OUT/code-$name.tar.gz" --null -T -)
+    echo "$name: $(tar -tzf "$OUT/code-$name.tar.gz" | wc -l) generated files in code-$name.tar.gz"
+  fi
   if [[ "$variant" != standard && -f "$OUT/$model-standard.json" ]]; then
     python3 -P "$ROOT/scripts/gpu/vllm/compare_engines.py" "$OUT/$model-standard.json" "$OUT/$name.json" \
       --out "$OUT/compare-$name.json" | python3 -c "import json,sys; d=json.load(sys.stdin); p=d['parity']
