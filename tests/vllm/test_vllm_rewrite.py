@@ -352,6 +352,28 @@ def test_request_settings_from_sampling_params(caplog):
     assert v1.of_step(("e",)) == (None, None) and v1.of_step(("e",), {"e": 2})[0].tolist() == [True]
 
 
+def test_request_settings_in_the_servers_flat_form(caplog):
+    """`vllm serve` hands `vllm_xargs` over as flat scalars (JSON false arrives as 0): "off" and 0 opt out,
+    "uniprefill_p" sets p, and a p given both ways, or out of range, keeps every row with a warning."""
+    from uniprefill.vllm import runner_hook as hook
+
+    def arriving(req_id, extra):
+        return types.SimpleNamespace(req_id=req_id, sampling_params=types.SimpleNamespace(extra_args=extra,
+                                                                                          prompt_logprobs=None))
+
+    settings = hook.RequestSettings()
+    with caplog.at_level("WARNING", logger=hook.__name__):
+        settings.arrive([arriving("a", {"uniprefill": "off"}), arriving("b", {"uniprefill": 0}),
+                         arriving("c", {"uniprefill_p": 0.7}), arriving("d", {"uniprefill_p": 0}),
+                         arriving("e", {"uniprefill": {"p": 0.5}, "uniprefill_p": 0.6}),
+                         arriving("f", {"uniprefill": 1}), arriving("g", {"uniprefill": 0.0})],
+                        logprobs_in_params=True)
+    mask, p = settings.of_step(("a", "b", "c", "d", "e", "f", "g", "h"))
+    assert mask.tolist() == [True, True, False, True, True, True, True, False]
+    assert p[2].item() == pytest.approx(0.7) and torch.isnan(p[[0, 1, 3, 4, 5, 6, 7]]).all()
+    assert sum("keeps every row" in r.getMessage() for r in caplog.records) == 4  # d, e, f, g
+
+
 def assert_prefill_and_decode_match_the_reference(model, ids, query_lens, kept, hidden, new, step) -> None:
     """One drop at layer 1: each request's last prefill row and its decode row equal the plain
     model run on its kept positions (plus the decoded token)."""

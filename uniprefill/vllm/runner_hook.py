@@ -101,6 +101,8 @@ class RequestSettings:
 
     `SamplingParams.extra_args["uniprefill"]`: False keeps every row of the request (opt-out);
     `{"p": x}` with 0 < x <= 1 gives it its own top-p (ignored where a keep ratio is forced).
+    The OpenAI server passes only flat scalars (`vllm_xargs`, which turns JSON false into 0), so
+    there `"uniprefill": "off"` (or false) opts out and `"uniprefill_p": x` sets p.
     Anything else is logged and the request keeps every row: a bad setting never silently
     changes an answer. Prompt logprobs opt out too (`logprobs_in_params`: V2 reads them from
     the sampling params; V1 from its batch). Nothing per step is computed while no live request
@@ -113,20 +115,23 @@ class RequestSettings:
     def arrive(self, new_requests, logprobs_in_params: bool) -> None:
         for new in new_requests or ():
             params = getattr(new, "sampling_params", None)
-            setting = (getattr(params, "extra_args", None) or {}).get("uniprefill")
+            extra = getattr(params, "extra_args", None) or {}
+            setting = extra.get("uniprefill")
+            if "uniprefill_p" in extra:  # the server's flat form of {"p": x}
+                setting = {"p": extra["uniprefill_p"]} if setting is None else {"conflict": (setting, extra["uniprefill_p"])}
             if logprobs_in_params and getattr(params, "prompt_logprobs", None) is not None:
                 self.opted_out.add(new.req_id)
             if setting is None or setting is True:
                 continue
-            if setting is False:
+            if setting is False or (type(setting) is int and setting == 0) or setting == "off":
                 self.opted_out.add(new.req_id)
                 continue
             p = setting.get("p") if isinstance(setting, dict) and set(setting) == {"p"} else None
             if isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 < p <= 1.0:
                 self.p[new.req_id] = float(p)
             else:
-                logger.warning("uniprefill: request %s: extra_args['uniprefill']=%r is not False or {'p': x} with "
-                               "0 < x <= 1; it keeps every row", new.req_id, setting)
+                logger.warning("uniprefill: request %s: extra_args['uniprefill']=%r is not False, 'off' or {'p': x} "
+                               "(server: 'uniprefill_p': x) with 0 < x <= 1; it keeps every row", new.req_id, setting)
                 self.opted_out.add(new.req_id)
 
     def finish(self, request_ids) -> None:
