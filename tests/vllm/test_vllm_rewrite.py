@@ -158,17 +158,33 @@ def test_a_request_recomputed_from_scratch_replaces_its_history_and_totals_count
 
     listeners = hook.FinishedListeners()  # as vLLM's collective_rpc(drop_totals) reads them in a worker
     listeners.add(runtime)
-    assert listeners.totals() == [dataclasses.asdict(totals)] and isinstance(hook.drop_totals(object()), list)
+    live = len(runtime.store)
+    assert listeners.totals() == [dataclasses.asdict(totals) | {"live_drop_histories": live}]
+    assert isinstance(hook.drop_totals(object()), list)
+    for request_id in list(runtime.store._histories):  # as vLLM's finished (or aborted) request ids do
+        runtime.free(request_id)
+    assert live > 0 and listeners.totals()[0]["live_drop_histories"] == 0
 
-    class LLM:  # vLLM's LLM.collective_rpc calls the function in each worker
+    class Worker:
+        pass
+
+    assert hook.install_worker_method(Worker) and not hook.install_worker_method(Worker)
+
+    class LLM:  # vLLM's LLM.collective_rpc calls a method by name, or a function, in each worker
         def collective_rpc(self, fn, timeout=None):
+            return [getattr(Worker(), fn)() if isinstance(fn, str) else fn("worker-0")]
+
+    class Unpatched:  # no method by that name in the worker: the function is sent
+        def collective_rpc(self, fn, timeout=None):
+            if isinstance(fn, str):
+                raise NotImplementedError(f"Method {fn!r} is not implemented.")
             return [fn("worker-0")]
 
     class Broken:
         def collective_rpc(self, fn, timeout=None):
             raise RuntimeError("insecure serialization is off")
 
-    assert hook.collect_drop_totals(LLM()) == [hook.drop_totals()]
+    assert hook.collect_drop_totals(LLM()) == [hook.drop_totals()] == hook.collect_drop_totals(Unpatched())
     assert hook.collect_drop_totals(Broken()).startswith("unavailable: RuntimeError")
 
 

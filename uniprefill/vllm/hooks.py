@@ -31,6 +31,12 @@ class VllmHooks:
         from . import runner_hook as hook
 
         hook.install(GPUModelRunner)
+        try:  # the drop totals by name, for `vllm serve` (runner_hook.install_worker_method)
+            from vllm.v1.worker.gpu_worker import Worker
+        except ImportError:
+            Worker = None
+        if Worker is not None:
+            hook.install_worker_method(Worker)
         try:  # vLLM 0.26's model runner V2, its default for non-MoE, non-hybrid models
             from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
         except ImportError:

@@ -70,11 +70,13 @@ class FinishedListeners:
         self._listeners.add(listener)
 
     def totals(self) -> list[dict]:
-        """The running drop totals of every registered runtime (those that keep `totals`)."""
+        """The running drop totals of every registered runtime (those that keep `totals`), each with
+        `live_drop_histories`: the requests whose drop history the runtime still holds (0 once every
+        request has finished or been aborted)."""
         import dataclasses
 
-        return [dataclasses.asdict(listener.totals) for listener in list(self._listeners)
-                if dataclasses.is_dataclass(getattr(listener, "totals", None))]
+        return [dataclasses.asdict(listener.totals) | {"live_drop_histories": len(getattr(listener, "store", ()))}
+                for listener in list(self._listeners) if dataclasses.is_dataclass(getattr(listener, "totals", None))]
 
     def before_step(self, request_ids: tuple[str, ...]) -> None:
         """Before a step's forward or graph replay: `listener.before_step(ids)` where defined (the
@@ -277,13 +279,31 @@ def opted_out() -> torch.Tensor | None:
     return step.opted_out
 
 
+WORKER_METHOD = "uniprefill_drop_totals"
+
+
+def install_worker_method(worker_cls) -> bool:
+    """Give vLLM's worker class the method `uniprefill_drop_totals` (`drop_totals`), so that the totals
+    can be asked for by name: `LLM.collective_rpc("uniprefill_drop_totals")`, or `vllm serve`'s
+    developer endpoint (`VLLM_SERVER_DEV_MODE=1`, `POST /collective_rpc {"method": "uniprefill_drop_totals"}`),
+    which sends no function. Adds a method, wraps nothing; False where the class has one already."""
+    if hasattr(worker_cls, WORKER_METHOD):
+        return False
+    setattr(worker_cls, WORKER_METHOD, drop_totals)
+    return True
+
+
 def collect_drop_totals(llm) -> list | str:
-    """`drop_totals` of every worker of a `vllm.LLM` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1:
-    collective_rpc sends a function), printed; what went wrong instead, as text, if it cannot."""
+    """`drop_totals` of every worker of a `vllm.LLM`, printed: by name where the rewrite installed the
+    worker method, else as a function (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1); what went wrong
+    instead, as text, if neither works."""
     try:
-        totals = llm.collective_rpc(drop_totals, timeout=60)
-    except Exception as exc:  # noqa: BLE001 - evidence for a run's log, never a reason to fail it
-        totals = f"unavailable: {type(exc).__name__}: {str(exc)[:200]}"
+        totals = llm.collective_rpc(WORKER_METHOD, timeout=60)
+    except Exception:  # noqa: BLE001 - no such method in that worker: send the function
+        try:
+            totals = llm.collective_rpc(drop_totals, timeout=60)
+        except Exception as exc:  # noqa: BLE001 - evidence for a run's log, never a reason to fail it
+            totals = f"unavailable: {type(exc).__name__}: {str(exc)[:200]}"
     print(f"drop totals: {totals}", flush=True)
     return totals
 

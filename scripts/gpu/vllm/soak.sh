@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# On the GPU box (vLLM installed by box_install.sh): the serve soak of issue 20. For each RUN, a local
+# `vllm serve` on loopback on vLLM's defaults (RUN standard*: nothing added; RUN uniprefill*: the one option,
+# SETTINGS), the bounded client scripts/gpu/vllm/soak.py against it, the server stopped; then each run's
+# answers compared with the first run's (`soak.py compare`). Not yet run on a GPU (written 2026-12-03).
+#   bash scripts/gpu/vllm/soak.sh OUT_DIR RUN... (e.g. standard uniprefill standard-again)
+# Env: SETTINGS (default {"p": 1.0, "vllm_drop": true}), REQUESTS (300), CONCURRENCY (8), MIN_LEN (1000),
+#      MAX_LEN (32000), MAX_TOKENS (16). The model: the Llama-3.1-8B shape with dummy weights
+#      (uniprefill.testing.word_llama, 32 layers, max_model_len 32768). VLLM_SERVER_DEV_MODE=1 opens vLLM's
+#      /collective_rpc, through which the client reads the drop totals after the last request.
+# vLLM is not batch-invariant: under concurrent load the steps' composition differs run to run, so a
+# `standard-again` run is the control for how many answers two standard servers share.
+set -uo pipefail
+OUT="${1:?usage: soak.sh OUT_DIR RUN...}"; shift
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+mkdir -p "$OUT"
+source "$ROOT/scripts/gpu/vllm/env.sh"
+bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
+DEFAULT_SETTINGS='{"p": 1.0, "vllm_drop": true}'
+SETTINGS="${SETTINGS:-$DEFAULT_SETTINGS}"
+MODEL=/tmp/llama8b-shaped-32
+python3 -P -c "from pathlib import Path; from uniprefill.testing.word_llama import write_model_folder as w; w(Path('$MODEL'), 32)"
+first=""
+for run in "$@"; do
+  extra=()
+  [[ "$run" == uniprefill* ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $SETTINGS}}")
+  start=$(date +%s)
+  VLLM_SERVER_DEV_MODE=1 vllm serve "$MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
+    --host 127.0.0.1 --port 8000 "${extra[@]}" > "$OUT/$run.server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 1 120); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2> /dev/null && break
+    kill -0 "$server" 2> /dev/null || break
+    sleep 2
+  done
+  echo "$run: server up after $(( $(date +%s) - start )) s"
+  timeout 900 python3 -P "$ROOT/scripts/gpu/vllm/soak.py" run --model "$MODEL" --requests "${REQUESTS:-300}" \
+    --concurrency "${CONCURRENCY:-8}" --min-len "${MIN_LEN:-1000}" --max-len "${MAX_LEN:-32000}" \
+    --max-tokens "${MAX_TOKENS:-16}" --totals --out "$OUT/$run.jsonl" > "$OUT/$run.client.log" 2>&1
+  echo "$run: client exit $? after $(( $(date +%s) - start )) s"; tail -14 "$OUT/$run.client.log" | cut -c1-200
+  kill "$server"; wait "$server" 2> /dev/null
+  grep -E "Traceback|ERROR" "$OUT/$run.server.log" | head -3 | cut -c1-300
+  if [[ -z "$first" ]]; then
+    first="$run"
+  else
+    python3 -P "$ROOT/scripts/gpu/vllm/soak.py" compare "$OUT/$first.jsonl" "$OUT/$run.jsonl" \
+      --out "$OUT/compare-$run.json" | head -4
+  fi
+done
