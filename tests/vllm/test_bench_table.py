@@ -32,3 +32,25 @@ def test_a_length_run_by_one_system_only_is_an_error(tmp_path):
     write(tmp_path, "standard", 8192, 1.0)
     done = subprocess.run([sys.executable, "-P", str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
     assert done.returncode != 0 and "runs missing" in done.stderr and "'uniprefill', 8192" in done.stderr
+
+
+SERVE_TABLE = SCRIPT.parent / "serve_table.py"
+
+
+def write_serve(folder: Path, system: str, length: int, concurrency: int, duration: float, ttft: float) -> None:
+    (folder / f"{system}-{length}-c{concurrency}.json").write_text(json.dumps(
+        {"duration": duration, "completed": 32, "failed": 0, "total_input_tokens": 32 * length,
+         "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": 5.5}))
+
+
+def test_serve_table_pairs_points_and_refuses_a_lonely_one(tmp_path):
+    write_serve(tmp_path, "standard", 8192, 4, 10.0, 300.0)
+    write_serve(tmp_path, "uniprefill", 8192, 4, 5.0, 140.0)
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 8192"))
+    assert "26,214 -> 52,429" in row and "**2.00x**" in row and "300.0 -> 140.0" in row and "600.0 -> 280.0" in row
+    assert (tmp_path / "serve-table.md").read_text() == done.stdout
+    write_serve(tmp_path, "standard", 32000, 1, 10.0, 300.0)
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode != 0 and "('uniprefill', 32000, 1)" in done.stderr

@@ -16,29 +16,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/env.sh"
 bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
-DEFAULT_SETTINGS='{"p": 1.0, "vllm_drop": true}'
-SETTINGS="${SETTINGS:-$DEFAULT_SETTINGS}"
-MODEL=/tmp/llama8b-shaped-32
-python3 -P -c "from pathlib import Path; from uniprefill.testing.word_llama import write_model_folder as w; w(Path('$MODEL'), 32)"
+source "$ROOT/scripts/gpu/vllm/serve_lib.sh"
+serve_model
 first=""
 for run in "$@"; do
-  extra=()
-  [[ "$run" == uniprefill* ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $SETTINGS}}")
   start=$(date +%s)
-  VLLM_SERVER_DEV_MODE=1 vllm serve "$MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
-    --host 127.0.0.1 --port 8000 "${extra[@]}" > "$OUT/$run.server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 1 120); do
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2> /dev/null && break
-    kill -0 "$server" 2> /dev/null || break
-    sleep 2
-  done
-  echo "$run: server up after $(( $(date +%s) - start )) s"
-  timeout 900 python3 -P "$ROOT/scripts/gpu/vllm/soak.py" run --model "$MODEL" --requests "${REQUESTS:-300}" \
+  serve_start "$run" "$OUT/$run.server.log" || continue
+  timeout 900 python3 -P "$ROOT/scripts/gpu/vllm/soak.py" run --model "$SERVE_MODEL" --requests "${REQUESTS:-300}" \
     --concurrency "${CONCURRENCY:-8}" --min-len "${MIN_LEN:-1000}" --max-len "${MAX_LEN:-32000}" \
     --max-tokens "${MAX_TOKENS:-16}" --totals --out "$OUT/$run.jsonl" > "$OUT/$run.client.log" 2>&1
   echo "$run: client exit $? after $(( $(date +%s) - start )) s"; tail -14 "$OUT/$run.client.log" | cut -c1-200
-  kill "$server"; wait "$server" 2> /dev/null
+  serve_stop
   grep -E "Traceback|ERROR" "$OUT/$run.server.log" | head -3 | cut -c1-300
   if [[ -z "$first" ]]; then
     first="$run"

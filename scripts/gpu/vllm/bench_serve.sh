@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the GPU box (vLLM installed by box_install.sh): vLLM's own `vllm bench serve` against a local `vllm serve`,
+# standard vLLM on its defaults and the same server plus the one uniprefill option (serve_lib.sh), per prompt
+# length and client concurrency, then the side-by-side table (scripts/gpu/vllm/serve_table.py). Not yet run on
+# a GPU (written 2026-12-03).
+#   SETTINGS='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}' bash scripts/gpu/vllm/bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]
+# LENGTHS default 8192,16384,32000; CONCURRENCIES 1,4,16; NUM_PROMPTS 32 per point (random dataset, 16 output
+# tokens, --ignore-eos). One server per system serves every point (about two minutes to start with the compile).
+set -uo pipefail
+OUT="${1:?usage: bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]}"
+LENGTHS="${2:-8192,16384,32000}"
+CONCURRENCIES="${3:-1,4,16}"
+NUM_PROMPTS="${4:-32}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+mkdir -p "$OUT"
+source "$ROOT/scripts/gpu/vllm/env.sh"
+bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
+source "$ROOT/scripts/gpu/vllm/serve_lib.sh"
+serve_model
+echo "$SETTINGS" > "$OUT/settings.json"
+for system in standard uniprefill; do
+  serve_start "$system" "$OUT/$system.server.log" || continue
+  for length in ${LENGTHS//,/ }; do
+    for concurrency in ${CONCURRENCIES//,/ }; do
+      start=$(date +%s)
+      timeout 600 vllm bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \
+        --dataset-name random --random-input-len "$length" --random-output-len 16 --ignore-eos \
+        --num-prompts "$NUM_PROMPTS" --max-concurrency "$concurrency" --seed 0 \
+        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 \
+        --save-result --result-dir "$OUT" --result-filename "$system-$length-c$concurrency.json" \
+        > "$OUT/$system-$length-c$concurrency.log" 2>&1
+      echo "$system $length c$concurrency: exit $? in $(( $(date +%s) - start )) s"
+    done
+  done
+  serve_stop
+done
+python3 -P "$ROOT/scripts/gpu/vllm/serve_table.py" "$OUT"

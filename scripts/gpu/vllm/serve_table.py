@@ -1,0 +1,59 @@
+"""The side-by-side table of `bench_serve.sh`: uniprefill vs standard vLLM per prompt length and client
+concurrency, from the `--save-result` files of `vllm bench serve` (`SYSTEM-L-cC.json` in one folder).
+
+    python3 scripts/gpu/vllm/serve_table.py OUT_DIR
+
+Per point: prefill tokens/s (input tokens over the run's duration) of each and their ratio, TTFT p50 / p99
+and TPOT p50 (ms) of each, and failed requests. Prints Markdown and writes OUT_DIR/serve-table.md; a point
+present for one system only is an error, not a shorter table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def load(folder: Path) -> dict[tuple[str, int, int], dict]:
+    runs = {}
+    for path in folder.glob("*.json"):
+        match = re.fullmatch(r"(standard|uniprefill)-(\d+)-c(\d+)\.json", path.name)
+        if match:
+            runs[match.group(1), int(match.group(2)), int(match.group(3))] = json.loads(path.read_text())
+    return runs
+
+
+def table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
+    points = sorted({(n, c) for _, n, c in runs})
+    if not points:
+        raise SystemExit("no standard-L-cC.json / uniprefill-L-cC.json files")
+    missing = [(s, n, c) for n, c in points for s in ("standard", "uniprefill") if (s, n, c) not in runs]
+    if missing:
+        raise SystemExit(f"points missing (a failed server or client?): {missing}")
+    lines = ["| prompt tokens | concurrency | prefill tok/s standard -> uniprefill | ratio | TTFT p50 ms | TTFT p99 ms "
+             "| TPOT p50 ms | failed |", "|---|---|---|---|---|---|---|---|"]
+    for n, c in points:
+        a, b = runs["standard", n, c], runs["uniprefill", n, c]
+        rate = [r["total_input_tokens"] / r["duration"] for r in (a, b)]
+        pair = lambda key: f"{a[key]:.1f} -> {b[key]:.1f}"  # noqa: E731
+        lines.append(f"| {n} | {c} | {rate[0]:,.0f} -> {rate[1]:,.0f} | **{rate[1] / rate[0]:.2f}x** | "
+                     f"{pair('median_ttft_ms')} | {pair('p99_ttft_ms')} | {pair('median_tpot_ms')} | "
+                     f"{a.get('failed', 0)} / {b.get('failed', 0)} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    text = "\n".join(table(load(args.folder))) + "\n"
+    sys.stdout.write(text)
+    (args.folder / "serve-table.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
