@@ -25,41 +25,18 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .config import UniPrefillConfig
+from .report import GraphReport  # noqa: F401  (re-exported: `uniprefill.backend.GraphReport`)
 from .unaccelerated import Kind, Unaccelerated
 from .runtime.history import DropHistory, DropRecorder, recording_into
 
 logger = logging.getLogger("uniprefill.passes")
 REWRITE_FAILED = "the rewritten graph failed"
-
-
-@dataclass
-class GraphReport:
-    """What the backend did with one dynamo graph."""
-
-    rewritten: bool
-    reason: str = ""  # an `Unaccelerated` (message and kind) when not rewritten
-    layers: list = field(default_factory=list)
-    drop_layers: tuple[int, ...] = ()
-    counts: dict = field(default_factory=dict)
-    single_row_only: bool = False
-    single_row_reason: str = ""
-
-    def __str__(self) -> str:
-        head = "rewritten" if self.rewritten else f"left unchanged: {self.reason}"
-        lines = [f"graph {head}"]
-        if self.rewritten:
-            lines.append(f"  drop layers {list(self.drop_layers)}; rewrites {self.counts}")
-            if self.single_row_only:
-                lines.append(f"  batches of several rows run unaccelerated: {self.single_row_reason}")
-        lines += [f"  {layer}" for layer in self.layers]
-        return "\n".join(lines)
 
 
 class UniPrefillBackend:

@@ -1,7 +1,7 @@
 """Why a graph or a call runs unaccelerated: a kind to test and count, and a message to read.
 
-Every report of uniprefill that says "this ran unaccelerated" (`GraphReport.reason`,
-`UniPrefillBackend.last_unaccelerated`, the vLLM backend's `VllmGraphReport.reason`) holds an
+Every report of uniprefill that says "this ran unaccelerated" (`GraphReport.reason`
+of both backends, `UniPrefillBackend.last_unaccelerated`) holds an
 `Unaccelerated`: a `str` (the message, so printing, logging and matching it work as before) that
 also carries a `kind` from `Kind`. Tests, the fuzzer and the census branch on the kind, never on
 the wording.

@@ -25,15 +25,16 @@ carries the settings). `import uniprefill` never imports this module.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .. import env
 from ..config import UniPrefillConfig
+from ..report import GraphReport
 from ..models.layer_kinds import LayerKind
 from ..unaccelerated import Kind, Unaccelerated, kind_of
 from .hooks import VllmHooks, vllm_tp_group, vllm_window_layer  # noqa: F401  (re-exported)
@@ -67,22 +68,6 @@ def plugin_loaded() -> bool:
 
 
 # ----------------------------------------------------------------------------- the backend
-@dataclass
-class VllmGraphReport:
-    """What the backend did with one graph vLLM handed over."""
-
-    rewritten: bool
-    reason: str  # an `Unaccelerated` (message and kind) when not rewritten
-    attention_ops: int  # unified_attention* calls (one per attention layer)
-    kv_cache_updates: int
-    gdn_ops: int
-    placeholders: int
-    layers: tuple[int, ...] = ()  # attention layer indices, in graph order (from the layer names)
-    drop_layers: tuple[int, ...] | None = None  # the drop points the config picks for these layers
-    plan_error: str = ""  # why the layers or drop points could not be read, if so
-    rewrite: Any = None  # the rewrite's counts (`VllmRewriteResult`: gathers, sizes, scatters, windows) when rewritten
-
-
 def _warm_up_max_seqlen(vllm_config: Any, config: UniPrefillConfig) -> int:
     """max_model_len when a dropping engine will run the Triton score-and-select kernels (CUDA,
     impl "auto" or "triton"): they are then compiled at the first dummy forward, not inside the
@@ -123,7 +108,7 @@ class VllmTokenDropBackend:
         self.tensor_parallel, self.sliding_window = tensor_parallel, sliding_window
         self.graph_decode_max_reqs, self.warm_up_max_seqlen = graph_decode_max_reqs, warm_up_max_seqlen
         self._hooks = hooks if hooks is not None else VllmHooks.from_vllm
-        self.graphs: list[VllmGraphReport] = []
+        self.graphs: list[GraphReport] = []
         self.runtimes: list = []  # one VllmDropRuntime per rewritten graph
 
     @classmethod
@@ -168,14 +153,15 @@ class VllmTokenDropBackend:
 
         attach_example_inputs(gm, example_inputs)
         names = [_target_name(n) for n in gm.graph.nodes if n.op == "call_function"]
-        report = VllmGraphReport(
+        report = GraphReport(
             rewritten=False,
             reason=Unaccelerated("the vLLM rewrite is experimental and off: it is tested on CPU in a fake vLLM only "
                                  "(the option \"vllm_drop\": true turns it on; docs/vllm.md)", Kind.OPTION_OFF),
-            attention_ops=sum("unified_attention" in n for n in names),
-            kv_cache_updates=sum("unified_kv_cache_update" in n for n in names),
-            gdn_ops=sum("gdn_attention" in n for n in names),
-            placeholders=sum(1 for n in gm.graph.nodes if n.op == "placeholder"),
+            layers=(), drop_layers=None,
+            graph_ops={"attention": sum("unified_attention" in n for n in names),
+                       "kv_cache_update": sum("unified_kv_cache_update" in n for n in names),
+                       "gdn": sum("gdn_attention" in n for n in names),
+                       "placeholders": sum(1 for n in gm.graph.nodes if n.op == "placeholder")},
         )
         info = self._plan(gm, report)
         if info is None and self.config.vllm_drop:
@@ -192,12 +178,12 @@ class VllmTokenDropBackend:
             raise RuntimeError(f"uniprefill cannot rewrite this vLLM graph: {report.reason}")
         message = f"uniprefill: running the vLLM graph unaccelerated: {report.reason}"
         logger.warning("%s (%d attention ops; layers %s; drop layers it would use: %s%s)", message,
-                       report.attention_ops, list(report.layers), report.drop_layers,
+                       report.graph_ops["attention"], list(report.layers), report.drop_layers,
                        f"; {report.plan_error}" if report.plan_error else "")
         warnings.warn(message, stacklevel=2)
         return None
 
-    def _plan(self, gm, report: VllmGraphReport):
+    def _plan(self, gm, report: GraphReport):
         """The attention layers of the graph and the drop points the config picks among them."""
         from ..passes.classify import LayerInfo
         from ..passes.drop_points import resolve_drop_layers
@@ -217,7 +203,7 @@ class VllmTokenDropBackend:
             report.plan_error = str(exc)
             return None
 
-    def _rewrite(self, gm, info, report: VllmGraphReport):
+    def _rewrite(self, gm, info, report: GraphReport):
         """The experimental vLLM rewrite (option `vllm_drop`); None, with the reason in the
         report, where it cannot run."""
         from .graph import analyze_vllm_graph
@@ -271,8 +257,7 @@ class VllmTokenDropBackend:
                                   warm_up_max_seqlen=self.warm_up_max_seqlen)
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
-            report.rewrite = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds,
-                                                runtime)
+            result = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds, runtime)
         except (ValueError, KeyError) as exc:
             report.reason = Unaccelerated(f"the vLLM rewrite refused this graph: {exc}", Kind.GRAPH_NOT_FOLLOWED)
             return None
@@ -280,12 +265,13 @@ class VllmTokenDropBackend:
         dump = env.rewrite_dump_dir()  # debugging: the rewritten graph's code, with the rewrite's counts
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)
-            (dump / f"rewritten-{os.getpid()}-{len(self.runtimes)}.py").write_text(f"# {report.rewrite}\n{gm.code}")
+            (dump / f"rewritten-{os.getpid()}-{len(self.runtimes)}.py").write_text(f"# {result}\n{gm.code}")
         hooks.listeners.add(runtime)
         self.runtimes.append(runtime)
         report.rewritten, report.reason = True, ""
+        report.counts = {k: v for k, v in dataclasses.asdict(result).items() if k != "drop_layers"}
         logger.warning("uniprefill: EXPERIMENTAL token dropping inside vLLM at layers %s (option vllm_drop; "
-                       "first GPU runs on 2026-12-01, docs/vllm.md): %s", list(report.drop_layers), report.rewrite)
+                       "first GPU runs on 2026-12-01, docs/vllm.md): %s", list(report.drop_layers), result)
         return gm
 
 
