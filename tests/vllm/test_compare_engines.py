@@ -1,0 +1,41 @@
+"""scripts/gpu/vllm/compare_engines.py: two engines' parity outputs compared token for token and, where
+both recorded logprobs, the first position where their numbers part (0: the prefill's output)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm" / "compare_engines.py"
+spec = importlib.util.spec_from_file_location("compare_engines", SCRIPT)
+compare_engines = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare_engines)
+
+
+def run(tokens, logprobs=None) -> dict:
+    parity = {"prompt_lengths": [10 * (i + 1) for i in range(len(tokens))], "output_token_ids": tokens}
+    if logprobs is not None:
+        parity["output_logprobs"] = logprobs
+    return {"parity": parity}
+
+
+def test_tokens_and_the_first_position_where_logprobs_part(tmp_path):
+    a = run([[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]], [[-.5, -.1, -.2], [-.3, -.3, -.3], [-.1, -.2, -.3], [0., 0., 0.]])
+    b = run([[1, 2, 3], [4, 5, 7], [7, 8, 9], [2, 1, 1]], [[-.5, -.1, -.2], [-.3, -.4, -.3], [-.15, -.2, -.3], [0., 0., 0.]])
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert compare_engines.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "c.json")]) == 0
+    parity = json.loads((tmp_path / "c.json").read_text())["parity"]
+    assert parity["identical"] == 2 and [d["prompt"] for d in parity["differ"]] == [1, 3]
+    assert [d["first_different_token"] for d in parity["differ"]] == [2, 0]
+    lp = parity["logprobs"]
+    # prompt 0 equal everywhere; prompt 1's logprob parts at 1 before its token at 2; prompt 2 at the
+    # prefill although its tokens agree; prompt 3's first token differs
+    assert lp["first_difference_at"] == {"0": 2, "1": 1, "equal": 1}
+    assert lp["prefill_logprob_equal"] == 2  # of the three whose first token agrees
+    assert abs(lp["prefill_logprob_abs_diff"]["max"] - 0.05) < 1e-9
+
+
+def test_without_logprobs_only_tokens_are_compared():
+    result = compare_engines.parity(run([[1, 2]]), run([[1, 2]]))
+    assert result["identical"] == 1 and "logprobs" not in result
