@@ -5,7 +5,7 @@ logprob (the first generated token's, where both runs chose the same token) diff
 
 A.json, B.json: `defaults_engine.py --parity-logprobs` runs (gzipped ones are read as they are). A pair
 whose curve starts at 1 is bit-equal; the x axis is logarithmic, with the bit-equal prompts drawn at its
-left edge.
+left edge (with any gap below 1e-6; the legend counts the bit-equal ones).
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ def main(argv=None) -> int:
     floor = 1e-6
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, a, b in args.pair:
-        gaps = sorted(max(g, floor) for g in prefill_gaps(load(Path(a)), load(Path(b))))
-        equal = sum(g <= floor for g in gaps)
+        raw = prefill_gaps(load(Path(a)), load(Path(b)))
+        equal = sum(g == 0 for g in raw)
+        gaps = sorted(max(g, floor) for g in raw)
         ys = [(i + 1) / len(gaps) for i in range(len(gaps))]
         ax.step(gaps, ys, where="post", label=f"{label} ({equal}/{len(gaps)} bit-equal)")
     ax.set_xscale("log")
-    ax.set_xlabel("|prefill logprob difference| (bit-equal drawn at 1e-6)")
+    ax.set_xlabel("|prefill logprob difference| (bit-equal and below 1e-6 drawn at 1e-6)")
     ax.set_ylabel("share of prompts")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
