@@ -27,9 +27,9 @@ def model():
     return TinyBackbone().eval()
 
 
-def run_chunked(model, config: UniPrefillConfig, drops, windows=None, seed: int = 7):
-    """Steps 1-3 above; returns the runtime, each step's hidden states, reasons and kept prompt positions,
-    and the token ids of each request."""
+def run_chunked(model, config: UniPrefillConfig, drops, windows=None, seed: int = 7, first=FIRST):
+    """Steps 1-3 above (`first`: step 1's tokens of each request); returns the runtime, each step's hidden
+    states, reasons and kept prompt positions, and the token ids of each request."""
     compiled, state = compile_with_drops(model, config, drops, windows)
     torch.manual_seed(seed)
     tokens = [torch.randint(0, VOCAB, (n,)) for n in PROMPTS]
@@ -40,7 +40,7 @@ def run_chunked(model, config: UniPrefillConfig, drops, windows=None, seed: int 
     prompt_kept = [[set() for _ in drops] for _ in PROMPTS]  # prompt positions each drop point kept
     steps = []
     computed = [0, 0, 0]
-    plan = [FIRST, [PROMPTS[0] - FIRST[0], 1, PROMPTS[2] - FIRST[2]], [1, 1, 1]]
+    plan = [list(first), [PROMPTS[0] - first[0], 1, PROMPTS[2] - first[2]], [1, 1, 1]]
     for query_lens in plan:
         WORLD.context = step_context(world, computed, query_lens)
         ids, positions = [], []
@@ -92,6 +92,35 @@ def test_the_last_chunk_drops_among_its_own_tokens_and_decode_follows(model, dro
             with torch.no_grad():
                 ref = model.decode_reference(tokens[r][:length], PROMPTS[r], prompt_kept[r], drops)
             torch.testing.assert_close(hidden[int(qsl[r + 1]) - 1], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_last_chunk_forces_only_the_sinks_its_context_lacks(model, monkeypatch):
+    """The sinks are the prompt's first `sink` tokens: a last chunk whose context holds them all forces
+    none, one whose context holds 20 of 32 forces the other 12 (one block of 16: the rule forces whole
+    blocks), a prompt prefilled whole forces 32; every hidden state still equals the reference (its
+    context whole, the kept rows)."""
+    from uniprefill.kernels import api
+
+    calls = []
+    score_and_select = api.score_and_select
+
+    def recording(q, k, cu_q, cu_k, max_k, rule, **kwargs):
+        calls.append((rule.sink, len(cu_k) - 1))
+        return score_and_select(q, k, cu_q, cu_k, max_k, rule, **kwargs)
+
+    monkeypatch.setattr(api, "score_and_select", recording)
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=32, min_tokens=64)
+    first = [200, 170, 20]
+    runtime, steps, prompt_kept, tokens = run_chunked(model, config, (1,), first=first)
+    assert steps[1][1] == [SkipReason.ELIGIBLE, SkipReason.DECODE, SkipReason.ELIGIBLE]
+    assert BLOCK == 16 and calls == [(32, 1), (0, 1), (16, 1)]  # step 1: request 1; step 2: 0 (context 200), 2 (20)
+    hidden, _, query_lens = steps[1]
+    qsl = torch.tensor([0] + query_lens).cumsum(0)
+    for r in (0, 2):
+        assert set(range(first[r])) <= prompt_kept[r][0] and len(prompt_kept[r][0]) < PROMPTS[r]
+        with torch.no_grad():
+            ref = model.decode_reference(tokens[r][:PROMPTS[r]], PROMPTS[r], prompt_kept[r], (1,))
+        torch.testing.assert_close(hidden[int(qsl[r + 1]) - 1], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_with_context_drops_off_the_last_chunk_keeps_every_row(model):

@@ -357,13 +357,42 @@ class VllmDropRuntime:
     def _select(self, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, eligible: torch.Tensor,
                 drop_index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Kept rows and host counts per request: selected for the eligible requests, all rows
-        for the others. Index arithmetic on the host (vectorised), one gather of q and k."""
+        for the others. Index arithmetic on the host (vectorised), one gather of q and k per sink count.
+
+        The sinks are the prompt's first `sink` tokens: a request whose step starts after some of them
+        (the last chunk of a chunked prefill, a prefix-cache hit; their context stays whole) forces only
+        the `sink - context` of them its step holds (rounded up to whole blocks), none once its context
+        covers them. Requests are
+        selected in groups of one forced-sink count (usually one group; the same groups on every
+        tensor-parallel rank, which sum their block scores per call)."""
+        cfg = self.config
+        qsl, qlen = layout.query_start_loc_cpu, layout.query_lens_cpu
+        chosen = torch.nonzero(eligible).flatten()
+        lacking = torch.clamp(cfg.sink - layout.num_computed_tokens_cpu[chosen], min=0)
+        # in whole blocks, which force the same blocks ("blocks touching the first sink tokens") and keep the
+        # selection kernel's integer specialisation (a multiple of 16) of the warm-up: no compile while serving
+        sinks = (lacking + cfg.block_size - 1) // cfg.block_size * cfg.block_size
+        counts = qlen.clone()
+        parts = []
+        for sink in torch.unique(sinks).tolist():
+            group = chosen[sinks == sink]
+            rows, kept_counts = self._select_group(q, k, qsl, qlen, group, drop_index, int(sink))
+            parts.append(rows)
+            counts[group] = kept_counts
+        others = torch.nonzero(~eligible).flatten()
+        if others.numel():
+            parts.append(_ranges(qsl[:-1][others], qlen[others]).to(q.device, non_blocking=True))
+        kept = parts[0] if len(parts) == 1 else torch.sort(torch.cat(parts)).values  # requests' rows are disjoint ranges
+        return kept, counts
+
+    def _select_group(self, q: torch.Tensor, k: torch.Tensor, qsl: torch.Tensor, qlen: torch.Tensor,
+                      chosen: torch.Tensor, drop_index: int, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`score_and_select` over the requests `chosen` (host indices) with `sink` forced sink tokens:
+        their kept rows (device, batch row numbers) and kept counts (host)."""
         from uniprefill.kernels.api import SelectionRule, score_and_select
 
         cfg = self.config
         device = q.device
-        qsl, qlen = layout.query_start_loc_cpu, layout.query_lens_cpu
-        chosen = torch.nonzero(eligible).flatten()
         lens = qlen[chosen]
         n_q = torch.clamp(lens, max=cfg.last_q)
         ends = qsl[1:][chosen]
@@ -371,7 +400,7 @@ class VllmDropRuntime:
         query_rows = _ranges(ends - n_q, n_q)
         cu_k, cu_q = _offsets(lens), _offsets(n_q)
         key_rows_d = key_rows.to(device, non_blocking=True)
-        rule = SelectionRule.from_config(cfg, drop_index, len(self.drop_layers))
+        rule = dataclasses.replace(SelectionRule.from_config(cfg, drop_index, len(self.drop_layers)), sink=sink)
         if rule.keep_ratio is None:  # top-p: a request may bring its own p
             rule = dataclasses.replace(rule, p=self._p_of(chosen))
         selection = score_and_select(
@@ -380,11 +409,4 @@ class VllmDropRuntime:
             scale=q.shape[-1] ** -0.5, impl=cfg.impl, host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()),
             group=self.group,
         )
-        counts = qlen.clone()
-        counts[chosen] = torch.tensor(selection.kept_counts, dtype=counts.dtype)
-        kept = key_rows_d[selection.kept_idx]
-        others = torch.nonzero(~eligible).flatten()
-        if others.numel():
-            rest = _ranges(qsl[:-1][others], qlen[others]).to(device, non_blocking=True)
-            kept = torch.sort(torch.cat([kept, rest])).values  # requests' rows are disjoint ranges
-        return kept, counts
+        return key_rows_d[selection.kept_idx], torch.tensor(selection.kept_counts, dtype=qlen.dtype)
