@@ -19,6 +19,9 @@ Read:
         given (`haystack_path()`).
     UNIPREFILL_VLLM_REWRITE_DUMP: a folder; when set, the vLLM plugin writes each rewritten
         graph's code there (`rewrite_dump_dir()`), for debugging on the GPU box.
+    UNIPREFILL_DEBUG_KEEP_FA3_PLAN: "1" keeps vLLM's FA3 plan in the decode graphs of the layers
+        after a drop point (`debug_keep_fa3_plan()`): a diagnosis aid, sound at p = 1 only
+        (`uniprefill.vllm.graph_decode`).
     TRITON_INTERPRET: Triton's own switch ("1": run Triton kernels in its CPU interpreter);
         `uniprefill.kernels` reads it (kernels/_common.py) to allow Triton on CPU tensors.
         tests/conftest.py sets it when there is no CUDA device.
@@ -94,6 +97,11 @@ def rewrite_dump_dir() -> Path | None:
     """UNIPREFILL_VLLM_REWRITE_DUMP, or None when unset or empty."""
     value = os.environ.get("UNIPREFILL_VLLM_REWRITE_DUMP", "").strip()
     return Path(value).expanduser() if value else None
+
+
+def debug_keep_fa3_plan() -> bool:
+    """UNIPREFILL_DEBUG_KEEP_FA3_PLAN == "1" (a diagnosis aid of the vLLM decode graphs, never a setting)."""
+    return os.environ.get("UNIPREFILL_DEBUG_KEEP_FA3_PLAN", "") == "1"
 
 
 def prepare_vllm_channel() -> None:

@@ -42,5 +42,8 @@ class GraphReport:
             lines.append(f"  drop layers {list(self.drop_layers or ())}; rewrites {self.counts}")
             if self.single_row_only:
                 lines.append(f"  batches of several rows run unaccelerated: {self.single_row_reason}")
-        lines += [f"  {layer}" for layer in self.layers]
+        if self.layers and all(isinstance(layer, int) for layer in self.layers):
+            lines.append(f"  layers {list(self.layers)}")
+        else:
+            lines += [f"  {layer}" for layer in self.layers]
         return "\n".join(lines)

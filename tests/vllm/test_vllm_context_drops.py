@@ -94,10 +94,13 @@ def test_the_last_chunk_drops_among_its_own_tokens_and_decode_follows(model, dro
             torch.testing.assert_close(hidden[int(qsl[r + 1]) - 1], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_a_last_chunk_forces_only_the_sinks_its_context_lacks(model, monkeypatch):
+@pytest.mark.parametrize("first, sinks", [([200, 170, 20], [0, 16]), ([20, 170, 200], [16, 0])],
+                         ids=["lower-row-complete", "lower-row-lacks"])
+def test_a_last_chunk_forces_only_the_sinks_its_context_lacks(model, monkeypatch, first, sinks):
     """The sinks are the prompt's first `sink` tokens: a last chunk whose context holds them all forces
     none, one whose context holds 20 of 32 forces the other 12 (one block of 16: the rule forces whole
-    blocks), a prompt prefilled whole forces 32; every hidden state still equals the reference (its
+    blocks), a prompt prefilled whole forces 32. Requests are selected in groups of one sink count, the
+    larger count on the lower or the higher batch row; every hidden state still equals the reference (its
     context whole, the kept rows)."""
     from uniprefill.kernels import api
 
@@ -110,14 +113,16 @@ def test_a_last_chunk_forces_only_the_sinks_its_context_lacks(model, monkeypatch
 
     monkeypatch.setattr(api, "score_and_select", recording)
     config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=32, min_tokens=64)
-    first = [200, 170, 20]
     runtime, steps, prompt_kept, tokens = run_chunked(model, config, (1,), first=first)
     assert steps[1][1] == [SkipReason.ELIGIBLE, SkipReason.DECODE, SkipReason.ELIGIBLE]
-    assert BLOCK == 16 and calls == [(32, 1), (0, 1), (16, 1)]  # step 1: request 1; step 2: 0 (context 200), 2 (20)
+    # step 1: request 1 whole; step 2: the two last chunks, one group per sink count, in increasing order
+    assert BLOCK == 16 and calls == [(32, 1), (0, 1), (16, 1)]
     hidden, _, query_lens = steps[1]
     qsl = torch.tensor([0] + query_lens).cumsum(0)
-    for r in (0, 2):
-        assert set(range(first[r])) <= prompt_kept[r][0] and len(prompt_kept[r][0]) < PROMPTS[r]
+    for r, sink in zip((0, 2), sinks):
+        kept = prompt_kept[r][0]
+        assert set(range(first[r])) <= kept and len(kept) < PROMPTS[r]
+        assert set(range(first[r], first[r] + sink)) <= kept  # the forced block of the sinks the context lacks
         with torch.no_grad():
             ref = model.decode_reference(tokens[r][:PROMPTS[r]], PROMPTS[r], prompt_kept[r], (1,))
         torch.testing.assert_close(hidden[int(qsl[r + 1]) - 1], ref, atol=1e-5, rtol=1e-5)

@@ -369,9 +369,11 @@ class VllmDropRuntime:
         qsl, qlen = layout.query_start_loc_cpu, layout.query_lens_cpu
         chosen = torch.nonzero(eligible).flatten()
         lacking = torch.clamp(cfg.sink - layout.num_computed_tokens_cpu[chosen], min=0)
-        # in whole blocks, which force the same blocks ("blocks touching the first sink tokens") and keep the
-        # selection kernel's integer specialisation (a multiple of 16) of the warm-up: no compile while serving
-        sinks = (lacking + cfg.block_size - 1) // cfg.block_size * cfg.block_size
+        # A partial count goes up to whole blocks (the rule forces "blocks touching the first sink tokens": the
+        # same blocks), capped at `sink` (a request without context keeps the config's rule exactly): so the
+        # values are 0, `sink` or multiples of the block size, not every count a context length leaves
+        sinks = torch.minimum((lacking + cfg.block_size - 1) // cfg.block_size * cfg.block_size,
+                              torch.tensor(cfg.sink))
         counts = qlen.clone()
         parts = []
         for sink in torch.unique(sinks).tolist():

@@ -23,10 +23,10 @@ vLLM backend refuses graph decoding for such models.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
+from .. import env
 from .metadata import DropHistoryStore
 
 
@@ -84,12 +84,6 @@ def segment_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_map
     slots = torch.where(base < 0, base, blocks * block_size + logical % block_size)
     return lens, slots
 
-
-# A diagnosis aid, never a setting: "1" keeps vLLM's FA3 plan (`scheduler_metadata`, made for vLLM's KV
-# lengths) in the decode graphs' metadata of the layers after a drop point. Sound only while no request
-# has removed KV entries (p = 1); it tells whether FA3 planning a graph's attention itself is what makes a
-# p = 1 engine's decode differ from standard vLLM's (scripts/gpu/vllm/defaults_grid.sh, `p1keepplan`).
-DEBUG_KEEP_FA3_PLAN = "UNIPREFILL_DEBUG_KEEP_FA3_PLAN"
 
 _VLLM_BASE = "_uniprefill_vllm_base"  # on metadata a capture installed: (vLLM's metadata, slot mapping) it came from
 
@@ -149,8 +143,10 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
             lens, new_slots = segment_metadata(meta.seq_lens, meta.block_table, slots, table[column - 1],
                                                runtime.block_size_fn(name))
             fields = {"seq_lens": lens, "slot_mapping": new_slots}
-            if getattr(meta, "scheduler_metadata", None) is not None and os.environ.get(DEBUG_KEEP_FA3_PLAN) != "1":
-                fields["scheduler_metadata"] = None  # planned for vLLM's lengths: FA3 plans these itself
+            # planned for vLLM's lengths: FA3 plans these itself. `env.debug_keep_fa3_plan()`, a diagnosis aid
+            # sound at p = 1 only (no request holds fewer KV entries), keeps vLLM's plan (defaults_grid `p1keepplan`)
+            if getattr(meta, "scheduler_metadata", None) is not None and not env.debug_keep_fa3_plan():
+                fields["scheduler_metadata"] = None
             ours = dataclasses.replace(meta, **fields)
             object.__setattr__(ours, _VLLM_BASE, (meta, slots))
             installed[id(meta)] = ours

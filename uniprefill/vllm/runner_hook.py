@@ -103,8 +103,8 @@ class RequestSettings:
 
     `SamplingParams.extra_args["uniprefill"]`: False keeps every row of the request (opt-out);
     `{"p": x}` with 0 < x <= 1 gives it its own top-p (ignored where a keep ratio is forced).
-    The OpenAI server passes only flat scalars (`vllm_xargs`, which turns JSON false into 0), so
-    there `"uniprefill": "off"` (or false) opts out and `"uniprefill_p": x` sets p.
+    The OpenAI server passes only flat scalars (`vllm_xargs`, which turns JSON false / true into 0 / 1),
+    so there `"uniprefill": "off"` (or false) opts out, true changes nothing, and `"uniprefill_p": x` sets p.
     Anything else is logged and the request keeps every row: a bad setting never silently
     changes an answer. Prompt logprobs opt out too (`logprobs_in_params`: V2 reads them from
     the sampling params; V1 from its batch). Nothing per step is computed while no live request
@@ -123,7 +123,7 @@ class RequestSettings:
                 setting = {"p": extra["uniprefill_p"]} if setting is None else {"conflict": (setting, extra["uniprefill_p"])}
             if logprobs_in_params and getattr(params, "prompt_logprobs", None) is not None:
                 self.opted_out.add(new.req_id)
-            if setting is None or setting is True:
+            if setting is None or setting is True or (type(setting) is int and setting == 1):  # 1: JSON true
                 continue
             if setting is False or (type(setting) is int and setting == 0) or setting == "off":
                 self.opted_out.add(new.req_id)
@@ -299,6 +299,8 @@ def collect_drop_totals(llm) -> list | str:
     instead, as text, if neither works."""
     try:
         totals = llm.collective_rpc(WORKER_METHOD, timeout=60)
+    except TimeoutError as exc:
+        totals = f"unavailable: {type(exc).__name__}: {str(exc)[:200]}"
     except Exception:  # noqa: BLE001 - no such method in that worker: send the function
         try:
             totals = llm.collective_rpc(drop_totals, timeout=60)
