@@ -370,8 +370,9 @@ def test_request_settings_from_sampling_params(caplog):
 
 
 def test_request_settings_in_the_servers_flat_form(caplog):
-    """`vllm serve` hands `vllm_xargs` over as flat scalars (JSON false arrives as 0): "off" and 0 opt out,
-    "uniprefill_p" sets p, and a p given both ways, or out of range, keeps every row with a warning."""
+    """`vllm serve` hands `vllm_xargs` over as flat scalars (JSON false / true arrive as 0 / 1): "off" and 0
+    opt out, 1 changes nothing, "uniprefill_p" sets p, and a p given both ways, or out of range, or a float
+    0.0, keeps every row with a warning."""
     from uniprefill.vllm import runner_hook as hook
 
     def arriving(req_id, extra):
@@ -386,9 +387,9 @@ def test_request_settings_in_the_servers_flat_form(caplog):
                          arriving("f", {"uniprefill": 1}), arriving("g", {"uniprefill": 0.0})],
                         logprobs_in_params=True)
     mask, p = settings.of_step(("a", "b", "c", "d", "e", "f", "g", "h"))
-    assert mask.tolist() == [True, True, False, True, True, True, True, False]
+    assert mask.tolist() == [True, True, False, True, True, False, True, False]
     assert p[2].item() == pytest.approx(0.7) and torch.isnan(p[[0, 1, 3, 4, 5, 6, 7]]).all()
-    assert sum("keeps every row" in r.getMessage() for r in caplog.records) == 4  # d, e, f, g
+    assert sum("keeps every row" in r.getMessage() for r in caplog.records) == 3  # d, e, g
 
 
 def assert_prefill_and_decode_match_the_reference(model, ids, query_lens, kept, hidden, new, step) -> None:
