@@ -23,7 +23,7 @@ for system in standard uniprefill; do
   for length in ${LENGTHS//,/ }; do
     for concurrency in ${CONCURRENCIES//,/ }; do
       start=$(date +%s)
-      timeout 600 vllm bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \
+      timeout 600 "${VLLM_CLI[@]}" bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \
         --dataset-name random --random-input-len "$length" --random-output-len 16 --ignore-eos \
         --num-prompts "$NUM_PROMPTS" --max-concurrency "$concurrency" --seed 0 \
         --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 \

@@ -16,15 +16,16 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/env.sh"
 bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
-MODEL=/tmp/llama8b-shaped-32
-python3 -P -c "from pathlib import Path; from uniprefill.testing.word_llama import write_model_folder as w; w(Path('$MODEL'), 32)"
+source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # serve_model, SERVE_MODEL
+MODEL="$SERVE_MODEL"
+serve_model
 echo "$SETTINGS" > "$OUT/settings.json"
 for length in ${LENGTHS//,/ }; do
   for system in standard uniprefill; do
     extra=()
     [[ "$system" == uniprefill ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $SETTINGS}}")
     start=$(date +%s)
-    timeout 540 vllm bench throughput --model "$MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
+    timeout 540 "${VLLM_CLI[@]}" bench throughput --model "$MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
       --dataset-name random --input-len "$length" --output-len 1 --num-prompts "$NUM_PROMPTS" \
       --output-json "$OUT/$system-$length.json" "${extra[@]}" > "$OUT/$system-$length.log" 2>&1
     echo "$system $length: exit $? in $(( $(date +%s) - start )) s"

@@ -30,6 +30,7 @@ set -uo pipefail
 OUT="${1:?usage: defaults_grid.sh OUT_DIR RUN...}"; shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"  # absolute: DUMP_CODE writes its archive from inside the cache folder
 source "$ROOT/scripts/gpu/vllm/env.sh"
 bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
 export UNIPREFILL_HAYSTACK=/tmp/eval/PaulGrahamEssays.json

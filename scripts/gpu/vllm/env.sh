@@ -7,3 +7,6 @@ export VLLM_NO_USAGE_STATS=1
 export DO_NOT_TRACK=1
 # The FlashInfer top-k/top-p sampler JIT-compiles with nvcc on first use: keep vLLM's torch sampler.
 export VLLM_USE_FLASHINFER_SAMPLER=0
+# vLLM's command line: pip --target puts the `vllm` script in /tmp/vsite/bin, off PATH, so scripts run
+#   timeout N "${VLLM_CLI[@]}" serve|bench ...    (-P: the repository's uniprefill/ stays off sys.path)
+VLLM_CLI=(python3 -P -m vllm.entrypoints.cli.main)

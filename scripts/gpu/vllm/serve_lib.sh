@@ -2,12 +2,17 @@
 # Sourced by soak.sh and bench_serve.sh on the GPU box: one local `vllm serve` of the Llama-3.1-8B shape
 # (dummy weights, max_model_len 32768) on 127.0.0.1:8000, on vLLM's defaults plus, for a system named
 # uniprefill*, the one option `-cc {"inductor_compile_config": {"uniprefill": SETTINGS}}`.
-#   serve_start SYSTEM LOG   (sets SERVER_PID; returns once /health answers, non-zero if the server died)
-#   serve_stop
+#   serve_start SYSTEM LOG   (sets SERVER_PID; returns once /health answers; non-zero, the server stopped,
+#                             if it died or did not answer within 300 s, or if port 8000 was taken already)
+#   serve_stop               (also on the sourcing script's exit)
+#   serve_model              (writes the model folder)
+# Needs env.sh sourced first (VLLM_CLI) and the server wheels (box_install.sh with .whl_serve/ carried).
 # VLLM_SERVER_DEV_MODE=1 opens vLLM's /collective_rpc (the drop totals by name after a run).
 SERVE_MODEL=/tmp/llama8b-shaped-32
 DEFAULT_SETTINGS='{"p": 1.0, "vllm_drop": true}'
 SETTINGS="${SETTINGS:-$DEFAULT_SETTINGS}"
+SERVER_PID=""
+trap serve_stop EXIT
 
 serve_model() {
   python3 -P -c "from pathlib import Path; from uniprefill.testing.word_llama import write_model_folder as w; w(Path('$SERVE_MODEL'), 32)"
@@ -16,22 +21,29 @@ serve_model() {
 serve_start() {
   local system="$1" log="$2" extra=() start
   [[ "$system" == uniprefill* ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $SETTINGS}}")
+  if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2> /dev/null; then
+    echo "$system: something already answers on 127.0.0.1:8000; not starting a second server"
+    return 1
+  fi
   start=$(date +%s)
-  VLLM_SERVER_DEV_MODE=1 vllm serve "$SERVE_MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
+  VLLM_SERVER_DEV_MODE=1 "${VLLM_CLI[@]}" serve "$SERVE_MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
     --host 127.0.0.1 --port 8000 "${extra[@]}" > "$log" 2>&1 &
   SERVER_PID=$!
   for _ in $(seq 1 150); do
+    kill -0 "$SERVER_PID" 2> /dev/null || break
     if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2> /dev/null; then
       echo "$system: server up after $(( $(date +%s) - start )) s"
       return 0
     fi
-    kill -0 "$SERVER_PID" 2> /dev/null || break
     sleep 2
   done
   echo "$system: server did not come up"; grep -E "Traceback|Error" "$log" | head -3 | cut -c1-300
+  serve_stop
   return 1
 }
 
 serve_stop() {
+  [[ -n "$SERVER_PID" ]] || return 0
   kill "$SERVER_PID" 2> /dev/null; wait "$SERVER_PID" 2> /dev/null
+  SERVER_PID=""
 }
