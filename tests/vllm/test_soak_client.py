@@ -22,6 +22,7 @@ spec.loader.exec_module(soak)
 class FakeServe(BaseHTTPRequestHandler):
     bodies: list = []
     word = "tok"
+    live = 0  # drop histories the fake server reports held
 
     def log_message(self, *args) -> None:
         pass
@@ -29,7 +30,7 @@ class FakeServe(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path == "/collective_rpc":
-            payload = json.dumps({"results": [[{"rows_in": 10, "live_drop_histories": 0}]]}).encode()
+            payload = json.dumps({"results": [[{"rows_in": 10, "live_drop_histories": self.live}]]}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
@@ -77,10 +78,17 @@ def test_a_soak_run_sends_every_request_and_pairs_with_another(server, tmp_path,
             assert r["chunks"] == item["cancel_after"] < 6
         else:
             assert r["chunks"] == 6 and r["text"].count("tok") == 6
-    sent = {len(b["prompt"]): b for b in FakeServe.bodies}
     opted = [b for b in FakeServe.bodies if b.get("vllm_xargs") == {"uniprefill": "off"}]
-    assert len(opted) == summary["opted_out"] and all(b["stream"] and b["temperature"] == 0.0 for b in sent.values())
-    assert summary["drop_totals"] == [[{"rows_in": 10, "live_drop_histories": 0}]]
+    assert len(opted) == summary["opted_out"] and all(b["stream"] and b["temperature"] == 0.0 and b["max_tokens"] == 6
+                                                      for b in FakeServe.bodies)
+    assert summary["drop_totals"] == [[{"rows_in": 10, "live_drop_histories": 0}]] and summary["live_drop_histories"] == 0
+
+    FakeServe.live = 2  # histories still held after the last request (polled briefly): the run fails
+    try:
+        assert soak.main(args + ["--requests", "3", "--settle-seconds", "1", "--out", str(tmp_path / "leak.jsonl")]) == 1
+    finally:
+        FakeServe.live = 0
+    assert json.loads((tmp_path / "leak.summary.json").read_text())["live_drop_histories"] == 2
 
     FakeServe.word = "other"  # the second run answers differently
     try:

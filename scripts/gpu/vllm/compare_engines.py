@@ -37,16 +37,24 @@ def logprob_differences(pa: dict, pb: dict) -> dict:
     """Where two runs' numbers first part, finer than their tokens: per prompt the first position
     whose sampled token or its logprob differs (bit for bit). Position 0 is the prefill's output, later
     positions are decode steps; a run equal everywhere has no first position."""
-    first_positions, first_token_gap = {}, []
+    first_positions = {}
     for x, y, lx, ly in zip(pa["output_token_ids"], pb["output_token_ids"], pa["output_logprobs"], pb["output_logprobs"]):
         first = next((j for j, (u, v, a, b) in enumerate(zip(x, y, lx, ly)) if u != v or a != b), None)
         key = "equal" if first is None else str(first)
         first_positions[key] = first_positions.get(key, 0) + 1
-        if x[:1] == y[:1]:
-            first_token_gap.append(abs(lx[0] - ly[0]))
+    first_token_gap = prefill_logprob_gaps(pa, pb)
     return {"first_difference_at": dict(sorted(first_positions.items(), key=lambda kv: (kv[0] == "equal", len(kv[0]), kv[0]))),
             "prefill_logprob_equal": sum(g == 0 for g in first_token_gap),
             "prefill_logprob_abs_diff": _quantiles(first_token_gap)}
+
+
+def prefill_logprob_gaps(pa: dict, pb: dict) -> list[float]:
+    """|logprob difference| of the first generated token (the prefill's output), for the prompts whose
+    first token the two runs agree on (`parity_plot.py` draws them)."""
+    if pa["prompt_lengths"] != pb["prompt_lengths"]:
+        raise SystemExit("the two runs did not use the same prompts")
+    return [abs(lx[0] - ly[0]) for x, y, lx, ly in zip(pa["output_token_ids"], pb["output_token_ids"],
+                                                        pa["output_logprobs"], pb["output_logprobs"]) if x[:1] == y[:1]]
 
 
 def _quantiles(values: list[float]) -> dict:

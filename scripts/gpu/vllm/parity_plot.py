@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib.util
 import json
 from pathlib import Path
 
@@ -21,12 +22,12 @@ def load(path: Path) -> dict:
     return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)["parity"]
 
 
-def prefill_gaps(a: dict, b: dict) -> list[float]:
-    """|logprob difference| of the first generated token, for prompts whose first token agrees."""
-    if a["prompt_lengths"] != b["prompt_lengths"]:
-        raise SystemExit("the two runs did not use the same prompts")
-    return [abs(x[0] - y[0]) for tx, ty, x, y in zip(a["output_token_ids"], b["output_token_ids"],
-                                                      a["output_logprobs"], b["output_logprobs"]) if tx[:1] == ty[:1]]
+def _compare_engines():
+    """compare_engines.py beside this script (`python3 -P` keeps the script's folder off sys.path)."""
+    spec = importlib.util.spec_from_file_location("compare_engines", Path(__file__).with_name("compare_engines.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv=None) -> int:
@@ -39,10 +40,11 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    prefill_logprob_gaps = _compare_engines().prefill_logprob_gaps
     floor = 1e-6
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, a, b in args.pair:
-        raw = prefill_gaps(load(Path(a)), load(Path(b)))
+        raw = prefill_logprob_gaps(load(Path(a)), load(Path(b)))
         equal = sum(g == 0 for g in raw)
         gaps = sorted(max(g, floor) for g in raw)
         ys = [(i + 1) / len(gaps) for i in range(len(gaps))]

@@ -3,7 +3,8 @@ concurrency, from the `--save-result` files of `vllm bench serve` (`SYSTEM-L-cC.
 
     python3 scripts/gpu/vllm/serve_table.py OUT_DIR
 
-Per point: prefill tokens/s (input tokens over the run's duration) of each and their ratio, TTFT p50 / p99
+Per point: input tokens/s (prompt tokens over the run's duration, decode included: with 16 output tokens
+mostly prefill) of each and their ratio, TTFT p50 / p99
 and TPOT p50 (ms) of each, and failed requests. Prints Markdown and writes OUT_DIR/serve-table.md; a point
 present for one system only is an error, not a shorter table.
 """
@@ -33,7 +34,7 @@ def table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
     missing = [(s, n, c) for n, c in points for s in ("standard", "uniprefill") if (s, n, c) not in runs]
     if missing:
         raise SystemExit(f"points missing (a failed server or client?): {missing}")
-    lines = ["| prompt tokens | concurrency | prefill tok/s standard -> uniprefill | ratio | TTFT p50 ms | TTFT p99 ms "
+    lines = ["| prompt tokens | concurrency | input tok/s standard -> uniprefill | ratio | TTFT p50 ms | TTFT p99 ms "
              "| TPOT p50 ms | failed |", "|---|---|---|---|---|---|---|---|"]
     for n, c in points:
         a, b = runs["standard", n, c], runs["uniprefill", n, c]

@@ -12,7 +12,8 @@ turns into an abort), about OPT_OUT carry `"vllm_xargs": {"uniprefill": "off"}` 
 JSON line per request (prompt length, flags, status, text, time to first chunk, end-to-end time),
 a progress line every 10 requests, GPU memory (nvidia-smi, where present) sampled every 2 s into the
 summary, and, where the server runs with `VLLM_SERVER_DEV_MODE=1`, uniprefill's drop totals read after
-the last request through `/collective_rpc` (`live_drop_histories` must be 0 then).
+the last request through `/collective_rpc`, polled until no drop history is held (up to 15 s: aborts of
+cancelled streams arrive late). Exit status 1 if a request failed or histories are still held.
 
 `compare`: requests completed (not cancelled, no error) in both runs; how many have the same text.
 """
@@ -115,6 +116,24 @@ class GpuMemory:
         self._thread.join(timeout=15)
 
 
+def live_histories(totals) -> int | None:
+    """Drop histories still held, summed over workers and graphs; None when the totals are not a list."""
+    if not isinstance(totals, list):
+        return None
+    return sum(t.get("live_drop_histories", 0) for worker in totals if isinstance(worker, list) for t in worker)
+
+
+def settled_totals(url, seconds: float = 15.0) -> object:
+    """The drop totals once no drop history is held any more (a cancelled stream's abort reaches the engine
+    after its client has gone), polled for up to `seconds`; the last totals read otherwise."""
+    deadline = time.perf_counter() + seconds
+    while True:
+        totals = drop_totals(url)
+        if live_histories(totals) in (0, None) or time.perf_counter() > deadline:
+            return totals
+        time.sleep(1.0)
+
+
 def drop_totals(url) -> object:
     """uniprefill's drop totals per worker through vLLM's developer endpoint, or why not."""
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
@@ -149,11 +168,13 @@ def run(args) -> int:
                     print(f"[{time.perf_counter() - started:7.1f} s] {len(records)}/{len(items)} requests, "
                           f"{errors} errors", flush=True)
     summary = summarize(records, memory.samples)
-    summary["drop_totals"] = drop_totals(url) if args.totals else "not asked (--totals)"
+    summary["drop_totals"] = settled_totals(url, args.settle_seconds) if args.totals else "not asked (--totals)"
+    summary["live_drop_histories"] = live_histories(summary["drop_totals"])
     summary["seconds"] = round(time.perf_counter() - started, 1)
     args.out.with_suffix(".summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "gpu_memory_mib"}, indent=1))
-    return 0 if summary["errors"] == 0 else 1
+    leaked = bool(summary["live_drop_histories"])  # histories held after the last request: a leak
+    return 0 if summary["errors"] == 0 and not leaked else 1
 
 
 def summarize(records: list[dict], memory: list) -> dict:
@@ -206,6 +227,8 @@ def main(argv=None) -> int:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=600.0)
     r.add_argument("--totals", action="store_true", help="read uniprefill's drop totals (server in dev mode)")
+    r.add_argument("--settle-seconds", type=float, default=15.0,
+                   help="how long to wait for the drop histories to empty after the last request")
     r.add_argument("--out", type=Path, required=True)
     c = sub.add_parser("compare")
     c.add_argument("a", type=Path)
