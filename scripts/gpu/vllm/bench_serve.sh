@@ -13,10 +13,8 @@ CONCURRENCIES="${3:-1,4,16}"
 NUM_PROMPTS="${4:-32}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
-source "$ROOT/scripts/gpu/vllm/env.sh"
-bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
-source "$ROOT/scripts/gpu/vllm/serve_lib.sh"
-serve_model
+source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # env.sh, SERVE_MODEL, serve_*
+serve_setup
 echo "$SETTINGS" > "$OUT/settings.json"
 for system in standard uniprefill; do
   serve_start "$system" "$OUT/$system.server.log" || continue

@@ -14,11 +14,9 @@ LENGTHS="${3:-8192,16384,32000}"
 NUM_PROMPTS="${4:-16}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
-source "$ROOT/scripts/gpu/vllm/env.sh"
-bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
-source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # serve_model, SERVE_MODEL
+source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # env.sh, SERVE_MODEL, serve_*
+serve_setup
 MODEL="$SERVE_MODEL"
-serve_model
 echo "$SETTINGS" > "$OUT/settings.json"
 for length in ${LENGTHS//,/ }; do
   for system in standard uniprefill; do

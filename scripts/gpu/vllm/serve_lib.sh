@@ -6,8 +6,11 @@
 #                             if it died or did not answer within 300 s, or if port 8000 was taken already)
 #   serve_stop               (also on the sourcing script's exit)
 #   serve_model              (writes the model folder)
-# Needs env.sh sourced first (VLLM_CLI) and the server wheels (box_install.sh with .whl_serve/ carried).
+#   serve_setup              (the box's environment, uniprefill refreshed from this tree, the model folder)
+# Sources env.sh (VLLM_CLI). `vllm serve` needs the server wheels (box_install_server.sh).
 # VLLM_SERVER_DEV_MODE=1 opens vLLM's /collective_rpc (the drop totals by name after a run).
+SERVE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
+source "$SERVE_ROOT/scripts/gpu/vllm/env.sh"
 SERVE_MODEL=/tmp/llama8b-shaped-32
 DEFAULT_SETTINGS='{"p": 1.0, "vllm_drop": true}'
 SETTINGS="${SETTINGS:-$DEFAULT_SETTINGS}"
@@ -16,6 +19,11 @@ trap serve_stop EXIT
 
 serve_model() {
   python3 -P -c "from pathlib import Path; from uniprefill.testing.word_llama import write_model_folder as w; w(Path('$SERVE_MODEL'), 32)"
+}
+
+serve_setup() {
+  bash "$SERVE_ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
+  serve_model
 }
 
 serve_start() {

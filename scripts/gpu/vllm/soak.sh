@@ -14,10 +14,8 @@ set -uo pipefail
 OUT="${1:?usage: soak.sh OUT_DIR RUN...}"; shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
-source "$ROOT/scripts/gpu/vllm/env.sh"
-bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
-source "$ROOT/scripts/gpu/vllm/serve_lib.sh"
-serve_model
+source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # env.sh, SERVE_MODEL, serve_*
+serve_setup
 first=""
 for run in "$@"; do
   start=$(date +%s)
