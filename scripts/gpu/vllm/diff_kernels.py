@@ -1,0 +1,69 @@
+"""Which Triton kernels two engines' Inductor generated differently (`defaults_grid.sh` with DUMP_CODE=1).
+
+    python3 scripts/gpu/vllm/diff_kernels.py code-smollm2-standard.tar.gz code-smollm2-p1.tar.gz [--show 3]
+
+Each archive holds the Python files Inductor wrote into that engine's cache. Every Triton kernel in them
+(its `@triton_heuristics...` decorator and `@triton.jit` body) is normalised: the kernel's name, the
+symbol names and the source-file hashes are blanked, so two kernels that compute the same thing with the
+same launch heuristics compare equal whatever they were called. Prints how many distinct kernels each
+side has, how many they share, and, with --show N, the first N kernels found on one side only, each
+beside its nearest match on the other side (a unified diff), so that a size hint, a block size or a
+reduction order that differs can be read off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import io
+import re
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+# a kernel: its decorator (lines up to `@triton.jit`, none starting with "@"), `@triton.jit`, and its body up to
+# the end of the string Inductor passes to `async_compile.triton(...)`, or of the file
+_KERNEL = re.compile(r"((?:@triton_heuristics\.[^\n]*\n(?:[^@\n][^\n]*\n)*?)?@triton\.jit\ndef (\w+)\(.*?)"
+                     r"(?=\n'''|\n\"\"\"|\Z)", re.S)
+_BLANKS = [(re.compile(r"\b[su]\d+\b"), "SYM"), (re.compile(r"\bks\d+\b"), "ksN"),  # backed or unbacked alike
+           (re.compile(r"[0-9a-f]{40,64}"), "HASH"), (re.compile(r"'kernel_name': '[^']*'"), "'kernel_name': K"),
+           (re.compile(r"'backend_hash': '[^']*'"), "'backend_hash': H")]
+
+
+def kernels(archive: Path) -> Counter:
+    """Normalised kernel sources of one archive, counted."""
+    found: Counter = Counter()
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            if not member.isfile() or not member.name.endswith(".py"):
+                continue
+            text = io.TextIOWrapper(tar.extractfile(member), encoding="utf-8", errors="replace").read()
+            for match in _KERNEL.finditer(text):
+                source, name = match.group(1), match.group(2)
+                normalised = source.replace(name, "KERNEL")
+                for pattern, blank in _BLANKS:
+                    normalised = pattern.sub(blank, normalised)
+                found[normalised.strip()] += 1
+    return found
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--show", type=int, default=0, help="kernels of one side only to print, with a diff")
+    args = parser.parse_args(argv)
+    a, b = kernels(args.a), kernels(args.b)
+    only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
+    print(f"{args.a.name}: {len(a)} distinct kernels; {args.b.name}: {len(b)}; shared {len(set(a) & set(b))}; "
+          f"only in the first {len(only_a)}, only in the second {len(only_b)}")
+    for kernel in only_b[:args.show]:
+        nearest = max(only_a or list(a), key=lambda k: difflib.SequenceMatcher(None, k, kernel).ratio(), default="")
+        print("\n".join(difflib.unified_diff(nearest.splitlines(), kernel.splitlines(), args.a.name, args.b.name,
+                                             lineterm="", n=1)))
+        print("-" * 80)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
