@@ -22,6 +22,9 @@ Read:
     UNIPREFILL_DEBUG_KEEP_FA3_PLAN: "1" keeps vLLM's FA3 plan in the decode graphs of the layers
         after a drop point (`debug_keep_fa3_plan()`): a diagnosis aid, sound at p = 1 only
         (`uniprefill.vllm.graph_decode`).
+    UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK: "1" leaves Inductor's `benchmark_combo_kernel` as vLLM
+        set it in a rewritten mode-3 graph (`debug_keep_combo_benchmark()`): a diagnosis aid of
+        p = 1 parity (`uniprefill.vllm.piecewise`), which may fail to compile.
     TRITON_INTERPRET: Triton's own switch ("1": run Triton kernels in its CPU interpreter);
         `uniprefill.kernels` reads it (kernels/_common.py) to allow Triton on CPU tensors.
         tests/conftest.py sets it when there is no CUDA device.
@@ -102,6 +105,11 @@ def rewrite_dump_dir() -> Path | None:
 def debug_keep_fa3_plan() -> bool:
     """UNIPREFILL_DEBUG_KEEP_FA3_PLAN == "1" (a diagnosis aid of the vLLM decode graphs, never a setting)."""
     return os.environ.get("UNIPREFILL_DEBUG_KEEP_FA3_PLAN", "") == "1"
+
+
+def debug_keep_combo_benchmark() -> bool:
+    """UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK == "1" (a diagnosis aid of the vLLM mode-3 rewrite, never a setting)."""
+    return os.environ.get("UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK", "") == "1"
 
 
 def prepare_vllm_channel() -> None:

@@ -99,6 +99,8 @@ def test_inductor_pieces_after_the_drop_match_the_eager_rewrite(model, runtimes,
         assert not torch.allclose(ours[last], plain[last], atol=1e-3)  # and the answer moved with them
     backend = backends[-1]
     assert "uniprefill" not in backend.inductor_config  # Inductor rejects unknown options
+    # the drop's row counts are hinted like the token count (the size dynamo traced): the same kernels
+    assert backend.inductor_config["unbacked_symint_fallback"] == sum(lens[0])
     assert set(SPLITTING_OPS) <= set(backend.compilation_config.splitting_ops)
     assert len(backend.pieces) >= LAYERS + 1  # one piece between each pair of attention ops, after the drop too
     assert uniprefill_ops(backend.compiled.graph_module) == set()  # the original graph, rewritten anew on load

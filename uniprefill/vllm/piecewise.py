@@ -20,6 +20,8 @@ wraps `VllmBackend.__call__`; for a backend whose config carries those settings 
    per-step reset and the window attention then run in Python on every step, between the
    compiled pieces, as vLLM's attention does; and turns off Inductor's `benchmark_combo_kernel`
    (vLLM's default on): it needs a size hint for every symbol, which a drop's row count has not;
+   and gives the drop's row counts the token count's size hint (Inductor's `unbacked_symint_fallback`,
+   unless the user set it), so the pieces after a drop get the kernels vLLM's pieces get;
 5. calls vLLM's backend with the rewritten graph, and makes the runtime current around each call
    of the compiled function (`graph_ops.running`). The function keeps the ORIGINAL graph for
    vLLM's AOT-compile cache: an engine that loads it calls the backend again, and this wrapper
@@ -42,6 +44,7 @@ import sys
 import warnings
 from typing import Any
 
+from .. import env
 from .checks import CONFIG_KEY, _get, config_from_compilation_config
 from .class_patch import unwrap_method, wrap_method
 from .graph_ops import SPLITTING_OPS, running
@@ -109,6 +112,22 @@ def set_example_values(gm: Any) -> int:
     return count
 
 
+def token_count_hint(example_inputs: Any) -> int | None:
+    """The size hint of the graph's symbolic token count: the largest hint of a backed symbol among the
+    example inputs (symbolic ints, tensor sizes), or None when none is symbolic."""
+    import torch
+
+    hints = []
+    for value in example_inputs:
+        sizes = tuple(value.shape) if isinstance(value, torch.Tensor) else (value,)
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                hint = size.node.hint
+                if isinstance(hint, int):
+                    hints.append(hint)
+    return max(hints, default=None)
+
+
 def add_splitting_ops(compilation_config: Any) -> list[str]:
     """Append `SPLITTING_OPS` to `compilation_config.splitting_ops` (those missing); the ops added."""
     ops = compilation_config.splitting_ops
@@ -138,7 +157,14 @@ def _rewriting_call(original):
             return original(self, graph, example_inputs)
         rewritten, runtime = prepared
         add_splitting_ops(self.compilation_config)
-        if self.inductor_config.get("benchmark_combo_kernel"):
+        hint = token_count_hint(example_inputs)
+        if hint is not None and "unbacked_symint_fallback" not in self.inductor_config:
+            # Inductor picks a kernel's block sizes and warps from the size hints of its symbols; the rows
+            # kept at a drop point have none and would get its generic fallback (8192), so the pieces after
+            # a drop would be compiled unlike vLLM's (whose token count is hinted with the traced size).
+            # With the same hint they get the same kernels, and at p = 1 the same numbers.
+            self.inductor_config["unbacked_symint_fallback"] = hint
+        if self.inductor_config.get("benchmark_combo_kernel") and not env.debug_keep_combo_benchmark():
             # benchmarking a combined kernel generates code that needs a size hint for every symbol, and
             # the rows kept at a drop point (an unbacked size) have none ("Cannot convert symbols to int",
             # H200, vLLM 0.26.0, several drop points): combine kernels without benchmarking them

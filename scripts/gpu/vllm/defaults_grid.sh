@@ -18,9 +18,10 @@
 #          "vllm_drop": true) | p099chunk2k (p099 with max_num_batched_tokens 2048: prompts chunked, the last
 #          chunk drops) | keep03onestep (keep03 with max_num_batched_tokens 32768: prompts in one step) |
 #          p1keepplan (p1 with the diagnosis aid UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1, sound at p = 1 only) |
-#          p1last (p1 with one drop point, after the last layer but one: SmolLM2's layer 28) | p1hint (p1 with
-#          Inductor's unbacked_symint_fallback 16384, vLLM's hint for the token count: is the kept count's
-#          missing hint what changes the pieces' kernels?)
+#          p1last (p1 with one drop point, after the last layer but one: SmolLM2's layer 28) | p1nohint (p1 with
+#          Inductor's own unbacked_symint_fallback, 8192, for the kept rows: how uniprefill compiled the
+#          pieces after a drop before it gave them the token count's hint) | p1combo (p1 with the diagnosis
+#          aid UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK=1: Inductor's benchmark_combo_kernel left on)
 # DUMP_CODE=1 gives each engine a fresh vLLM cache (VLLM_CACHE_ROOT=OUT_DIR/cache-RUN) and keeps the Python
 # Inductor generated there (the Triton kernels of every piece) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
 # SKIP_NEEDLES=1 leaves the SmolLM2 needle prompts out; LOGPROBS=1 records the parity tokens' logprobs
@@ -53,7 +54,8 @@ for name in "$@"; do
     again) ;;
     p1keepplan) args+=(--uniprefill "${SETTINGS[p1]}"); envs=(UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1) ;;
     p1last) args+=(--uniprefill '{"p": 1.0, "vllm_drop": true, "drop_layers": [28]}') ;;
-    p1hint) args+=(--uniprefill "${SETTINGS[p1]}" --inductor '{"unbacked_symint_fallback": 16384}') ;;
+    p1nohint) args+=(--uniprefill "${SETTINGS[p1]}" --inductor '{"unbacked_symint_fallback": 8192}') ;;
+    p1combo) args+=(--uniprefill "${SETTINGS[p1]}"); envs=(UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK=1) ;;
     nocombo) args+=(--inductor '{"benchmark_combo_kernel": false}') ;;
     p099chunk2k) args+=(--uniprefill "${SETTINGS[p099]}" --max-num-batched-tokens 2048) ;;
     keep03onestep) args+=(--uniprefill "${SETTINGS[keep03]}" --max-num-batched-tokens 32768) ;;
