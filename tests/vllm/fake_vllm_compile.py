@@ -21,7 +21,7 @@ import types
 
 import torch
 import torch.fx as fx
-from torch._inductor import standalone_compile
+from torch._inductor import metrics, standalone_compile
 
 
 def _op_name(node: fx.Node) -> str | None:
@@ -53,6 +53,8 @@ class FakeVllmBackend:
         self.inductor_config = dict(self.compilation_config.inductor_compile_config)
         self.pieces: list[str] = []  # names of the Inductor-compiled pieces
         self.splitting_pieces: list[str] = []
+        self.piece_inputs: dict[str, list] = {}  # each compiled piece's fake inputs
+        self.piece_kernels: dict[str, int] = {}  # kernels Inductor generated for each compiled piece
 
     def __call__(self, graph: fx.GraphModule, example_inputs):
         split_ops = set(self.compilation_config.splitting_ops or [])
@@ -77,17 +79,22 @@ class FakeVllmBackend:
                 self.splitting_pieces.append(name)
                 continue
             args = [p.meta["example_value"] for p in module.graph.find_nodes(op="placeholder")]
+            generated = metrics.generated_kernel_count
             split.__dict__[name] = standalone_compile(module, args, dynamic_shapes="from_graph", options=options)
             self.pieces.append(name)
+            self.piece_inputs[name] = args
+            self.piece_kernels[name] = metrics.generated_kernel_count - generated  # 0 on a cache hit
+        self.split = split  # the split module, its compiled pieces in its __dict__
         self.compiled = CompiledFunction(graph, split)
         return self.compiled
 
 
 def fake_mode3_config(settings, *, layers: int, block: int, splitting_ops=(), cudagraph_mode: str = "NONE",
-                      **compilation):
-    """A vLLM config in mode 3 with these uniprefill settings (None: none) and splitting ops."""
+                      inductor_options=None, **compilation):
+    """A vLLM config in mode 3 with these uniprefill settings (None: none), splitting ops and further
+    Inductor options."""
     ns = types.SimpleNamespace
-    inductor = {} if settings is None else {"uniprefill": dict(settings)}
+    inductor = dict(inductor_options or {}) | ({} if settings is None else {"uniprefill": dict(settings)})
     compilation_config = ns(mode=3, backend="inductor", inductor_compile_config=inductor,
                             splitting_ops=list(splitting_ops), cudagraph_mode=ns(name=cudagraph_mode),
                             use_inductor_graph_partition=False)

@@ -214,3 +214,67 @@ def test_settings_without_vllm_drop_leave_the_graph_to_vllm_with_the_reason(mode
     assert not runtimes and "uniprefill" not in backend.inductor_config
     assert backend.compilation_config.splitting_ops == FAKE_SPLITTING_OPS
     assert uniprefill_ops(backend.compiled.graph_module) == set()
+
+
+def test_pieces_after_a_drop_are_compiled_for_backed_row_counts(model, runtimes, monkeypatch):
+    """The kept row counts reach Inductor as backed symbols (`backed_rows`): no compiled piece sees an
+    unbacked size, and Inductor fuses the pieces after the drop as it fuses vLLM's (with unbacked counts
+    it gives their dependencies no memory score and splits kernels: more kernels for the same piece).
+    The answer is the eager rewrite's either way."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    from uniprefill.vllm import backed_rows
+
+    query_lens = [300, 40, 170]
+    ids, positions = batch(query_lens)
+    kernels, outputs = {}, {}
+    for backed in (True, False):
+        if not backed:
+            monkeypatch.setattr(backed_rows, "back_kept_row_counts", lambda gm: backed_rows.BackedRows({}))
+        torch._dynamo.reset()
+        compiled, backends = compile_mode3(model, dict(SETTINGS, drop_layers=[1]),
+                                           inductor_options={"force_disable_caches": True})
+        WORLD.context = fake_context(query_lens)
+        with torch.no_grad():
+            outputs[backed] = compiled(ids, positions)
+        backend = backends[-1]
+        unbacked = [name for name, inputs in backend.piece_inputs.items() if free_unbacked_symbols(inputs)]
+        assert (unbacked == []) if backed else len(unbacked) >= 2  # the pieces after the drop
+        assert sum(runtimes[-1].step.points[-1].kept) < sum(query_lens)  # it dropped
+        kernels[backed] = backend.piece_kernels
+    assert kernels[True].keys() == kernels[False].keys()
+    assert all(kernels[True][name] <= kernels[False][name] for name in kernels[True])
+    assert sum(kernels[True].values()) < sum(kernels[False].values())  # fused where unbacked counts split
+    torch.testing.assert_close(outputs[True], outputs[False], atol=2e-5, rtol=2e-5)
+
+
+def test_row_counts_stay_unbacked_where_vllm_checks_guards_or_is_unbacked_itself():
+    from uniprefill.vllm.backed_rows import skip_reason
+
+    def config(**dynamic):
+        return types.SimpleNamespace(compilation_config=types.SimpleNamespace(
+            dynamic_shapes_config=types.SimpleNamespace(**dynamic)))
+
+    assert skip_reason(config(evaluate_guards=False, type="DynamicShapesType.BACKED")) is None
+    assert skip_reason(types.SimpleNamespace(compilation_config=types.SimpleNamespace())) is None  # older vLLM
+    assert "evaluate_guards" in skip_reason(config(evaluate_guards=True, type="backed"))
+    assert "unbacked" in skip_reason(config(evaluate_guards=False, type="DynamicShapesType.UNBACKED"))
+
+
+def test_guards_on_the_backed_row_counts_are_forgotten_after_compiling():
+    """Inductor may guard on a backed row count (e.g. its int32 indexing bound); dynamo would turn such
+    a guard into a check on an input size that does not exist (an IndexError in `produce_guards`, seen
+    with Inductor's Triton code), so the hook drops those guards once the pieces are compiled."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    from uniprefill.vllm.backed_rows import BackedRows
+
+    env = ShapeEnv()
+    tokens = env.create_symbol(4096, ConstantSource("tokens"), dynamic_dim=DimDynamic.DYNAMIC)
+    kept = env.create_symbol(4095, ConstantSource("kept"), dynamic_dim=DimDynamic.DYNAMIC)
+    assert env.evaluate_expr(tokens > 100) and env.evaluate_expr(kept * 576 < 2**31)
+    assert len(env.guards) == 2
+    assert BackedRows({"u0": str(kept)}, env, frozenset({kept})).forget_guards() == 1
+    assert [g.expr.free_symbols for g in env.guards] == [{tokens}]  # the token count's own guard stays
+    assert BackedRows({}).forget_guards() == 0

@@ -20,8 +20,10 @@ wraps `VllmBackend.__call__`; for a backend whose config carries those settings 
    per-step reset and the window attention then run in Python on every step, between the
    compiled pieces, as vLLM's attention does; and turns off Inductor's `benchmark_combo_kernel`
    (vLLM's default on): it needs a size hint for every symbol, which a drop's row count has not;
-   and gives the drop's row counts the token count's size hint (Inductor's `unbacked_symint_fallback`,
-   unless the user set it), so the pieces after a drop get the kernels vLLM's pieces get;
+   gives the kept row counts backed symbols in the fake values the pieces are compiled from
+   (`backed_rows`: with unbacked counts Inductor fuses and hints the pieces after a drop unlike
+   vLLM's, and at p = 1 their numbers differ), and, where they stay unbacked, the token count's
+   size hint (Inductor's `unbacked_symint_fallback`, unless the user set it);
 5. calls vLLM's backend with the rewritten graph, and makes the runtime current around each call
    of the compiled function (`graph_ops.running`). The function keeps the ORIGINAL graph for
    vLLM's AOT-compile cache: an engine that loads it calls the backend again, and this wrapper
@@ -45,6 +47,7 @@ import warnings
 from typing import Any
 
 from .. import env
+from . import backed_rows
 from .checks import CONFIG_KEY, _get, config_from_compilation_config
 from .class_patch import unwrap_method, wrap_method
 from .graph_ops import SPLITTING_OPS, running
@@ -78,9 +81,10 @@ def _mega_artifact() -> bool:
         return False
 
 
-def rewrite_for_vllm_backend(backend: Any, graph: Any, example_inputs: Any) -> tuple[Any, Any] | None:
-    """(rewritten graph with fake values on every node, its runtime), or None where the graph runs as
-    vLLM built it (the reason logged). `backend` is the `VllmBackend` being called."""
+def rewrite_for_vllm_backend(backend: Any, graph: Any, example_inputs: Any) -> tuple[Any, Any, Any] | None:
+    """(rewritten graph with fake values on every node, its runtime, its `backed_rows.BackedRows`), or
+    None where the graph runs as vLLM built it (the reason logged). `backend` is the `VllmBackend` being
+    called."""
     from .plugin import VllmTokenDropBackend, _vllm_version
 
     vllm_config = backend.vllm_config
@@ -95,7 +99,15 @@ def rewrite_for_vllm_backend(backend: Any, graph: Any, example_inputs: Any) -> t
     if rewritten is None:
         return None
     set_example_values(rewritten)
-    return rewritten, drop_backend.runtimes[-1]
+    reason = backed_rows.skip_reason(vllm_config)
+    if reason is None:
+        backed = backed_rows.back_kept_row_counts(rewritten)
+        logger.info("uniprefill: the pieces after the drop points are compiled for backed row counts %s",
+                    backed.renamed)
+    else:
+        backed = backed_rows.BackedRows({})
+        logger.info("uniprefill: the drop points' row counts stay unbacked in the compiled pieces: %s", reason)
+    return rewritten, drop_backend.runtimes[-1], backed
 
 
 def set_example_values(gm: Any) -> int:
@@ -110,22 +122,6 @@ def set_example_values(gm: Any) -> int:
             node.meta["example_value"] = node.meta["val"]
             count += 1
     return count
-
-
-def token_count_hint(example_inputs: Any) -> int | None:
-    """The size hint of the graph's symbolic token count: the largest hint of a backed symbol among the
-    example inputs (symbolic ints, tensor sizes), or None when none is symbolic."""
-    import torch
-
-    hints = []
-    for value in example_inputs:
-        sizes = tuple(value.shape) if isinstance(value, torch.Tensor) else (value,)
-        for size in sizes:
-            if isinstance(size, torch.SymInt):
-                hint = size.node.hint
-                if isinstance(hint, int):
-                    hints.append(hint)
-    return max(hints, default=None)
 
 
 def add_splitting_ops(compilation_config: Any) -> list[str]:
@@ -155,9 +151,9 @@ def _rewriting_call(original):
         prepared = rewrite_for_vllm_backend(self, graph, example_inputs)
         if prepared is None:
             return original(self, graph, example_inputs)
-        rewritten, runtime = prepared
+        rewritten, runtime, backed = prepared
         add_splitting_ops(self.compilation_config)
-        hint = token_count_hint(example_inputs)
+        hint = backed_rows.token_count_hint(rewritten)
         if hint is not None and "unbacked_symint_fallback" not in self.inductor_config:
             # Inductor picks a kernel's block sizes and warps from the size hints of its symbols; the rows
             # kept at a drop point have none and would get its generic fallback (8192), so the pieces after
@@ -169,7 +165,8 @@ def _rewriting_call(original):
             # the rows kept at a drop point (an unbacked size) have none ("Cannot convert symbols to int",
             # H200, vLLM 0.26.0, several drop points): combine kernels without benchmarking them
             self.inductor_config["benchmark_combo_kernel"] = False
-        compiled = original(self, rewritten, example_inputs)
+        compiled = original(self, rewritten, example_inputs)  # every piece compiled here, up front
+        backed.forget_guards()
         if hasattr(compiled, "graph_module"):
             compiled.graph_module = graph  # what vLLM's AOT-compile cache saves: rewritten again on load
         call = compiled.optimized_call

@@ -2,7 +2,8 @@
 # On the GPU box (vLLM installed by box_install.sh): the serve soak of issue 20. For each RUN, a local
 # `vllm serve` on loopback on vLLM's defaults (RUN standard*: nothing added; RUN uniprefill*: the one option,
 # SETTINGS), the bounded client scripts/gpu/vllm/soak.py against it, the server stopped; then each run's
-# answers compared with the first run's (`soak.py compare`). Not yet run on a GPU (written 2026-12-03).
+# answers compared with the first run's (`soak.py compare`). Run on the H200 on 2026-12-04, one server per call
+# (docs/results/vllm-defaults-h200-2026-12-04/soak/; compare across calls with `soak.py compare`).
 #   bash scripts/gpu/vllm/soak.sh OUT_DIR RUN... (e.g. standard uniprefill standard-again)
 # Env: SETTINGS (default {"p": 1.0, "vllm_drop": true}), REQUESTS (300), CONCURRENCY (8), MIN_LEN (1000),
 #      MAX_LEN (32000), MAX_TOKENS (16). The model: the Llama-3.1-8B shape with dummy weights

@@ -1,0 +1,152 @@
+"""Inductor's Triton code for the pieces of a rewritten mode-3 graph, generated on a CPU-only machine.
+
+    python scripts/gpu/vllm/triton_pieces_on_cpu.py [--unbacked] [--out pieces.txt]
+
+A diagnosis aid for vLLM p = 1 parity (docs/results/vllm-defaults-h200-2026-12-04/): it runs the fake
+vLLM of tests/vllm (split at the attention ops and uniprefill's splitting ops, each piece compiled by
+Inductor as vLLM compiles it) on a tiny model with vLLM-style fused add + RMSNorm layers, with
+Inductor's CPU backend set to Triton and Triton's driver stubbed, so Inductor generates the Triton
+kernels a GPU would get without compiling or running them. It prints each compiled piece's kernels and
+compares the RMSNorm kernels of the pieces after the drop point (layer 1) with those of the piece before
+it. `--unbacked` compiles the pieces for the drop's unbacked row count (uniprefill before
+`backed_rows.py`). Relies on private Inductor and Triton internals (written against torch 2.13).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
+
+
+def stub_triton(codes: list[str]) -> None:
+    """Inductor generates Triton code for CPU tensors; nothing is compiled or run; every generated
+    module's source is appended to `codes`."""
+    import torch._inductor.async_compile as async_compile
+    import torch._inductor.codecache as codecache
+    import torch._inductor.codegen.wrapper as wrapper
+    import torch._inductor.config as inductor_config
+    import torch.utils._triton as triton_utils
+
+    inductor_config.cpu_backend = "triton"
+    inductor_config.compile_threads = 1
+    inductor_config.force_disable_caches = True
+    triton_utils.triton_hash_with_backend = lambda: "stub"
+    triton_utils.triton_backend = lambda: None
+
+    class Kernel:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def run(self, *args, **kwargs):
+            raise RuntimeError("stub kernel: code generated, not run")
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    async_compile.AsyncCompile.triton = lambda self, name, source, *args, **kwargs: Kernel()
+    wrapper.PythonWrapperCodegen.generate_and_run_autotune_block = lambda self: None
+    load = codecache.PyCodeCache.load_by_key_path.__func__
+
+    def load_and_keep(cls, key, path, *args, **kwargs):
+        codes.append(Path(path).read_text())
+        return load(cls, key, path, *args, **kwargs)
+
+    codecache.PyCodeCache.load_by_key_path = classmethod(load_and_keep)
+
+
+def kernels(code: str) -> dict[str, str]:
+    """Kernel name -> source with names and hashes blanked."""
+    out = {}
+    for match in re.finditer(r"^(\w+) = async_compile\.triton\('\w+', '''(.*?)'''", code, re.M | re.S):
+        body = re.sub(r"triton_\w+", "KERNEL", match.group(2))
+        out.setdefault(match.group(1), re.sub(r"'backend_hash': '[^']*'", "HASH", body))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--unbacked", action="store_true", help="compile the pieces for unbacked row counts")
+    parser.add_argument("--out", type=Path, default=None, help="write the generated modules here")
+    args = parser.parse_args()
+    codes: list[str] = []
+    stub_triton(codes)
+
+    from torch import nn
+
+    import fake_vllm_model as fm
+    from fake_vllm_compile import FakeVllmBackend
+    from fake_vllm_model import DIM, HEADS, HIDDEN, LAYERS, fake_context, rope
+    from test_vllm_piecewise import SETTINGS, batch, compile_mode3
+    from uniprefill.vllm import backed_rows, piecewise
+    from uniprefill.vllm.plugin import VllmHooks
+
+    def add_rms_norm(x, residual, weight):  # vLLM's RMSNorm.forward_native with a residual
+        x = x.float() + residual.float()
+        residual = x.to(torch.bfloat16)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return x.to(torch.bfloat16) * weight, residual
+
+    class NormBackbone(fm.TinyBackbone):
+        def __init__(self):
+            super().__init__()
+            self.norm1 = nn.ParameterList(nn.Parameter(torch.ones(HIDDEN)) for _ in range(LAYERS))
+            self.norm2 = nn.ParameterList(nn.Parameter(torch.ones(HIDDEN)) for _ in range(LAYERS))
+
+        def forward(self, input_ids, positions):
+            x = self.embed(input_ids)
+            residual = torch.zeros_like(x)
+            for i in range(LAYERS):
+                name = f"model.layers.{i}.self_attn.attn"
+                q, k, v = self.qkv[i](x).view(-1, 3, HEADS, DIM).unbind(1)
+                q, k = rope(q, positions), rope(k, positions)
+                out = torch.empty((q.shape[0], HEADS, DIM))
+                dep = torch.ops.uniprefill_fakevllm.unified_kv_cache_update(k, v, name)
+                torch.ops.uniprefill_fakevllm.unified_attention_with_output(q, k, v, out, name, kv_cache_dummy_dep=dep)
+                x, residual = add_rms_norm(self.o[i](out.view(-1, HEADS * DIM)), residual, self.norm1[i])
+                x, residual = add_rms_norm(self.mlp[i](x), residual, self.norm2[i])
+            return x + residual
+
+    hooks = VllmHooks(context_fn=lambda: fm.WORLD.context, request_ids_fn=lambda: fm.WORLD.context.request_ids,
+                      num_prompt_tokens_fn=lambda: None, listeners=types.SimpleNamespace(add=lambda runtime: None))
+    VllmHooks.from_vllm = classmethod(lambda cls: hooks)
+    piecewise.install(FakeVllmBackend)
+    if args.unbacked:
+        backed_rows.back_kept_row_counts = lambda gm: backed_rows.BackedRows({})
+    compiled, _ = compile_mode3(NormBackbone().eval(), dict(SETTINGS, drop_layers=[1]))
+    query_lens = [300, 40, 170]
+    ids, positions = batch(query_lens)
+    fm.WORLD.context = fake_context(query_lens)
+    try:
+        with torch.no_grad():
+            compiled(ids, positions)
+    except Exception as error:  # the stubbed kernels refuse to run, once everything is compiled
+        if "stub kernel" not in str(error):
+            raise
+    pieces = [code for code in codes if "def call" in code]
+    print(f"row counts: {'unbacked' if args.unbacked else 'backed'}; {len(pieces)} compiled pieces (drop after layer 1)")
+    for index, code in enumerate(pieces):
+        print(f"piece {index}: {list(kernels(code))}")
+    before = [body for name, body in kernels(pieces[1]).items() if "rsqrt" in name]
+    for index in range(2, len(pieces)):
+        after = [body for name, body in kernels(pieces[index]).items() if "rsqrt" in name]
+        diffs = [[line for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
+                  if line[:1] in "+-" and not line.startswith(("+++", "---"))] for a, b in zip(before, after)]
+        print(f"piece {index} vs piece 1, RMSNorm kernels: {len(after)} vs {len(before)}; "
+              f"differing lines per pair {[len(d) for d in diffs]}" + "".join(
+                  f"\n    {line[:160]}" for d in diffs for line in [x for x in d if "tiling_scores" not in x][:6]))
+    if args.out:
+        args.out.write_text("\n##### piece\n".join(pieces))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Backed row counts for the pieces after a drop point: the kernels vLLM's own pieces get.
+
+A drop point's kept row count is data-dependent, so its fake value is an unbacked symbol `u…`
+(`graph_ops.score_select`'s fake). Compiled as such, Inductor treats the pieces after the drop
+unlike vLLM's: it gives a dependency over an unbacked size no memory score (torch 2.11's
+`GraphLowering.get_dep_size_hint` returns 0 for it), so it never fuses an RMSNorm's epilogue into
+its reduction, recomputes the residual add in a kernel of its own, hints every size with its
+generic fallback (8192) and indexes in int64. Measured on the H200 (vLLM 0.26, SmolLM2, p = 1):
+those pieces compile to a reduction kernel plus a separate normalisation kernel where vLLM
+compiles one fused kernel, and 28 of 120 greedy outputs part from standard vLLM's, from the
+prefill's own logprob on (docs/results/vllm-defaults-h200-2026-12-04/).
+
+`back_kept_row_counts(gm)` therefore rewrites the fake values that vLLM's split and piecewise
+compilation read (`meta["example_value"]` and `meta["val"]`): each unbacked symbol a uniprefill op
+introduced becomes a fresh backed symbol of the same shape environment, with the value range of
+the graph's token count and a hint one below the previous row count's (the token count's for the
+first drop point, so every size hint rounds to the same power of two as vLLM's, while no two
+symbols share a hint: Inductor may compare symbols by their hints, and kept <= entering rows holds
+for the real values too). The graph itself is left as it is: the drop op still returns a
+data-dependent count at run time, and each compiled piece reads its sizes from its inputs.
+
+Sound only where nothing checks the shape guards Inductor may add for a backed symbol: vLLM drops
+every guard of its compiled model unless `compilation_config.dynamic_shapes_config.evaluate_guards`
+is set (`guards_checked`), and with unbacked dynamic shapes (`dynamic_shapes_config.type`) vLLM's
+own token count is unbacked too. In both cases the counts stay unbacked (`skip_reason`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+UNIPREFILL_NAMESPACE = "uniprefill."
+
+
+def skip_reason(vllm_config: Any) -> str | None:
+    """Why the kept row counts stay unbacked for this engine, or None."""
+    from .checks import _get
+
+    dynamic = _get(_get(vllm_config, "compilation_config"), "dynamic_shapes_config")
+    if dynamic is None:
+        return None
+    if _get(dynamic, "evaluate_guards", False):
+        return "dynamic_shapes_config.evaluate_guards: vLLM checks the shape guards a backed count would add"
+    kind = _get(dynamic, "type", None)
+    if kind is not None and "UNBACKED" in str(kind).upper():
+        return "dynamic_shapes_config.type is unbacked: vLLM's own token count is unbacked too"
+    return None
+
+
+def _fake_values(node: fx.Node) -> list[tuple[str, Any]]:
+    return [(key, node.meta[key]) for key in ("val", "example_value") if node.meta.get(key) is not None]
+
+
+def _shape_env(gm: fx.GraphModule):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for node in gm.graph.nodes:
+        for _, value in _fake_values(node):
+            if isinstance(value, FakeTensor) and value.fake_mode.shape_env is not None:
+                return value.fake_mode
+    return None
+
+
+def _hints(shape_env) -> dict:
+    """The shape environment's hints of its backed symbols (`backed_var_to_val`, `var_to_val` in older torch)."""
+    return shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val
+
+
+def _token_symbol(gm: fx.GraphModule, shape_env) -> Any:
+    """The graph's token count: the backed symbol with the largest hint among its inputs' sizes."""
+    best = None
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        for _, value in _fake_values(node)[:1]:
+            sizes = value.shape if isinstance(value, torch.Tensor) else (value,)
+            for size in sizes:
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    symbol = size.node.expr
+                    hint = _hints(shape_env).get(symbol)
+                    if hint is not None and (best is None or int(hint) > best[1]):
+                        best = (symbol, int(hint))
+    return best
+
+
+def token_count_hint(gm: fx.GraphModule) -> int | None:
+    """The size hint of `gm`'s token count (the size dynamo traced), or None without fake inputs."""
+    fake_mode = _shape_env(gm)
+    token = None if fake_mode is None else _token_symbol(gm, fake_mode.shape_env)
+    return None if token is None else token[1]
+
+
+def _dropped_symbols(gm: fx.GraphModule) -> list[Any]:
+    """Unbacked symbols first introduced by a uniprefill op, in graph order."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    seen: dict[Any, None] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and str(node.target).startswith(UNIPREFILL_NAMESPACE):
+            for _, value in _fake_values(node)[:1]:
+                for symbol in sorted(free_unbacked_symbols(value), key=str):
+                    seen.setdefault(symbol, None)
+    return list(seen)
+
+
+@dataclasses.dataclass
+class BackedRows:
+    """What `back_kept_row_counts` did: {unbacked name: backed name} and where the symbols live."""
+
+    renamed: dict[str, str]
+    shape_env: Any = None
+    symbols: frozenset = frozenset()
+
+    def forget_guards(self) -> int:
+        """Drop the shape guards Inductor added on the backed row counts while compiling the pieces; the
+        number dropped. Dynamo turns its shape environment's guards into checks on the compiled frame's
+        inputs, and these symbols are no input's size (building such a check fails). vLLM checks no
+        guard of its compiled model (module docstring), so they were never checked: the kernels stay
+        valid for any count within the token count's range, which the drop guarantees."""
+        if self.shape_env is None or not self.symbols:
+            return 0
+        kept = [g for g in self.shape_env.guards if not (g.expr.free_symbols & self.symbols)]
+        dropped = len(self.shape_env.guards) - len(kept)
+        self.shape_env.guards[:] = kept
+        return dropped
+
+
+def back_kept_row_counts(gm: fx.GraphModule) -> BackedRows:
+    """Replace the drop points' unbacked row counts in `gm`'s fake values by backed symbols (module
+    docstring); empty `renamed` where the graph has none or no token count."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    fake_mode = _shape_env(gm)
+    if fake_mode is None:
+        return BackedRows({})
+    shape_env = fake_mode.shape_env
+    token = _token_symbol(gm, shape_env)
+    dropped = _dropped_symbols(gm)
+    if token is None or not dropped:
+        return BackedRows({})
+    token_symbol, hint = token
+    value_range = shape_env.var_to_range.get(token_symbol)
+    mapping = {}
+    for index, symbol in enumerate(dropped):
+        hint -= 1
+        backed = shape_env.create_symbol(hint, ConstantSource(f"uniprefill_kept_rows_{index}_{symbol}"),
+                                         dynamic_dim=DimDynamic.DYNAMIC)
+        if value_range is not None:
+            shape_env.var_to_range[backed] = value_range
+        mapping[symbol] = backed
+    hints = _hints(shape_env)
+
+    def symint(value):
+        expr = value.node.expr.xreplace(mapping)
+        if expr.is_number:
+            return int(expr)
+        return shape_env.create_symintnode(expr, hint=int(expr.xreplace(hints)))
+
+    def rebind(value):
+        if isinstance(value, torch.SymInt):
+            return symint(value) if value.node.expr.free_symbols & mapping.keys() else value
+        if isinstance(value, torch.Tensor):
+            exprs = [*value.shape, *value.stride(), value.storage_offset()]
+            if not any(isinstance(e, torch.SymInt) and e.node.expr.free_symbols & mapping.keys() for e in exprs):
+                return value
+            sizes = [rebind(s) for s in value.shape]
+            strides = [rebind(s) for s in value.stride()]
+            with fake_mode:
+                out = torch.empty_strided(sizes, strides, dtype=value.dtype, device=value.device)
+            offset = rebind(value.storage_offset())
+            if not (isinstance(offset, int) and offset == 0):
+                with fake_mode:
+                    out = out.as_strided(sizes, strides, offset)
+            return out
+        if isinstance(value, (list, tuple)):
+            return type(value)(rebind(v) for v in value)
+        return value
+
+    for node in gm.graph.nodes:
+        for key, value in _fake_values(node):
+            node.meta[key] = rebind(value)
+    return BackedRows({str(k): str(v) for k, v in mapping.items()}, shape_env, frozenset(mapping.values()))
