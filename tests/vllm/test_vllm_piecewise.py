@@ -143,6 +143,7 @@ def test_a_config_without_settings_is_left_to_vllm(model, runtimes):
 @pytest.mark.parametrize("compilation, reason", [
     ({"use_inductor_graph_partition": True}, "use_inductor_graph_partition"),
     ({"splitting_ops": []}, "no splitting_ops"),
+    ({"compile_sizes": [256]}, "compile_sizes"),
 ])
 def test_what_mode_3_cannot_drop_runs_unaccelerated_with_the_reason(model, runtimes, compilation, reason):
     compiled, backends = compile_mode3(model, dict(SETTINGS, drop_layers=[1]), **compilation)

@@ -34,7 +34,8 @@ CUDA graphs: a step that replays piecewise graphs keeps every row (`VllmDropRunt
 steps under full graphs read the drop histories on the device (`vllm.graph_decode`).
 
 Left unaccelerated, with the reason logged: Inductor graph partition (`use_inductor_graph_partition`,
-no FX split), no splitting ops, and vLLM's "mega" AOT artifact (`VLLM_USE_MEGA_AOT_ARTIFACT`, on by
+no FX split), no splitting ops, single-size compilation (`compile_sizes`: vLLM's `create_concrete_args`
+gives every symbol of a piece that one size, the kept rows included), and vLLM's "mega" AOT artifact (`VLLM_USE_MEGA_AOT_ARTIFACT`, on by
 default with torch >= 2.12: a warm start rebuilds the compiled pieces without calling the backend,
 so no runtime would be attached to the rewritten pieces).
 """
@@ -65,6 +66,9 @@ def unaccelerated_reason(vllm_config: Any, mega_artifact: bool) -> str | None:
                 "drop point cannot run between the pieces")
     if not _get(cc, "splitting_ops"):
         return "no splitting_ops: the graph is compiled whole, and the drop point must run in Python every step"
+    if _get(cc, "compile_sizes"):
+        return ("compile_sizes: vLLM compiles a piece for one size by giving every symbol of it that size, which "
+                "would give the rows kept at a drop point the token count")
     if mega_artifact:
         return ("VLLM_USE_MEGA_AOT_ARTIFACT=1 (vLLM's default with torch >= 2.12): a warm start rebuilds the "
                 "compiled pieces without calling the backend, so the rewritten pieces would run without their "
