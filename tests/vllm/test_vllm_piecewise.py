@@ -279,3 +279,52 @@ def test_guards_on_the_backed_row_counts_are_forgotten_after_compiling():
     assert BackedRows({"u0": str(kept)}, env, frozenset({kept})).forget_guards() == 1
     assert [g.expr.free_symbols for g in env.guards] == [{tokens}]  # the token count's own guard stays
     assert BackedRows({}).forget_guards() == 0
+
+
+@pytest.mark.parametrize("guard, sound", [("int32_bound", True), ("kept_differs_from_tokens", False)])
+def test_guards_inductor_adds_on_the_row_counts_while_compiling(model, runtimes, monkeypatch, guard, sound):
+    """End to end: a guard decided on a backed row count's hint while the pieces compile (stand-in for
+    Inductor's own, which its Triton code adds and its C++ code here does not). A bound every count meets
+    is dropped before dynamo builds its guards (it would fail on them), the answer is the eager rewrite's;
+    a guard false at p = 1 (kept == all rows) fails the compile loudly instead of compiling wrong pieces."""
+    import sympy
+
+    import fake_vllm_compile
+
+    compile_piece = fake_vllm_compile.standalone_compile
+    guarded = []
+
+    def compile_and_guard(module, args, **kwargs):
+        sizes = [a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim()
+                 and isinstance(a.shape[0], torch.SymInt) and a.shape[0].node.expr.is_Symbol]
+        if sizes:
+            env = sizes[0].node.shape_env
+            symbols = sorted({s.node.expr for s in sizes}, key=lambda s: -int(env.var_to_val[s]))
+            for row in symbols[1:] if len(symbols) > 1 else []:
+                guarded.append(row)
+                if guard == "int32_bound":
+                    env.evaluate_expr(row * 576 < 2 ** 31)
+                else:
+                    env.evaluate_expr(sympy.Ne(row, symbols[0]))
+        return compile_piece(module, args, **kwargs)
+
+    monkeypatch.setattr(fake_vllm_compile, "standalone_compile", compile_and_guard)
+    torch._dynamo.reset()
+    compiled, backends = compile_mode3(model, dict(SETTINGS, drop_layers=[1]))
+    query_lens = [300, 40, 170]
+    ids, positions = batch(query_lens)
+    WORLD.context = fake_context(query_lens)
+    if not sound:
+        with pytest.raises(Exception, match="a drop can break"), torch.no_grad():
+            compiled(ids, positions)
+        return
+    with torch.no_grad():
+        ours = compiled(ids, positions)
+    env = backends[-1].piece_inputs[backends[-1].pieces[-1]][0].shape[0].node.shape_env
+    assert guarded and not [g for g in env.guards if "576" in str(g.expr)]  # added on the row counts, then dropped
+    assert sum(runtimes[-1].step.points[-1].kept) < sum(query_lens)
+    WORLD.context = fake_context(query_lens)
+    eager, _ = compile_with_drops(model, UniPrefillConfig(**{k: v for k, v in SETTINGS.items() if k != "vllm_drop"}),
+                                  (1,))
+    with torch.no_grad():
+        torch.testing.assert_close(ours, eager(ids, positions), atol=2e-5, rtol=2e-5)

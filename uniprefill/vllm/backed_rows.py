@@ -71,11 +71,17 @@ def _hints(shape_env) -> dict:
 
 
 def _token_symbol(gm: fx.GraphModule, shape_env) -> Any:
-    """The graph's token count: the backed symbol with the largest hint among its inputs' sizes."""
-    best = None
+    """(symbol, hint) of the graph's token count: the size of the positions the rewrite's per-step reset
+    reads (`vllm_begin_step(positions)`), else the largest hint among the inputs' backed sizes."""
+    candidates = []
     for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
+        if node.op == "call_function" and str(node.target).startswith(UNIPREFILL_NAMESPACE + "vllm_begin_step"):
+            candidates = [node.args[0]]
+            break
+        if node.op == "placeholder":
+            candidates.append(node)
+    best = None
+    for node in candidates:
         for _, value in _fake_values(node)[:1]:
             sizes = value.shape if isinstance(value, torch.Tensor) else (value,)
             for size in sizes:
@@ -114,15 +120,60 @@ class BackedRows:
     renamed: dict[str, str]
     shape_env: Any = None
     symbols: frozenset = frozenset()
+    token_symbol: Any = None
+    value_range: Any = None
+
+    def unsound_reason(self) -> str | None:
+        """Why the pieces compiled for these backed counts may be wrong for some run-time count, or None.
+
+        Inductor decides from a backed symbol's hint where it would not decide for an unbacked one, and
+        vLLM checks none of the guards that record such decisions. A decision is sound when it holds for
+        every count a drop can give, from 2 rows (vLLM's own assumption for its token count) to the rows
+        entering the drop (the token count at most): each guard on a row count must hold at both ends
+        (linear guards then hold in between), and no row count may have been replaced, constrained to
+        a divisor or given a narrower value range than the token count's."""
+        if self.shape_env is None or not self.symbols:
+            return None
+        import sympy
+
+        env = self.shape_env
+        for key, value in env.replacements.items():
+            if key in self.symbols or getattr(value, "free_symbols", set()) & self.symbols:
+                return f"Inductor replaced {key} by {value}"
+        hints = _hints(env)
+        for divisible in getattr(env, "divisible", ()):  # e.g. a view's inferred size: Mod(96*u, 3*heads*dim)
+            if divisible.free_symbols & self.symbols and any(
+                    divisible.xreplace({symbol: sympy.Integer(rows) for symbol in self.symbols}).xreplace(hints) != 0
+                    for rows in (1, 2, 3)):
+                return f"Inductor assumed {divisible} divisible"
+        tokens = env.var_to_range.get(self.token_symbol, self.value_range)  # as narrowed for the token count
+        for symbol in self.symbols:
+            now = env.var_to_range.get(symbol)
+            if tokens is not None and now is not None and (now.lower > max(2, tokens.lower) or now.upper < tokens.upper):
+                return f"Inductor narrowed {symbol} to {now}"
+        ends = [("2", sympy.Integer(2))] + ([("all the", self.token_symbol)] if self.token_symbol is not None else [])
+        for guard in env.guards:
+            if not guard.expr.free_symbols & self.symbols:
+                continue
+            for end, value in ends:
+                holds = guard.expr.xreplace({symbol: value for symbol in self.symbols}).xreplace(hints)
+                if getattr(holds, "is_Boolean", False) and not bool(holds):
+                    return f"Inductor guarded {guard.expr}, false for {end} rows"
+        return None
 
     def forget_guards(self) -> int:
         """Drop the shape guards Inductor added on the backed row counts while compiling the pieces; the
-        number dropped. Dynamo turns its shape environment's guards into checks on the compiled frame's
-        inputs, and these symbols are no input's size (building such a check fails). vLLM checks no
-        guard of its compiled model (module docstring), so they were never checked: the kernels stay
-        valid for any count within the token count's range, which the drop guarantees."""
+        number dropped. Raises RuntimeError where one of them is unsound (`unsound_reason`): never a
+        silent wrong answer. Dynamo turns its shape environment's guards into checks on the compiled
+        frame's inputs, and these symbols are no input's size (building such a check fails); vLLM checks
+        no guard of its compiled model (module docstring), so they were never checked."""
         if self.shape_env is None or not self.symbols:
             return 0
+        reason = self.unsound_reason()
+        if reason is not None:
+            raise RuntimeError(f"uniprefill: the pieces after a drop point were compiled for an assumption on the "
+                               f"kept row count that a drop can break ({reason}); run this model without "
+                               f'"vllm_drop", and report it')
         kept = [g for g in self.shape_env.guards if not (g.expr.free_symbols & self.symbols)]
         dropped = len(self.shape_env.guards) - len(kept)
         self.shape_env.guards[:] = kept
@@ -144,12 +195,16 @@ def back_kept_row_counts(gm: fx.GraphModule) -> BackedRows:
     if token is None or not dropped:
         return BackedRows({})
     token_symbol, hint = token
+    if hint - len(dropped) < 2:  # a hint of 0 or 1 would make the "symbol" a constant
+        return BackedRows({})
     value_range = shape_env.var_to_range.get(token_symbol)
     mapping = {}
     for index, symbol in enumerate(dropped):
         hint -= 1
         backed = shape_env.create_symbol(hint, ConstantSource(f"uniprefill_kept_rows_{index}_{symbol}"),
                                          dynamic_dim=DimDynamic.DYNAMIC)
+        if not backed.is_Symbol:
+            raise AssertionError(f"a backed row count became {backed}")
         if value_range is not None:
             shape_env.var_to_range[backed] = value_range
         mapping[symbol] = backed
@@ -184,4 +239,5 @@ def back_kept_row_counts(gm: fx.GraphModule) -> BackedRows:
     for node in gm.graph.nodes:
         for key, value in _fake_values(node):
             node.meta[key] = rebind(value)
-    return BackedRows({str(k): str(v) for k, v in mapping.items()}, shape_env, frozenset(mapping.values()))
+    return BackedRows({str(k): str(v) for k, v in mapping.items()}, shape_env, frozenset(mapping.values()),
+                      token_symbol, value_range)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import re
 import sys
 import types
@@ -76,6 +77,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--unbacked", action="store_true", help="compile the pieces for unbacked row counts")
     parser.add_argument("--out", type=Path, default=None, help="write the generated modules here")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead (tests read it)")
     args = parser.parse_args()
     codes: list[str] = []
     stub_triton(codes)
@@ -132,17 +134,22 @@ def main() -> int:
         if "stub kernel" not in str(error):
             raise
     pieces = [code for code in codes if "def call" in code]
-    print(f"row counts: {'unbacked' if args.unbacked else 'backed'}; {len(pieces)} compiled pieces (drop after layer 1)")
-    for index, code in enumerate(pieces):
-        print(f"piece {index}: {list(kernels(code))}")
     before = [body for name, body in kernels(pieces[1]).items() if "rsqrt" in name]
+    report = {"row_counts": "unbacked" if args.unbacked else "backed",
+              "pieces": [list(kernels(code)) for code in pieces], "rmsnorm_vs_piece_1": {}}
+    lines = [f"row counts: {report['row_counts']}; {len(pieces)} compiled pieces (drop after layer 1)"]
+    lines += [f"piece {index}: {names}" for index, names in enumerate(report["pieces"])]
     for index in range(2, len(pieces)):
         after = [body for name, body in kernels(pieces[index]).items() if "rsqrt" in name]
         diffs = [[line for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
-                  if line[:1] in "+-" and not line.startswith(("+++", "---"))] for a, b in zip(before, after)]
-        print(f"piece {index} vs piece 1, RMSNorm kernels: {len(after)} vs {len(before)}; "
-              f"differing lines per pair {[len(d) for d in diffs]}" + "".join(
-                  f"\n    {line[:160]}" for d in diffs for line in [x for x in d if "tiling_scores" not in x][:6]))
+                  if line[:1] in "+-" and not line.startswith(("+++", "---")) and "tiling_scores" not in line]
+                 for a, b in zip(before, after)]
+        report["rmsnorm_vs_piece_1"][index] = {"kernels": [len(after), len(before)],
+                                               "differing_lines": [len(d) for d in diffs]}
+        lines.append(f"piece {index} vs piece 1, RMSNorm kernels: {len(after)} vs {len(before)}; differing lines "
+                     f"per pair, tiling_scores left out: {[len(d) for d in diffs]}"
+                     + "".join(f"\n    {line[:160]}" for d in diffs for line in d[:6]))
+    print(json.dumps(report) if args.json else "\n".join(lines))
     if args.out:
         args.out.write_text("\n##### piece\n".join(pieces))
     return 0

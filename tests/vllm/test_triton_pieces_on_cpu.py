@@ -1,0 +1,38 @@
+"""The Triton code Inductor generates for the pieces after a drop point (`scripts/gpu/vllm/triton_pieces_on_cpu.py`,
+Triton's driver stubbed, nothing compiled or run): what the GPU gets, checked on CPU.
+
+On the H200 (2026-12-04) the pieces after a drop, compiled for an unbacked row count, had their RMSNorms
+split in two kernels, and p = 1 parted from standard vLLM. With backed row counts (`backed_rows.py`) their
+RMSNorm kernels must be the ones of the piece before the drop, line for line (the tiling-score metadata
+aside), and compiling them must not trip `BackedRows.unsound_reason` (Inductor's Triton code assumes a
+view's divisibility on the row count, which its C++ code does not). A subprocess: the script patches
+Inductor and Triton process-wide.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm" / "triton_pieces_on_cpu.py"
+
+
+def report(*flags: str) -> dict:
+    done = subprocess.run([sys.executable, str(SCRIPT), "--json", *flags], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("flags", [(), ("--unbacked",)], ids=["backed", "unbacked"])
+def test_pieces_after_the_drop_get_the_rmsnorm_kernels_of_the_piece_before_it(flags):
+    out = report(*flags)
+    after_drop = [out["rmsnorm_vs_piece_1"][str(piece)] for piece in (2, 3)]  # piece 4 also holds the final add
+    if not flags:
+        assert all(p["kernels"] == [2, 2] and p["differing_lines"] == [0, 0] for p in after_drop)
+    else:  # the H200's finding, reproduced: each RMSNorm split into a reduction and a pointwise kernel
+        assert all(any(n for n in p["differing_lines"]) for p in after_drop)
+        assert any("per_fused_mean_pow" in k for k in out["pieces"][3])
