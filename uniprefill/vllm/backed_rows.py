@@ -135,18 +135,22 @@ class BackedRows:
         if self.shape_env is None or not self.symbols:
             return None
         import sympy
+        from torch.utils._sympy.numbers import int_oo
 
         env = self.shape_env
+        hints = _hints(env)
         for key, value in env.replacements.items():
             if key in self.symbols or getattr(value, "free_symbols", set()) & self.symbols:
                 return f"Inductor replaced {key} by {value}"
-        hints = _hints(env)
         for divisible in getattr(env, "divisible", ()):  # e.g. a view's inferred size: Mod(96*u, 3*heads*dim)
             if divisible.free_symbols & self.symbols and any(
                     divisible.xreplace({symbol: sympy.Integer(rows) for symbol in self.symbols}).xreplace(hints) != 0
                     for rows in (1, 2, 3)):
                 return f"Inductor assumed {divisible} divisible"
         tokens = env.var_to_range.get(self.token_symbol, self.value_range)  # as narrowed for the token count
+        most = hints.get(self.token_symbol)  # vLLM traces its largest step, so kept rows never exceed this
+        if tokens is not None and most is not None and tokens.upper in (int_oo, sympy.oo):
+            tokens = type(tokens)(tokens.lower, int(most))
         for symbol in self.symbols:
             now = env.var_to_range.get(symbol)
             if tokens is not None and now is not None and (now.lower > max(2, tokens.lower) or now.upper < tokens.upper):
