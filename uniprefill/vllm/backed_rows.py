@@ -122,47 +122,63 @@ class BackedRows:
     symbols: frozenset = frozenset()
     token_symbol: Any = None
     value_range: Any = None
+    order: tuple = ()  # the row counts in drop order
 
     def unsound_reason(self) -> str | None:
         """Why the pieces compiled for these backed counts may be wrong for some run-time count, or None.
 
         Inductor decides from a backed symbol's hint where it would not decide for an unbacked one, and
-        vLLM checks none of the guards that record such decisions. A decision is sound when it holds for
-        every count a drop can give, from 2 rows (vLLM's own assumption for its token count) to the rows
-        entering the drop (the token count at most): each guard on a row count must hold at both ends
-        (linear guards then hold in between), and no row count may have been replaced, constrained to
-        a divisor or given a narrower value range than the token count's."""
+        vLLM checks none of the guards that record such decisions. vLLM trusts Inductor's code to be
+        valid across its own token count's range whatever threshold a heuristic compared the count with
+        (a guard such as `s >= 4096`, or `Ne(Mod(s, 16), 0)` for taking the unaligned path); the row
+        counts get the same trust for such guards on one count. Refused, because a drop can break them:
+        - a replacement of a row count (specialised to a value or to another symbol);
+        - an equality, or a divisibility asserted, on a row count that some count from 1 to 3 breaks
+          (`Eq(rows, 8191)`, `Eq(Mod(rows, 16), 0)`; `Mod(96*rows, 96)` holds for every count);
+        - a relation between a row count and another count (the token count, another drop's rows) false
+          at a corner of 2 <= rows_n <= ... <= rows_1 <= tokens <= T (`rows <= tokens` holds, `rows <
+          tokens` breaks at p = 1), or one with a modulo, floor division, min or max;
+        - a guard these rules cannot evaluate."""
         if self.shape_env is None or not self.symbols:
             return None
         import sympy
-        from torch.utils._sympy.numbers import int_oo
 
         env = self.shape_env
         hints = _hints(env)
         for key, value in env.replacements.items():
             if key in self.symbols or getattr(value, "free_symbols", set()) & self.symbols:
                 return f"Inductor replaced {key} by {value}"
-        for divisible in getattr(env, "divisible", ()):  # e.g. a view's inferred size: Mod(96*u, 3*heads*dim)
-            if divisible.free_symbols & self.symbols and any(
-                    divisible.xreplace({symbol: sympy.Integer(rows) for symbol in self.symbols}).xreplace(hints) != 0
-                    for rows in (1, 2, 3)):
+
+        def broken_for_small_counts(expr) -> bool:  # expr must be true for every count
+            values = [expr.xreplace({symbol: sympy.Integer(rows) for symbol in self.symbols}).xreplace(hints)
+                      for rows in (1, 2, 3)]
+            return any(value not in (sympy.true, True) for value in values)
+
+        for divisible in getattr(env, "divisible", ()):
+            if divisible.free_symbols & self.symbols and broken_for_small_counts(sympy.Eq(divisible, 0)):
                 return f"Inductor assumed {divisible} divisible"
-        tokens = env.var_to_range.get(self.token_symbol, self.value_range)  # as narrowed for the token count
-        most = hints.get(self.token_symbol)  # vLLM traces its largest step, so kept rows never exceed this
-        if tokens is not None and most is not None and tokens.upper in (int_oo, sympy.oo):
-            tokens = type(tokens)(tokens.lower, int(most))
-        for symbol in self.symbols:
-            now = env.var_to_range.get(symbol)
-            if tokens is not None and now is not None and (now.lower > max(2, tokens.lower) or now.upper < tokens.upper):
-                return f"Inductor narrowed {symbol} to {now}"
-        ends = [("2", sympy.Integer(2))] + ([("all the", self.token_symbol)] if self.token_symbol is not None else [])
+        order = [self.token_symbol, *self.order] if self.token_symbol is not None else list(self.order)
+        most = hints.get(self.token_symbol, 2)
+        corners = [{symbol: sympy.Integer(most if i < j else 2) for i, symbol in enumerate(order)}
+                   for j in range(len(order) + 1)]
         for guard in env.guards:
-            if not guard.expr.free_symbols & self.symbols:
+            expr = guard.expr
+            rows = expr.free_symbols & self.symbols
+            if not rows:
                 continue
-            for end, value in ends:
-                holds = guard.expr.xreplace({symbol: value for symbol in self.symbols}).xreplace(hints)
-                if getattr(holds, "is_Boolean", False) and not bool(holds):
-                    return f"Inductor guarded {guard.expr}, false for {end} rows"
+            where = f"{expr} ({guard.sloc})" if getattr(guard, "sloc", None) else str(expr)
+            others = expr.free_symbols - rows
+            if len(rows) == 1 and not (others & set(order)):
+                if isinstance(expr, sympy.Eq) and broken_for_small_counts(expr):
+                    return f"Inductor guarded {where}, false for some count"
+                continue  # a threshold on one count: trusted as vLLM trusts its own count's
+            if expr.has(sympy.Mod, sympy.floor, sympy.Max, sympy.Min) or any(
+                    "Mod" in type(a).__name__ or "FloorDiv" in type(a).__name__ for a in sympy.preorder_traversal(expr)):
+                return f"Inductor guarded {where}, a relation between counts this check cannot bound"
+            for corner in corners:
+                value = expr.xreplace(corner).xreplace(hints)
+                if value not in (sympy.true, True):
+                    return f"Inductor guarded {where}, false for counts {dict((str(k), int(v)) for k, v in corner.items())}"
         return None
 
     def forget_guards(self) -> int:
@@ -210,7 +226,8 @@ def back_kept_row_counts(gm: fx.GraphModule) -> BackedRows:
         if not backed.is_Symbol:
             raise AssertionError(f"a backed row count became {backed}")
         if value_range is not None:
-            shape_env.var_to_range[backed] = value_range
+            # the token count's upper bound; the lower one of a fresh count (not one the trace narrowed)
+            shape_env.var_to_range[backed] = type(value_range)(min(2, value_range.lower), value_range.upper)
         mapping[symbol] = backed
     hints = _hints(shape_env)
 
@@ -244,4 +261,4 @@ def back_kept_row_counts(gm: fx.GraphModule) -> BackedRows:
         for key, value in _fake_values(node):
             node.meta[key] = rebind(value)
     return BackedRows({str(k): str(v) for k, v in mapping.items()}, shape_env, frozenset(mapping.values()),
-                      token_symbol, value_range)
+                      token_symbol, value_range, tuple(mapping.values()))
