@@ -19,10 +19,12 @@ symbols share a hint: Inductor may compare symbols by their hints, and kept <= e
 for the real values too). The graph itself is left as it is: the drop op still returns a
 data-dependent count at run time, and each compiled piece reads its sizes from its inputs.
 
-Sound only where nothing checks the shape guards Inductor may add for a backed symbol: vLLM drops
-every guard of its compiled model unless `compilation_config.dynamic_shapes_config.evaluate_guards`
-is set (`guards_checked`), and with unbacked dynamic shapes (`dynamic_shapes_config.type`) vLLM's
-own token count is unbacked too. In both cases the counts stay unbacked (`skip_reason`).
+Inductor may decide from a backed symbol's hint where it would not for an unbacked one. Once vLLM
+compiled the pieces, `BackedRows.forget_guards` checks those decisions (`unsound_reason`: an engine
+whose pieces assume what a drop can break refuses to start) and drops their guards, which vLLM never
+checks and dynamo cannot build. Where vLLM does check guards
+(`compilation_config.dynamic_shapes_config.evaluate_guards`), or its own token count is unbacked
+(`dynamic_shapes_config.type`), the counts stay unbacked (`skip_reason`).
 """
 
 from __future__ import annotations

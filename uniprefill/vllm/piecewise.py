@@ -158,11 +158,9 @@ def _rewriting_call(original):
         rewritten, runtime, backed = prepared
         add_splitting_ops(self.compilation_config)
         hint = backed_rows.token_count_hint(rewritten)
-        if hint is not None and "unbacked_symint_fallback" not in self.inductor_config:
-            # Inductor picks a kernel's block sizes and warps from the size hints of its symbols; the rows
-            # kept at a drop point have none and would get its generic fallback (8192), so the pieces after
-            # a drop would be compiled unlike vLLM's (whose token count is hinted with the traced size).
-            # With the same hint they get the same kernels, and at p = 1 the same numbers.
+        if not backed.renamed and hint is not None and "unbacked_symint_fallback" not in self.inductor_config:
+            # where the kept row counts stay unbacked (`backed_rows.skip_reason`), Inductor hints them with
+            # its generic fallback (8192): give them the token count's hint (the size vLLM traced) instead
             self.inductor_config["unbacked_symint_fallback"] = hint
         if self.inductor_config.get("benchmark_combo_kernel") and not env.debug_keep_combo_benchmark():
             # benchmarking a combined kernel generates code that needs a size hint for every symbol, and
