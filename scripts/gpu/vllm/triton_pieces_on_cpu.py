@@ -1,6 +1,6 @@
 """Inductor's Triton code for the pieces of a rewritten mode-3 graph, generated on a CPU-only machine.
 
-    python scripts/gpu/vllm/triton_pieces_on_cpu.py [--unbacked] [--out pieces.txt]
+    python scripts/gpu/vllm/triton_pieces_on_cpu.py [--unbacked] [--drops 1,2] [--json] [--out pieces.txt]
 
 A diagnosis aid for vLLM p = 1 parity (docs/results/vllm-defaults-h200-2026-12-04/): it runs the fake
 vLLM of tests/vllm (split at the attention ops and uniprefill's splitting ops, each piece compiled by
@@ -78,6 +78,7 @@ def main() -> int:
     parser.add_argument("--unbacked", action="store_true", help="compile the pieces for unbacked row counts")
     parser.add_argument("--out", type=Path, default=None, help="write the generated modules here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead (tests read it)")
+    parser.add_argument("--drops", default="1", help="drop layers, comma-separated (default 1; the model has 4)")
     args = parser.parse_args()
     codes: list[str] = []
     stub_triton(codes)
@@ -123,7 +124,7 @@ def main() -> int:
     piecewise.install(FakeVllmBackend)
     if args.unbacked:
         backed_rows.back_kept_row_counts = lambda gm: backed_rows.BackedRows({})
-    compiled, _ = compile_mode3(NormBackbone().eval(), dict(SETTINGS, drop_layers=[1]))
+    compiled, _ = compile_mode3(NormBackbone().eval(), dict(SETTINGS, drop_layers=[int(d) for d in args.drops.split(",")]))
     query_lens = [300, 40, 170]
     ids, positions = batch(query_lens)
     fm.WORLD.context = fake_context(query_lens)
@@ -137,7 +138,7 @@ def main() -> int:
     before = [body for name, body in kernels(pieces[1]).items() if "rsqrt" in name]
     report = {"row_counts": "unbacked" if args.unbacked else "backed",
               "pieces": [list(kernels(code)) for code in pieces], "rmsnorm_vs_piece_1": {}}
-    lines = [f"row counts: {report['row_counts']}; {len(pieces)} compiled pieces (drop after layer 1)"]
+    lines = [f"row counts: {report['row_counts']}; {len(pieces)} compiled pieces (drops after layers {args.drops})"]
     lines += [f"piece {index}: {names}" for index, names in enumerate(report["pieces"])]
     for index in range(2, len(pieces)):
         after = [body for name, body in kernels(pieces[index]).items() if "rsqrt" in name]
