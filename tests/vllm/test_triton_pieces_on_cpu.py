@@ -27,7 +27,8 @@ def report(*flags: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("flags", [(), ("--drops", "1,2"), ("--unbacked",)], ids=["backed", "backed-two-drops", "unbacked"])
+@pytest.mark.parametrize("flags", [(), ("--drops", "1,2"), ("--unbacked",)],
+                         ids=["backed", "backed-two-drops", "unbacked"])
 def test_pieces_after_the_drop_get_the_rmsnorm_kernels_of_the_piece_before_it(flags):
     out = report(*flags)
     after_drop = [out["rmsnorm_vs_piece_1"][str(piece)] for piece in (2, 3)]  # piece 4 also holds the final add

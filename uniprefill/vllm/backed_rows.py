@@ -174,13 +174,13 @@ class BackedRows:
                 if isinstance(expr, sympy.Eq) and broken_for_small_counts(expr):
                     return f"Inductor guarded {where}, false for some count"
                 continue  # a threshold on one count: trusted as vLLM trusts its own count's
-            if expr.has(sympy.Mod, sympy.floor, sympy.Max, sympy.Min) or any(
-                    "Mod" in type(a).__name__ or "FloorDiv" in type(a).__name__ for a in sympy.preorder_traversal(expr)):
+            nonlinear = ("Mod", "FloorDiv", "floor", "Max", "Min")
+            if any(name in type(a).__name__ for a in sympy.preorder_traversal(expr) for name in nonlinear):
                 return f"Inductor guarded {where}, a relation between counts this check cannot bound"
             for corner in corners:
-                value = expr.xreplace(corner).xreplace(hints)
-                if value not in (sympy.true, True):
-                    return f"Inductor guarded {where}, false for counts {dict((str(k), int(v)) for k, v in corner.items())}"
+                if expr.xreplace(corner).xreplace(hints) not in (sympy.true, True):
+                    counts = {str(symbol): int(value) for symbol, value in corner.items()}
+                    return f"Inductor guarded {where}, false for counts {counts}"
         return None
 
     def forget_guards(self) -> int:

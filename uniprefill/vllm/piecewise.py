@@ -35,9 +35,9 @@ steps under full graphs read the drop histories on the device (`vllm.graph_decod
 
 Left unaccelerated, with the reason logged: Inductor graph partition (`use_inductor_graph_partition`,
 no FX split), no splitting ops, single-size compilation (`compile_sizes`: vLLM's `create_concrete_args`
-gives every symbol of a piece that one size, the kept rows included), and vLLM's "mega" AOT artifact (`VLLM_USE_MEGA_AOT_ARTIFACT`, on by
-default with torch >= 2.12: a warm start rebuilds the compiled pieces without calling the backend,
-so no runtime would be attached to the rewritten pieces).
+gives every symbol of a piece that one size, the kept rows included), and vLLM's "mega" AOT artifact
+(`VLLM_USE_MEGA_AOT_ARTIFACT`, on by default with torch >= 2.12: a warm start rebuilds the compiled
+pieces without calling the backend, so no runtime would be attached to the rewritten pieces).
 """
 
 from __future__ import annotations

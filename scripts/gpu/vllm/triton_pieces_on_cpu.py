@@ -124,7 +124,8 @@ def main() -> int:
     piecewise.install(FakeVllmBackend)
     if args.unbacked:
         backed_rows.back_kept_row_counts = lambda gm: backed_rows.BackedRows({})
-    compiled, _ = compile_mode3(NormBackbone().eval(), dict(SETTINGS, drop_layers=[int(d) for d in args.drops.split(",")]))
+    drop_layers = [int(layer) for layer in args.drops.split(",")]
+    compiled, _ = compile_mode3(NormBackbone().eval(), dict(SETTINGS, drop_layers=drop_layers))
     query_lens = [300, 40, 170]
     ids, positions = batch(query_lens)
     fm.WORLD.context = fake_context(query_lens)
