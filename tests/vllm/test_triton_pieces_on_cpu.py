@@ -31,6 +31,9 @@ def report(*flags: str) -> dict:
                          ids=["backed", "backed-two-drops", "unbacked"])
 def test_pieces_after_the_drop_get_the_rmsnorm_kernels_of_the_piece_before_it(flags):
     out = report(*flags)
+    # the gathers at the drop are ops of their own (`uniprefill::gather_rows`): on the H200 Inductor fused the
+    # residual's index_select into the next add + RMSNorm, a looped reduction instead of vLLM's one-pass one
+    assert not [k for piece in out["pieces"] for k in piece if "index_select" in k]
     after_drop = [out["rmsnorm_vs_piece_1"][str(piece)] for piece in (2, 3)]  # piece 4 also holds the final add
     if "--unbacked" not in flags:
         assert all(p["kernels"] == [2, 2] and p["differing_lines"] == [0, 0] for p in after_drop)

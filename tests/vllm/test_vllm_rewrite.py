@@ -920,7 +920,8 @@ def test_everything_the_rewrite_inserts_is_an_op_and_every_node_gets_a_fake_valu
     assert not [t for t in targets if inspect.ismethod(t) or getattr(t, "__module__", "").startswith("uniprefill")]
     ours = {str(t) for t in targets if str(t).startswith("uniprefill.")}
     assert ours == {"uniprefill.vllm_begin_step.default", "uniprefill.vllm_drop.default",
-                    "uniprefill.vllm_kept_rows.default", "uniprefill.scatter_rows.default"}
+                    "uniprefill.vllm_kept_rows.default", "uniprefill.gather_rows.default",
+                    "uniprefill.scatter_rows.default"}
     propagate_fake_values(gm)
     drops = [n for n in gm.graph.nodes if n.target is torch.ops.uniprefill.vllm_drop.default]
     assert len(drops) == 2 and all(free_unbacked_symbols(n.meta["val"].shape) for n in drops)

@@ -14,6 +14,10 @@ compiler (Inductor, vLLM's own passes) can read every node:
 * `vllm_window_attention(query, key, value, output, layer_name, layer, kv_cache_dummy_dep)`: a
   sliding-window layer after a drop point, over ORIGINAL positions; writes `output` as vLLM's
   `unified_attention_with_output` does;
+* `gather_rows(value, keep)`: `value`'s rows `keep` (`index_select`), a value live across a drop point.
+  An op of its own so that Inductor never fuses the gather into the kernel that reads it: fused into
+  the next add + RMSNorm it turns vLLM's one-pass (persistent) reduction into a looped one that sums
+  in another order, so p = 1 would part from standard vLLM in the last bits (H200, 2026-12-04);
 * `scatter_rows(value, rows, num_rows)`: a graph output computed on the kept rows, back to every
   row (dropped rows zero);
 * `check_rows(value, num_rows, name)`: a graph output the rewrite believes was computed before any
@@ -103,6 +107,17 @@ def vllm_window_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 @vllm_window_attention.register_fake
 def _(query, key, value, output, layer_name, layer, kv_cache_dummy_dep=None):
     return None
+
+
+@torch.library.custom_op(f"{LIB}::gather_rows", mutates_args=())
+def gather_rows(value: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`value`'s rows `keep`, a new tensor."""
+    return torch.index_select(value, 0, keep)
+
+
+@gather_rows.register_fake
+def _(value, keep):
+    return value.new_empty((keep.shape[0], *value.shape[1:]))
 
 
 @torch.library.custom_op(f"{LIB}::scatter_rows", mutates_args=())

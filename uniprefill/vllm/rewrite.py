@@ -7,7 +7,7 @@ drop layer L, right after L's attention op the rewrite inserts
 
     keep_L = uniprefill::vllm_drop(q_L, k_L, L)   # runtime.drop (uniprefill.vllm.drop): select, compact, install metadata
 
-and then gathers, with `keep_L`, every token-aligned value that is used after that point (the
+and then gathers (`uniprefill::gather_rows`), with `keep_L`, every token-aligned value that is used after that point (the
 residual stream, the attention output, `positions`: a value is token-aligned when its traced
 leading dimension is the graph's token symbol `s`); uses of `s` itself after the point
 (e.g. `torch.empty((s, heads * dim))` for the next attention output) become the kept count.
@@ -143,7 +143,7 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
             value = _example(node)
             if node in aligned or axes.token_major(value):
                 with graph.inserting_after(cursor):
-                    replacement = graph.call_function(torch.index_select, (node, 0, keep))
+                    replacement = graph.call_function(torch.ops.uniprefill.gather_rows.default, (node, keep))
                 cursor = replacement
                 aligned.add(replacement)
                 gathered += 1
@@ -173,7 +173,7 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     with graph.inserting_before(output):
         rows = keeps[0]
         for keep in keeps[1:]:
-            rows = graph.call_function(torch.index_select, (rows, 0, keep))  # not `rows[keep]`: see below
+            rows = graph.call_function(torch.ops.uniprefill.gather_rows.default, (rows, keep))
     scattered = 0
 
     def back(arg):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU box (vLLM installed by box_install.sh): vLLM's own `vllm bench throughput`, standard vLLM on its
 # defaults against the same command plus the one uniprefill option, back to back per prompt length, then a
-# table of the ratios (scripts/gpu/vllm/bench_table.py). Not yet run on the GPU (written 2026-12-03).
+# table of the ratios (scripts/gpu/vllm/bench_table.py). First run on the H200 on 2026-12-04 with --input-len, which
+# vLLM 0.26's random dataset ignores (it warns and takes --random-input-len, default 1024 in / 128 out).
 #   bash scripts/gpu/vllm/bench_throughput.sh OUT_DIR SETTINGS_JSON [LENGTHS] [NUM_PROMPTS]
 # e.g. bash scripts/gpu/vllm/bench_throughput.sh /tmp/bench '{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}'
 # Model: the Llama-3.1-8B shape with dummy weights (uniprefill.testing.word_llama, 32 layers, max_model_len
@@ -24,7 +25,7 @@ for length in ${LENGTHS//,/ }; do
     [[ "$system" == uniprefill ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $SETTINGS}}")
     start=$(date +%s)
     timeout 540 "${VLLM_CLI[@]}" bench throughput --model "$MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
-      --dataset-name random --input-len "$length" --output-len 1 --num-prompts "$NUM_PROMPTS" \
+      --dataset-name random --random-input-len "$length" --random-output-len 1 --num-prompts "$NUM_PROMPTS" \
       --output-json "$OUT/$system-$length.json" "${extra[@]}" > "$OUT/$system-$length.log" 2>&1
     echo "$system $length: exit $? in $(( $(date +%s) - start )) s"
     grep -E "^Throughput|Traceback|Error" "$OUT/$system-$length.log" | head -3 | cut -c1-300
