@@ -371,3 +371,30 @@ def test_what_inductor_may_not_assume_about_a_row_count():
     env, tokens, kept, rows = fresh()
     env.replacements[kept] = tokens
     assert "replaced" in rows.unsound_reason()
+
+
+@pytest.mark.parametrize("drops", [(1,), (1, 2)], ids=["one-drop", "two-drops"])
+def test_p1_pieces_give_standard_modes_numbers_bit_for_bit(model, runtimes, drops):
+    """p = 1 under mode 3 against the same model compiled by the same backend without the option: every
+    output bit equal (`torch.equal`, no tolerance), over batches of several shapes. On the H200 this needed
+    backed row counts (`backed_rows`) and the gathers as `uniprefill::gather_rows` (SmolLM2 then gave standard
+    vLLM's logprobs on 120 of 120 prompts); Inductor's C++ kernels here sum alike without them, so the Triton
+    side of it is `test_triton_pieces_on_cpu.py`'s. This guards the rest: the drop point, the metadata and
+    the scatter at p = 1 change no bit."""
+    lens = ([300, 40, 170], [500], [64, 100, 30, 90])
+    batches = [batch(query_lens, seed) for seed, query_lens in enumerate(lens)]
+    outputs = {}
+    for name, settings in (("standard", None), ("p1", {**SETTINGS, "keep_ratio": None, "p": 1.0,
+                                                         "drop_layers": list(drops)})):
+        torch._dynamo.reset()
+        compiled, _ = compile_mode3(model, settings, inductor_options={"force_disable_caches": True})
+        outputs[name] = []
+        for query_lens, (ids, positions) in zip(lens, batches):
+            WORLD.context = fake_context(query_lens)
+            with torch.no_grad():
+                outputs[name].append(compiled(ids, positions))
+    runtime = runtimes[-1]
+    assert [p.layer for p in runtime.step.points] == list(drops)  # the p = 1 engine ran its drop points
+    assert sum(runtime.step.points[-1].kept) == sum(lens[-1])  # and kept every row
+    for standard, p1 in zip(outputs["standard"], outputs["p1"]):
+        assert torch.equal(standard, p1), (standard - p1).abs().max()
