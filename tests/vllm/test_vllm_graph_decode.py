@@ -23,13 +23,16 @@ BLOCK, HEADS, HEAD = 16, 2, 16
 QUERY_LENS = [400, 30, 260]  # the middle request is too short to drop: it has no history
 
 
-def dropped_world(drop_layers=(1, 3), layers=6, max_reqs=8):
-    """A prefill step in which requests 0 and 2 drop (eager host path), and the runtime."""
-    world = make_world(QUERY_LENS, layers=layers, groups=2, block=BLOCK, kv_heads=HEADS, head_size=HEAD, room=8)
+def dropped_world(drop_layers=(1, 3), layers=6, max_reqs=8, windows=None):
+    """A prefill step in which requests 0 and 2 drop (eager host path), and the runtime; `windows`:
+    sliding layers (index -> window) after the drops."""
+    world = make_world(QUERY_LENS, layers=layers, groups=2, block=BLOCK, kv_heads=HEADS, head_size=HEAD, room=48)
     config = UniPrefillConfig(keep_ratio=0.5, drop_layers=drop_layers, min_tokens=64, sink=16, last_q=16,
                               block_size=BLOCK, impl="torch")
+    sliding = {world.names[i]: w for i, w in (windows or {}).items()}
     runtime = VllmDropRuntime(config, world.names, drop_layers, lambda: world, lambda name: BLOCK,
-                              request_ids_fn=lambda: world.request_ids, graph_decode_max_reqs=max_reqs)
+                              request_ids_fn=lambda: world.request_ids, graph_decode_max_reqs=max_reqs,
+                              windows=sliding, window_layer_fn=(lambda name: None) if sliding else None)
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(sum(QUERY_LENS), HEADS, HEAD, generator=gen) for _ in range(2))
     runtime.begin_step()
@@ -114,9 +117,10 @@ def test_graph_decode_needs_full_attention_after_the_drops_and_a_table_size():
     runtime.begin_step()
     runtime.drop(q, q, 1)  # an eager forward (vLLM's profiling run) allocates it
     assert runtime.graph_decode.table is not None
-    with pytest.raises(ValueError, match="sliding-window layers after a drop point is not supported"):
-        VllmDropRuntime(UniPrefillConfig(drop_layers=(1,)), world.names, (1,), lambda: world, lambda n: BLOCK,
-                        windows={world.names[2]: 32}, window_layer_fn=lambda n: None, graph_decode_max_reqs=4)
+    windowed = VllmDropRuntime(UniPrefillConfig(drop_layers=(1,)), world.names, (1,), lambda: world, lambda n: BLOCK,
+                               windows={world.names[2]: 32}, window_layer_fn=lambda n: None, graph_decode_max_reqs=4)
+    windowed.graph_decode.on(q.device)  # sliding layers after the drop: the window tables come with the table
+    assert windowed.graph_decode.tail.shape == (1, 4, 32) and windowed.graph_decode.has.shape == (4,)
     with pytest.raises(ValueError, match="max_num_reqs=0"):
         DecodeRemovedBuffer(1, 0)
 
@@ -200,10 +204,10 @@ def test_a_capture_is_recognised_by_the_capturing_stream_when_the_context_says_n
 
 
 
-def test_backend_sizes_the_table_from_max_num_seqs_and_refuses_sliding_layers_after_a_drop(monkeypatch):
+def test_backend_sizes_the_table_from_max_num_seqs_and_takes_sliding_layers_after_a_drop(monkeypatch):
     """From vLLM's config: graph decoding only when dropping and asked for (FULL_DECODE_ONLY with the
     switch), sized by `max_num_seqs` (missing: an error, never graphs that ignore the histories);
-    a model with sliding layers after the drop runs unaccelerated with the reason."""
+    a model with sliding layers after the drop is no longer refused for the graphs (`window_rows`)."""
     from uniprefill.vllm.plugin import VllmTokenDropBackend
 
     ns = types.SimpleNamespace
@@ -229,8 +233,9 @@ def test_backend_sizes_the_table_from_max_num_seqs_and_refuses_sliding_layers_af
     report = types.SimpleNamespace(drop_layers=(1,), reason="")
     info = types.SimpleNamespace(gdn_ops=0, layers=(0, 1, 2, 3), sites=[types.SimpleNamespace(layer=i, layer_name=f"l{i}")
                                                              for i in range(4)])
-    assert backend._rewrite(None, info, report) is None
-    assert "sliding-window layers run after drop layer 1" in report.reason and "CUDA graphs" in report.reason
+    backend._hooks = types.SimpleNamespace(window_layer_fn=None)
+    assert backend._rewrite(None, info, report) is None  # graph decoding no longer refuses them: the hooks' check
+    assert report.reason == "sliding-window layers run after a drop point and the hooks give no window_layer_fn"
 
 
 def test_a_replayed_capture_follows_the_refilled_buffers_and_histories():
@@ -277,3 +282,80 @@ def test_a_replayed_capture_follows_the_refilled_buffers_and_histories():
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{n}, decode step {decoded}")
     last = world.attn_metadata[world.names[-1]].seq_lens.long()
     assert last[0] == QUERY_LENS[0] + 6 + 1 and last[2] < QUERY_LENS[2] + 6 + 1  # request 0's history was freed
+
+
+WINDOWS = {2: 64, 4: 64, 5: 16}  # sliding layers after drop points 1 and 3 (two windows)
+
+
+def window_rows_of_step(world, runtime, capture: bool, decoded: int):
+    """Each sliding layer's (request, logical, count) for decode step `decoded`, eager or as a capture."""
+    step(world, [q + decoded for q in QUERY_LENS], [1] * len(QUERY_LENS))
+    world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL" if capture else "NONE")
+    if capture:
+        runtime.before_step(tuple(world.request_ids))
+    q = k = torch.zeros(len(QUERY_LENS), HEADS, HEAD)
+    runtime.begin_step()
+    for layer in runtime.drop_layers:
+        runtime.drop(q, k, layer)
+    rows = runtime.step.window_rows
+    return {n: (rows[n].request.long(), rows[n].logical.long(), rows[n].count.long()) for n in runtime.windows}
+
+
+@pytest.mark.parametrize("decoded", [0, 3, 40])
+def test_capture_path_counts_the_host_paths_window_rows(decoded):
+    """Sliding layers after drops under decode graphs (Gemma-3 on vLLM's defaults): the rows the capture
+    path computes on the device (`window_rows`, from vLLM's seq_lens and the window tables `before_step`
+    refilled) equal the eager host path's (`window_counts` with the drop histories), for requests with
+    and without a history, at two drop points and two windows, early and late in the decode."""
+    world, runtime = dropped_world((1, 3), windows=WINDOWS)
+    eager = window_rows_of_step(world, runtime, capture=False, decoded=decoded)
+    captured = window_rows_of_step(world, runtime, capture=True, decoded=decoded)
+    assert eager.keys() == captured.keys() == set(runtime.windows)
+    for name in eager:
+        for what, want, got in zip(("request", "logical", "count"), eager[name], captured[name]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} {what}, decode step {decoded}")
+    counts = eager[world.names[2]][2]
+    assert counts[1] == min(QUERY_LENS[1] + decoded + 1, 64)  # no history: one entry per position
+    assert counts[0] < min(QUERY_LENS[0] + decoded + 1, 64) or decoded >= 63  # a dropped prompt: fewer
+
+
+def test_a_replayed_capture_counts_the_windows_of_later_steps():
+    """The capture path with sliding layers recorded once (`graph_replay.Capture`: no host read while
+    capturing), replayed for later decode steps after vLLM's seq_lens are refilled in place and the
+    window tables by `before_step`: every sliding layer's counts equal the eager host path's, also
+    after a request's history was freed (its rows then count one entry per position)."""
+    from graph_replay import Capture
+
+    world, runtime = dropped_world((1, 3), windows=WINDOWS)
+    ids = tuple(world.request_ids)
+    step(world, [q + 1 for q in QUERY_LENS], [1] * len(QUERY_LENS))
+    captured = {n: world.attn_metadata[n] for n in world.names}  # vLLM's persistent inputs
+    world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+    runtime.before_step(ids)
+    q = k = torch.zeros(len(QUERY_LENS), HEADS, HEAD)
+
+    def forward():
+        runtime.begin_step()
+        for layer in runtime.drop_layers:
+            runtime.drop(q, k, layer)
+
+    forward()  # vLLM's warm-up over the same dicts
+    with Capture() as graph:
+        forward()
+    counts = {n: runtime.step.window_rows[n].count for n in runtime.windows}
+    for decoded, finished in ((5, None), (30, ids[2])):
+        if finished is not None:
+            assert runtime.free(finished)
+        step(world, [q + decoded for q in QUERY_LENS], [1] * len(QUERY_LENS))
+        for n in world.names:
+            captured[n].seq_lens.copy_(world.attn_metadata[n].seq_lens)
+        runtime.before_step(ids)
+        replayed = graph.replay()
+        world.cudagraph_runtime_mode = types.SimpleNamespace(name="NONE")
+        forward()
+        for n in runtime.windows:
+            got = replayed.get(id(counts[n]), counts[n]).long()
+            torch.testing.assert_close(got, runtime.step.window_rows[n].count.long(), rtol=0, atol=0,
+                                       msg=f"{n}, decode step {decoded}")
+        world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+    assert runtime.step.window_rows[world.names[2]].count[2] == 64  # request 2's history was freed

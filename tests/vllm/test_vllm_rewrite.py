@@ -566,15 +566,19 @@ def free_blocks_behind_the_window(world, seq_lens: list[int], window: int, group
     return freed
 
 
-def test_sliding_layers_after_a_drop_window_over_original_positions(model):
+@pytest.mark.parametrize("decode_graphs, window", [(False, 24), (True, 24), (True, 64)],
+                         ids=["eager-decode", "decode-graph-path", "decode-graph-path-w64"])
+def test_sliding_layers_after_a_drop_window_over_original_positions(model, decode_graphs, window):
     """Layers 0 and 2 slide (window 24, one KV-cache group), the drop is at layer 1: layer 2
     runs `window_attention` over its right-aligned kept keys. Prefill, then vLLM frees the
     blocks behind each window, then two decode steps: every request's hidden state equals the
-    reference whose sliding layers see the keys at original positions p - 24 < pos <= p."""
-    window = 24
+    reference whose sliding layers see the keys at original positions p - 24 < pos <= p. With
+    `decode_graphs` the decode steps run as vLLM captures full decode graphs (vLLM's default
+    FULL_AND_PIECEWISE): the window rows come from the device tables `before_step` refills (at window 64
+    dropped prompt positions lie inside a decode token's window: fewer entries than the window)."""
     windows = {0: window, 2: window}
     config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
-    compiled, state = compile_with_drops(model, config, (1,), windows)
+    compiled, state = compile_with_drops(model, config, (1,), windows, graph_decode_max_reqs=4 if decode_graphs else 0)
     query_lens = [300, 40, 170]
     torch.manual_seed(5)
     ids = torch.randint(0, VOCAB, (sum(query_lens),))
@@ -594,11 +598,14 @@ def test_sliding_layers_after_a_drop_window_over_original_positions(model):
         for r in range(3):
             ref = model.reference(tokens[r], {1: torch.tensor(sorted(kept[r]))}, windows)
             torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref, atol=1e-5, rtol=1e-5)
-    assert free_blocks_behind_the_window(world, query_lens, window) >= 20
+    assert free_blocks_behind_the_window(world, query_lens, window) >= (20 if window == 24 else 10)
     for step in range(2):
         new = torch.randint(0, VOCAB, (3,))
         computed = [q + step for q in query_lens]
         WORLD.context = step_context(world, computed, [1, 1, 1])
+        if decode_graphs:
+            world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+            runtime.before_step(tuple(world.request_ids))
         with torch.no_grad():
             out = compiled(new, torch.tensor(computed))
         for r in range(3):
@@ -608,6 +615,9 @@ def test_sliding_layers_after_a_drop_window_over_original_positions(model):
                 ref = model.reference(tokens[r], {1: keep}, windows)
             torch.testing.assert_close(out[r], ref, atol=1e-5, rtol=1e-5)
         free_blocks_behind_the_window(world, [c + 1 for c in computed], window)
+        if window == 64:
+            assert int(runtime.step.window_rows[world.names[2]].count[0]) < window
+    assert runtime.totals.decode_graph_captures == (2 if decode_graphs else 0)
     torch._dynamo.reset()
 
 

@@ -182,7 +182,7 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
             "for that loss; compare with standard vLLM on your model")
     if drop_enabled and decode_graphs:
         check.notes.append(f"decode under full CUDA graphs after drops ({graphs}): experimental "
-                           "(run on the H200 with vLLM 0.26.0 and FA3); models with sliding-window layers after a drop run unaccelerated")
+                           "(run on the H200 with vLLM 0.26.0 and FA3; sliding-window layers after a drop, Gemma-3: CPU-tested only)")
     runner = _get(_get(vllm_config, "model_config"), "runner_type", "generate")
     if runner not in (None, "generate"):
         check.errors.append(f"model_config.runner_type={runner!r}: uniprefill serves generation only (a pooling model "

@@ -110,10 +110,8 @@ class VllmDropRuntime:
         self.window_layer_fn = window_layer_fn
         self.graph_decode = None
         if graph_decode_max_reqs:
-            if self.windows:
-                raise ValueError("decode under CUDA graphs with sliding-window layers after a drop point is not "
-                                 "supported (their window tables are built on the host)")
-            self.graph_decode = DecodeRemovedBuffer(len(self.drop_layers), graph_decode_max_reqs)
+            self.graph_decode = DecodeRemovedBuffer(len(self.drop_layers), graph_decode_max_reqs,
+                                                    max(self.windows.values(), default=0))
         self.warm_up_max_seqlen = warm_up_max_seqlen
         self.warm_up_fn = warm_up_fn
         self.vllm_attention: dict[int, Callable] = {}  # layer -> vLLM's attention op the rewrite replaced

@@ -15,9 +15,15 @@ inside the graph, from buffers whose addresses the graph keeps:
 
 `segment_metadata` is that computation, and the same formula the host path (`compact` with
 `kv_removed_cpu`) applies on the host: tested equal on CPU. A decode step has one token per
-request (speculative decoding is refused), so rows and requests coincide. Sliding-window
-layers after a drop are not supported here (their window tables are built on the host): the
-vLLM backend refuses graph decoding for such models.
+request (speculative decoding is refused), so rows and requests coincide.
+
+Sliding-window layers after a drop (Gemma-3) store their KV right-aligned (`vllm.window`), so a
+decode token sits at its natural index and vLLM's own seq_lens and slots stay theirs. What they
+need per row is the number of cache entries within the window over ORIGINAL positions: with a
+`max_window`, the buffer also holds the store's window tables (`DropHistoryStore.window_tables`:
+kept prompt positions near each prompt's end, prompt ends, has-history flags), refilled with the
+removed table, and `window_rows` counts on the device what `window_first_visible` counts on the
+host (tested equal on CPU, and through a recorded capture replayed for later steps).
 """
 
 from __future__ import annotations
@@ -27,17 +33,24 @@ import dataclasses
 import torch
 
 from .. import env
+from .drop_records import WindowRows
+from .layout import _ABSENT
 from .metadata import DropHistoryStore
 
 
 class DecodeRemovedBuffer:
     """The device table of KV entries removed per (column, request) for the current step."""
 
-    def __init__(self, columns: int, max_num_reqs: int) -> None:
-        if columns < 1 or max_num_reqs < 1:
-            raise ValueError(f"columns={columns}, max_num_reqs={max_num_reqs}: expected >= 1 each")
-        self.columns, self.max_num_reqs = columns, max_num_reqs
+    def __init__(self, columns: int, max_num_reqs: int, max_window: int = 0) -> None:
+        if columns < 1 or max_num_reqs < 1 or max_window < 0:
+            raise ValueError(f"columns={columns}, max_num_reqs={max_num_reqs}, max_window={max_window}: "
+                             "expected >= 1, >= 1, >= 0")
+        self.columns, self.max_num_reqs, self.max_window = columns, max_num_reqs, max_window
         self.table: torch.Tensor | None = None  # allocated once, on the first device seen; never reallocated
+        # with sliding layers after a drop (max_window > 0): the store's window tables, same life
+        self.tail: torch.Tensor | None = None  # [columns, max_num_reqs, max_window] int64
+        self.prompt_end: torch.Tensor | None = None  # [max_num_reqs] int64
+        self.has: torch.Tensor | None = None  # [max_num_reqs] bool
         self._filled: tuple | None = None  # (store version, request ids) of the current contents
 
     def on(self, device: torch.device) -> torch.Tensor:
@@ -45,6 +58,11 @@ class DecodeRemovedBuffer:
         address). Call it outside any capture: the zero-fill would be captured and replayed."""
         if self.table is None:
             self.table = torch.zeros(self.columns, self.max_num_reqs, dtype=torch.int32, device=device)
+            if self.max_window:
+                self.tail = torch.full((self.columns, self.max_num_reqs, self.max_window), _ABSENT,
+                                       dtype=torch.long, device=device)
+                self.prompt_end = torch.zeros(self.max_num_reqs, dtype=torch.long, device=device)
+                self.has = torch.zeros(self.max_num_reqs, dtype=torch.bool, device=device)
         elif self.table.device != torch.device(device):
             raise RuntimeError(f"the decode-removed table lives on {self.table.device}, asked for on {device}")
         return self.table
@@ -64,6 +82,13 @@ class DecodeRemovedBuffer:
         for c in range(self.columns):
             host[c, :len(request_ids)] = store.kv_removed(rows, c + 1)
         self.table.copy_(host)  # stream-ordered before the step's forward or graph replay
+        if self.max_window:
+            tail, prompt_end, has = store.window_tables(rows)
+            count = len(request_ids)
+            self.tail[:, count:] = _ABSENT
+            self.tail[:, :count] = tail.transpose(0, 1).to(self.tail.device)
+            self.prompt_end.zero_()[:count] = prompt_end.to(self.prompt_end.device)
+            self.has.zero_()[:count] = has.to(self.has.device)
         self._filled = key
 
 
@@ -83,6 +108,27 @@ def segment_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_map
     base = slot_mapping[:num_reqs].long()
     slots = torch.where(base < 0, base, blocks * block_size + logical % block_size)
     return lens, slots
+
+
+def window_rows(seq_lens: torch.Tensor, block_table: torch.Tensor, tail: torch.Tensor, prompt_end: torch.Tensor,
+                has: torch.Tensor, window: int) -> WindowRows:
+    """A sliding layer's rows for a decode step of R requests after drops, on the device.
+
+    seq_lens [R] (vLLM's, the new token included: it sits at logical index seq_lens - 1, its
+    position), block_table [R, max_blocks] (vLLM's, of the layer's group), tail [>= R, max_window]
+    (kept prompt positions of this layer's drop column), prompt_end / has [>= R]. Each row sees the
+    cached keys at positions > pos - window: its kept prompt keys there plus its decoded tokens, or
+    min(pos + 1, window) for a request without a history (`DropHistoryStore.window_first_visible`).
+    Padding rows (seq_lens 0) read their request's first entry. Device ops only: capturable."""
+    num_reqs = seq_lens.shape[0]
+    pos = seq_lens.long() - 1
+    in_prompt = (tail[:num_reqs] > (pos - window)[:, None]).sum(1)
+    end = prompt_end[:num_reqs]
+    decoded = torch.clamp(torch.clamp(pos - end + 1, max=window), min=0)
+    count = torch.where(has[:num_reqs], in_prompt + decoded, torch.clamp(pos + 1, max=window))
+    logical = pos.clamp(min=0)
+    count = torch.minimum(count.clamp(min=1), logical + 1)
+    return WindowRows(block_table[:num_reqs], torch.arange(num_reqs, device=seq_lens.device), logical, count)
 
 
 _VLLM_BASE = "_uniprefill_vllm_base"  # on metadata a capture installed: (vLLM's metadata, slot mapping) it came from
@@ -129,10 +175,19 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
         raise RuntimeError("uniprefill: a decode CUDA graph is being captured before any eager forward allocated "
                            "the removed-KV table (vLLM runs a profiling forward first; this one did not)")
     installed = {}  # id(vLLM's metadata object): one per KV-cache group
+    windowed = {}  # (id(vLLM's metadata object), window): a sliding layer's rows
+    buffer = runtime.graph_decode
     for name in runtime.layer_names[layer + 1:]:
         if name not in runtime.step.graph_base:
             continue
         meta, slots = runtime.step.graph_base[name]
+        if name in runtime.windows:  # right-aligned: vLLM's seq_lens and slots stay; the window's rows
+            key = (id(meta), runtime.windows[name])
+            if key not in windowed:
+                windowed[key] = window_rows(meta.seq_lens, meta.block_table, buffer.tail[column - 1], buffer.prompt_end,
+                                            buffer.has, runtime.windows[name])
+            runtime.step.window_rows[name] = windowed[key]
+            continue
         if id(meta) not in installed:
             if getattr(meta, "use_cascade", False):
                 raise NotImplementedError(f"{name}: cascade attention in a captured decode graph after a drop")

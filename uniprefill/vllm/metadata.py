@@ -334,6 +334,14 @@ class DropHistoryStore:
         _check_shape("rows", rows, (base.num_reqs,))
         return [base] + [relayout_kv(base, self.kv_removed(rows, c)) for c in range(1, self._removed.shape[1])]
 
+    def window_tables(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host ([R, columns - 1, max_window], [R], [R]): what `window_first_visible` reads, for the
+        device copy decode graphs count from (`vllm.graph_decode.window_rows`): the cached prompt keys'
+        ORIGINAL positions within the last `max_window` prompt positions per drop column (`_ABSENT`
+        elsewhere), each request's prompt end and whether it has a history."""
+        rows = rows.long()
+        return self._tail[rows, 1:], self._prompt_end[rows], self._has[rows]
+
     def window_first_visible(self, token_rows: torch.Tensor, query_positions_cpu: torch.Tensor, layer: int,
                              window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Host ([T], [T]): first visible KV index and visible key count of each decode query.

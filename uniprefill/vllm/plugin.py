@@ -232,10 +232,6 @@ class VllmTokenDropBackend:
             report.reason = (f"sliding-window layers run after drop layer {first} but the model config gives no "
                              f"sliding_window ({self.sliding_window!r})")
             return None
-        if sliding and self.graph_decode_max_reqs:
-            report.reason = (f"sliding-window layers run after drop layer {first}, and decoding under CUDA graphs "
-                             "after a drop does not support them yet (their window tables are built on the host)")
-            return None
         hooks = self._hooks() if callable(self._hooks) else self._hooks
         if sliding and hooks.window_layer_fn is None:
             report.reason = "sliding-window layers run after a drop point and the hooks give no window_layer_fn"
