@@ -37,7 +37,8 @@ def runtimes(monkeypatch):
     made = []
     listeners = types.SimpleNamespace(add=made.append)
     hooks = VllmHooks(context_fn=lambda: WORLD.context, request_ids_fn=lambda: WORLD.context.request_ids,
-                      num_prompt_tokens_fn=lambda: None, listeners=listeners)
+                      num_prompt_tokens_fn=lambda: getattr(WORLD.context, "num_prompt_tokens", None),
+                      listeners=listeners)
     monkeypatch.setattr(VllmHooks, "from_vllm", classmethod(lambda cls: hooks))
     assert piecewise.install(FakeVllmBackend) and not piecewise.install(FakeVllmBackend)
     yield made
