@@ -238,18 +238,18 @@ def test_backend_sizes_the_table_from_max_num_seqs_and_takes_sliding_layers_afte
     assert report.reason == "sliding-window layers run after a drop point and the hooks give no window_layer_fn"
 
 
-def test_a_replayed_capture_follows_the_refilled_buffers_and_histories():
-    """The capture path recorded once (`tests/graph_replay.py` stands in for a CUDA graph: no host
-    read allowed while capturing; a replay reruns the recorded ops only), then replayed for later
-    decode steps after vLLM's buffers (seq_lens, slot mappings) are refilled in place and the
-    runtime's table by `before_step`: every layer's seq_lens and slots equal the eager host
-    path's for those steps, also after a request's history was freed."""
+def recorded_decode_capture(windows=None):
+    """A dropped prefill (`dropped_world`), then the drop points of decode step 1 run as vLLM runs a
+    capture: once as a warm-up over the same dicts (a capture reading what it installed would replay
+    it stale), then recorded (`graph_replay.Capture`: no host read allowed). Returns the world, the
+    runtime, the request ids, vLLM's persistent inputs by layer ((metadata, slot mapping)), the
+    forward and the recording."""
     from graph_replay import Capture
 
-    world, runtime = dropped_world((1, 3))
+    world, runtime = dropped_world((1, 3), windows=windows)
     ids = tuple(world.request_ids)
     step(world, [q + 1 for q in QUERY_LENS], [1] * len(QUERY_LENS))
-    captured = {n: (world.attn_metadata[n], world.slot_mapping[n]) for n in world.names}  # vLLM's persistent inputs
+    captured = {n: (world.attn_metadata[n], world.slot_mapping[n]) for n in world.names}
     world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
     runtime.before_step(ids)
     q = k = torch.zeros(len(QUERY_LENS), HEADS, HEAD)
@@ -259,9 +259,19 @@ def test_a_replayed_capture_follows_the_refilled_buffers_and_histories():
         for layer in runtime.drop_layers:
             runtime.drop(q, k, layer)
 
-    forward()  # a warm-up over the same dicts, as vLLM may run one: a capture reading its tensors would replay them stale
+    forward()
     with Capture() as graph:
         forward()
+    return world, runtime, ids, captured, forward, graph
+
+
+def test_a_replayed_capture_follows_the_refilled_buffers_and_histories():
+    """The capture path recorded once (`tests/graph_replay.py` stands in for a CUDA graph: no host
+    read allowed while capturing; a replay reruns the recorded ops only), then replayed for later
+    decode steps after vLLM's buffers (seq_lens, slot mappings) are refilled in place and the
+    runtime's table by `before_step`: every layer's seq_lens and slots equal the eager host
+    path's for those steps, also after a request's history was freed."""
+    world, runtime, ids, captured, forward, graph = recorded_decode_capture()
     installed = {n: (world.attn_metadata[n].seq_lens, world.slot_mapping[n]) for n in world.names}
     assert all(installed[n][0] is not captured[n][0].seq_lens for n in world.names[2:])  # the later layers' own
     for decoded, finished in ((4, None), (6, ids[0])):
@@ -324,31 +334,14 @@ def test_a_replayed_capture_counts_the_windows_of_later_steps():
     capturing), replayed for later decode steps after vLLM's seq_lens are refilled in place and the
     window tables by `before_step`: every sliding layer's counts equal the eager host path's, also
     after a request's history was freed (its rows then count one entry per position)."""
-    from graph_replay import Capture
-
-    world, runtime = dropped_world((1, 3), windows=WINDOWS)
-    ids = tuple(world.request_ids)
-    step(world, [q + 1 for q in QUERY_LENS], [1] * len(QUERY_LENS))
-    captured = {n: world.attn_metadata[n] for n in world.names}  # vLLM's persistent inputs
-    world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
-    runtime.before_step(ids)
-    q = k = torch.zeros(len(QUERY_LENS), HEADS, HEAD)
-
-    def forward():
-        runtime.begin_step()
-        for layer in runtime.drop_layers:
-            runtime.drop(q, k, layer)
-
-    forward()  # vLLM's warm-up over the same dicts
-    with Capture() as graph:
-        forward()
+    world, runtime, ids, captured, forward, graph = recorded_decode_capture(WINDOWS)
     counts = {n: runtime.step.window_rows[n].count for n in runtime.windows}
     for decoded, finished in ((5, None), (30, ids[2])):
         if finished is not None:
             assert runtime.free(finished)
         step(world, [q + decoded for q in QUERY_LENS], [1] * len(QUERY_LENS))
         for n in world.names:
-            captured[n].seq_lens.copy_(world.attn_metadata[n].seq_lens)
+            captured[n][0].seq_lens.copy_(world.attn_metadata[n].seq_lens)
         runtime.before_step(ids)
         replayed = graph.replay()
         world.cudagraph_runtime_mode = types.SimpleNamespace(name="NONE")
