@@ -215,7 +215,12 @@ def backbone():
     return VllmGemmaBackbone(dumped_cls, layer_names).eval()
 
 
-def test_the_rewrite_on_vllms_real_gemma_graph_matches_the_masked_reference(backbone):
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager-decode", "decode-graph-path"])
+def test_the_rewrite_on_vllms_real_gemma_graph_matches_the_masked_reference(backbone, decode_graphs):
+    """Drops at 5 and 11 of vLLM's Gemma-3-270M graph, sliding layers after both: prefill and two decode
+    steps against the plain graph masked to the keys each layer holds. With `decode_graphs` the decode steps
+    take the path of vLLM's default full decode graphs (window rows and later layers' metadata counted on
+    the device from the tables `before_step` refills)."""
     drops = (5, 11)
     config = UniPrefillConfig(keep_ratio=0.3, block_size=BLOCK, last_q=32, sink=32, min_tokens=64)
     state = {}
@@ -226,7 +231,7 @@ def test_the_rewrite_on_vllms_real_gemma_graph_matches_the_masked_reference(back
         runtime = VllmDropRuntime(config, names, drops, lambda: WORLD.context, lambda name: BLOCK,
                                   request_ids_fn=lambda: WORLD.context.request_ids,
                                   windows={n: WINDOW for i, n in enumerate(names) if i > drops[0] and i not in FULL},
-                                  window_layer_fn=window_layer)
+                                  window_layer_fn=window_layer, graph_decode_max_reqs=8 if decode_graphs else 0)
         kinds = ["full" if i in FULL else "sliding" for i in range(LAYERS)]
         state.update(info=info, runtime=runtime, result=rewrite_vllm_graph(gm, info, drops, kinds, runtime))
         return gm.forward
@@ -275,8 +280,12 @@ def test_the_rewrite_on_vllms_real_gemma_graph_matches_the_masked_reference(back
         new = torch.randint(0, VOCAB, (3,), generator=torch.Generator().manual_seed(10 + decode))
         computed = [q + decode for q in query_lens]
         WORLD.context = step(world, computed, [1, 1, 1])
+        if decode_graphs:
+            world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+            runtime.before_step(tuple(world.request_ids))
         with torch.no_grad():
             out = compiled(new.to(torch.int32), torch.tensor(computed))
         tokens = [torch.cat([t, new[r:r + 1]]) for r, t in enumerate(tokens)]
         _assert_close(out.float(), masked_reference(tokens, decode + 1), f"decode step {decode}")
+    assert runtime.totals.decode_graph_captures == (2 if decode_graphs else 0)
     torch._dynamo.reset()
