@@ -14,7 +14,10 @@ filled with random values (the cached context). Three engines see the same step:
 * keep 0.5: forced dropping under mode 3 against the same rewrite run eagerly (mode 2, no Inductor):
   equal within float tolerance, and the drop points agree on every request's kept count.
 
-The seeds are fixed (a failure names its case); `CASES` per parametrized group.
+And multi-step cases (prompts that drop, then uniform decode steps; sliding layers with random windows or
+none): decode down the path of vLLM's default full decode graphs equals eager decode.
+
+The seeds are fixed (a failure names its case); `CASES` per parametrized group (half for the multi-step cases).
 """
 
 from __future__ import annotations
@@ -115,3 +118,61 @@ def test_dropping_under_mode_3_equals_the_eager_rewrite_on_random_steps(runtimes
         dropped += sum(points[-1].kept) < sum(points[0].entering)
         torch.testing.assert_close(ours, reference, atol=2e-5, rtol=2e-5, msg=f"case {seed} {requests}")
     assert dropped >= CASES // 4  # the cases exercise dropping, not only steps that keep every row
+
+
+def decode_scenario(seed: int):
+    """(drop layers, windows by layer, prompt lengths, decode steps) of one random multi-step case."""
+    rng = random.Random(seed)
+    drops = (1,) if rng.random() < 0.5 else (1, 2)
+    windows = {}
+    if rng.random() < 0.6:  # a Gemma-like model: sliding layers, some after the drop points
+        window = rng.choice([8, 24, 64, 200])
+        windows = {layer: window for layer in (0, 2, 3) if rng.random() < 0.7 and layer not in drops}
+    prompts = [rng.randint(2, 400) for _ in range(rng.randint(2, 5))]
+    return drops, windows, prompts, rng.randint(2, 4)
+
+
+def run_decode_scenario(seed: int, decode_graphs: bool):
+    """Prefill (eager: some prompts drop) then uniform decode steps, eagerly or down the path of vLLM's full
+    decode graphs (forward context FULL, the device tables refilled by `before_step`); the decode outputs."""
+    drops, windows, prompts, steps = decode_scenario(seed)
+    model = TinyBackbone().eval()
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    torch._dynamo.reset()
+    compiled, state = compile_with_drops(model, config, drops, windows, graph_decode_max_reqs=8 if decode_graphs else 0)
+    world = make_world(prompts, layers=LAYERS, groups=2, block=BLOCK, kv_heads=HEADS, head_size=DIM, room=steps,
+                       request_prefix=f"dec{seed}-")
+    world.windows = {world.names[i]: w for i, w in windows.items()}
+    WORLD.context = world
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (sum(prompts),), generator=gen)
+    with torch.no_grad():
+        compiled(ids, torch.cat([torch.arange(q) for q in prompts]))
+    runtime = state["runtime"]
+    outputs = []
+    for decoded in range(steps):
+        computed = [q + decoded for q in prompts]
+        step(world, computed, [1] * len(prompts))
+        if decode_graphs:
+            world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+            runtime.before_step(tuple(world.request_ids))
+        with torch.no_grad():
+            outputs.append(compiled(torch.randint(0, VOCAB, (len(prompts),), generator=gen), torch.tensor(computed)))
+    torch._dynamo.reset()
+    return outputs, runtime.totals
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_decode_down_the_full_graph_path_equals_eager_decode_on_random_cases(group):
+    """Multi-step cases (2-5 prompts, 1-2 drop points, sliding layers with windows of 8-200 tokens or none,
+    2-4 decode steps): the decode outputs computed through the capture path (what vLLM's default full decode
+    graphs replay: the later layers' lengths and slots, and sliding layers' windows, counted on the device)
+    equal eager decode's, whose host path `test_vllm_rewrite.py` checks against the reference model."""
+    for seed in range(500 + group * CASES // 2, 500 + (group + 1) * CASES // 2):
+        eager, eager_totals = run_decode_scenario(seed, decode_graphs=False)
+        graphed, graph_totals = run_decode_scenario(seed, decode_graphs=True)
+        assert graph_totals.decode_graph_captures == len(graphed) and eager_totals.decode_graph_captures == 0
+        assert graph_totals.requests_dropped == eager_totals.requests_dropped
+        for n, (want, got) in enumerate(zip(eager, graphed)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                                       msg=f"case {seed} {decode_scenario(seed)}, decode step {n}")
