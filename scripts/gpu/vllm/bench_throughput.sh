@@ -6,7 +6,7 @@
 #   bash scripts/gpu/vllm/bench_throughput.sh OUT_DIR SETTINGS_JSON [LENGTHS] [NUM_PROMPTS]
 # e.g. bash scripts/gpu/vllm/bench_throughput.sh /tmp/bench '{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}'
 # Model: the Llama-3.1-8B shape with dummy weights (uniprefill.testing.word_llama, 32 layers, max_model_len
-# 32768). LENGTHS default 8192,16384,32000; NUM_PROMPTS default 16 (all queued at once: vLLM's own batching);
+# 32768), or SERVE_MODEL_DIR=/tmp/gemma-270m (real weights, serve_lib.sh). LENGTHS default 8192,16384,32000; NUM_PROMPTS default 16 (all queued at once: vLLM's own batching);
 # --output-len 1, so the time is the prefill's. Each run is one engine (about two minutes with the compile).
 set -uo pipefail
 OUT="${1:?usage: bench_throughput.sh OUT_DIR SETTINGS_JSON [LENGTHS] [NUM_PROMPTS]}"
@@ -24,7 +24,7 @@ for length in ${LENGTHS//,/ }; do
     extra=()
     [[ "$system" == uniprefill ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $SETTINGS}}")
     start=$(date +%s)
-    timeout 540 "${VLLM_CLI[@]}" bench throughput --model "$MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
+    timeout 540 "${VLLM_CLI[@]}" bench throughput --model "$MODEL" "${LOAD_ARGS[@]}" --max-model-len 32768 --seed 0 \
       --dataset-name random --random-input-len "$length" --random-output-len 1 --num-prompts "$NUM_PROMPTS" \
       --output-json "$OUT/$system-$length.json" "${extra[@]}" > "$OUT/$system-$length.log" 2>&1
     echo "$system $length: exit $? in $(( $(date +%s) - start )) s"

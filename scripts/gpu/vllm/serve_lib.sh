@@ -11,13 +11,18 @@
 # VLLM_SERVER_DEV_MODE=1 opens vLLM's /collective_rpc (the drop totals by name after a run).
 SERVE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 source "$SERVE_ROOT/scripts/gpu/vllm/env.sh"
-SERVE_MODEL=/tmp/llama8b-shaped-32
+# SERVE_MODEL_DIR: a model folder with real weights (e.g. /tmp/gemma-270m from box_install_models.sh) instead of
+# the Llama-3.1-8B shape with dummy weights
+SERVE_MODEL="${SERVE_MODEL_DIR:-/tmp/llama8b-shaped-32}"
+LOAD_ARGS=(--load-format dummy)
+[[ -n "${SERVE_MODEL_DIR:-}" ]] && LOAD_ARGS=()
 DEFAULT_SETTINGS='{"p": 1.0, "vllm_drop": true}'
 SETTINGS="${SETTINGS:-$DEFAULT_SETTINGS}"
 SERVER_PID=""
 trap serve_stop EXIT
 
 serve_model() {
+  [[ -n "${SERVE_MODEL_DIR:-}" ]] && return 0
   python3 -P -c "from pathlib import Path; from uniprefill.testing.word_llama import write_model_folder as w; w(Path('$SERVE_MODEL'), 32)"
 }
 
@@ -34,7 +39,7 @@ serve_start() {
     return 1
   fi
   start=$(date +%s)
-  VLLM_SERVER_DEV_MODE=1 "${VLLM_CLI[@]}" serve "$SERVE_MODEL" --load-format dummy --max-model-len 32768 --seed 0 \
+  VLLM_SERVER_DEV_MODE=1 "${VLLM_CLI[@]}" serve "$SERVE_MODEL" "${LOAD_ARGS[@]}" --max-model-len 32768 --seed 0 \
     --host 127.0.0.1 --port 8000 "${extra[@]}" > "$log" 2>&1 &
   SERVER_PID=$!
   for _ in $(seq 1 150); do
