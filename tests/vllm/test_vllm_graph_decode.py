@@ -352,3 +352,42 @@ def test_a_replayed_capture_counts_the_windows_of_later_steps():
                                        msg=f"{n}, decode step {decoded}")
         world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
     assert runtime.step.window_rows[world.names[2]].count[2] == 64  # request 2's history was freed
+
+
+def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(monkeypatch):
+    """vLLM captures decode graphs after dummy forwards that carry metadata but no requests, in which sliding
+    layers run vLLM's own attention: the window kernel must run once per layer there (Triton compiles at a
+    first launch, which inside a capture would be captured), with the layer's real block table; not before
+    the KV cache exists, and not again. (A capture's drop point takes the capture path, never this one.)"""
+    from uniprefill.vllm import window as vllm_window
+    from uniprefill.vllm.drop_records import WindowLayer
+
+    world = make_world([40], layers=4, groups=2, block=BLOCK, kv_heads=HEADS, head_size=HEAD)
+    caches = {}  # none allocated yet: vLLM's profiling run
+    runtime = VllmDropRuntime(UniPrefillConfig(drop_layers=(1,), impl="torch"), world.names, (1,), lambda: world,
+                              lambda n: BLOCK, request_ids_fn=lambda: None, graph_decode_max_reqs=4,
+                              windows={world.names[2]: 32, world.names[3]: 32}, window_layer_fn=caches.get)
+    runtime.vllm_attention = {2: lambda *a, **k: None, 3: lambda *a, **k: None}
+    launched = []
+    real_step = vllm_window.paged_window_step
+    monkeypatch.setattr(vllm_window, "paged_window_step",
+                        lambda q, out, rows, *a: (launched.append(rows.block_table), real_step(q, out, rows, *a))[1])
+    q = torch.randn(1, HEADS * HEAD)
+
+    def dummy_forward():
+        runtime.begin_step()
+        runtime.drop(q.view(1, HEADS, HEAD), q.view(1, HEADS, HEAD), 1)
+        assert runtime.step.profiling
+        for layer in (2, 3):
+            runtime.window_attention((q, q, q, torch.empty_like(q), world.names[layer]), {}, layer)
+
+    dummy_forward()
+    assert launched == [] and runtime.windows_warmed == set()  # no cache yet: nothing compiled, try again
+    for name in world.names:
+        cache = world.kv_caches[name]
+        caches[name] = WindowLayer(cache[0].view(-1, BLOCK, HEADS, HEAD), cache[1].view(-1, BLOCK, HEADS, HEAD), 0.25)
+    dummy_forward()
+    assert len(launched) == 2 and runtime.windows_warmed == set(world.names[2:])
+    assert [id(t) for t in launched] == [id(world.attn_metadata[n].block_table) for n in world.names[2:]]
+    dummy_forward()
+    assert len(launched) == 2  # once per layer

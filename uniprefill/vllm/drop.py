@@ -44,7 +44,7 @@ from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
 from .graph_decode import DecodeRemovedBuffer, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
 
-from .window import paged_window_step, row_logical, window_counts
+from .window import paged_window_step, row_logical, warm_up_window_layer, window_counts
 from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
     DropPointRecord, DropTotals, StepDrops, WindowLayer, WindowRows,
 )
@@ -120,6 +120,7 @@ class VllmDropRuntime:
         self.step = StepDrops()
         self.totals = DropTotals()
         self._static_rows: torch.Tensor | None = None  # `_all_rows`
+        self.windows_warmed: set[str] = set()  # sliding layers whose window kernel ran (`window_attention`)
         self._retired_rows: list[torch.Tensor] = []
         # Attention layers per segment: segment i holds the rows kept after i drop points (the
         # store's `layer_column`; a drop layer's own attention, and so its KV, comes before its drop).
@@ -295,12 +296,18 @@ class VllmDropRuntime:
         point: the window over original positions, from the paged cache (which the layer's KV
         update has just written, at the right-aligned slots). Writes the output argument.
         A forward that dropped nothing because it had no requests (vLLM's profiling and warm-up
-        runs) runs vLLM's own op on vLLM's own metadata."""
-        if self.step.profiling:
-            self.vllm_attention[layer](*args, **kwargs)
-            return
+        runs) runs vLLM's own op on vLLM's own metadata, and compiles the window kernel for the
+        layer once (`warm_up_window_layer`: never inside a CUDA-graph capture)."""
         query, output = args[0], args[3]
         name = self.layer_names[layer]
+        if self.step.profiling:
+            self.vllm_attention[layer](*args, **kwargs)
+            if name not in self.windows_warmed:
+                context = self.context_fn()
+                if not _capturing_full_graph(context) and warm_up_window_layer(
+                        context, name, query, self.window_layer_fn, self.windows[name], self.config.impl):
+                    self.windows_warmed.add(name)
+            return
         rows = self.step.window_rows.get(name)
         if rows is None:
             raise RuntimeError(f"{name}: no window rows for this step (is it after a drop point?)")

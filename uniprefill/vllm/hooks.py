@@ -57,7 +57,8 @@ def vllm_tp_group():
 def vllm_window_layer(name: str):
     """A vLLM 0.26 FlashAttention layer's paged cache, scale and window, for
     `VllmDropRuntime.window_attention` ([read] in vLLM's flash_attn.py: the cache's logical
-    shape is (blocks, kv heads, block size, 2 x head size); K and V are its two halves)."""
+    shape is (blocks, kv heads, block size, 2 x head size); K and V are its two halves); None
+    before vLLM allocated the cache."""
     from vllm.forward_context import get_forward_context
 
     from .drop import WindowLayer
@@ -69,6 +70,8 @@ def vllm_window_layer(name: str):
     kv = layer.kv_cache
     if isinstance(kv, (list, tuple)):  # one per virtual engine in older versions
         kv = kv[0]
+    if kv.numel() == 0:  # not allocated yet (vLLM's profiling run)
+        return None
     key_cache, value_cache = kv.transpose(1, 2).split(impl.head_size, dim=-1)
     left, right = getattr(impl, "sliding_window", (-1, -1)) or (-1, -1)
     if right not in (0, -1):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .drop_records import WindowRows
 from .layout import TokenLayout, _ranges, _request_of_rows
 from .metadata import DropHistoryStore
 
@@ -90,9 +91,31 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
     writes the first rows of `output`, as vLLM's attention op would."""
     from uniprefill.kernels.paged_window import paged_window_attention
 
+    if cache is None:
+        raise RuntimeError("the sliding layer has no KV cache (vLLM has not allocated it)")
     tokens = rows.request.numel()
     dim = cache.key_cache.shape[-1]
     result = paged_window_attention(query[:tokens].reshape(tokens, -1, dim), cache.key_cache, cache.value_cache,
                                     rows.block_table, rows.request, rows.logical, rows.count,
                                     window=window, scale=cache.scale, softcap=cache.softcap, impl=impl)
     output[:tokens].copy_(result.reshape(output[:tokens].shape))
+
+
+def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_fn, window: int, impl: str) -> bool:
+    """Run the window kernel once for sliding layer `name` in one of vLLM's dummy forwards, so that Triton
+    compiles it there and not at its first launch inside a CUDA-graph capture (vLLM captures its decode graphs
+    after dummy forwards that run vLLM's own attention: the kernel's first launch would otherwise be captured).
+    One row, request 0 at entry 0, with the layer's query, cache and block table (the strides Triton
+    specialises on are the real ones); only a scratch output is written. False when the forward has no
+    metadata or the layer no cache yet (vLLM's profiling run, before it allocates the KV cache): try again."""
+    metadata = getattr(context, "attn_metadata", None)
+    if not isinstance(metadata, dict) or name not in metadata or query.shape[0] == 0:
+        return False
+    cache = window_layer_fn(name)
+    if cache is None or cache.key_cache.numel() == 0:
+        return False
+    block_table = metadata[name].block_table
+    one = torch.ones(1, dtype=torch.long, device=query.device)
+    rows = WindowRows(block_table, one - 1, one - 1, one)
+    paged_window_step(query, torch.empty_like(query[:1]), rows, cache, window, impl)
+    return True
