@@ -9,7 +9,8 @@ filled with random values (the cached context). Three engines see the same step:
 * standard: the model compiled by the stand-in of vLLM's backend (`fake_vllm_compile.py`: split at the
   attention ops, Inductor per piece) without the option;
 * p = 1: the same with `{"p": 1.0, "vllm_drop": true}` at random drop layers: every output bit equal
-  to standard's (`torch.equal`), the gold standard of the H200 run (120 of 120 prompts, every logprob);
+  to standard's (`torch.equal`), as on the H200 (120 of 120 prompts, every logprob). Inductor's C++ kernels
+  here sum alike with or without the H200's fixes; the Triton side is `test_triton_pieces_on_cpu.py`'s;
   every third step as a replay of vLLM's piecewise CUDA graphs (the drop point then keeps every row);
 * keep 0.5: forced dropping under mode 3 against the same rewrite run eagerly (mode 2, no Inductor):
   equal within float tolerance, and the drop points agree on every request's kept count.
@@ -125,9 +126,10 @@ def decode_scenario(seed: int):
     rng = random.Random(seed)
     drops = (1,) if rng.random() < 0.5 else (1, 2)
     windows = {}
-    if rng.random() < 0.6:  # a Gemma-like model: sliding layers, some after the drop points
+    if rng.random() < 0.6:  # a Gemma-like model: sliding layers, at least one after the last drop point
         window = rng.choice([8, 24, 64, 200])
-        windows = {layer: window for layer in (0, 2, 3) if rng.random() < 0.7 and layer not in drops}
+        windows = {layer: window for layer in (0, 2, 3) if rng.random() < 0.5 and layer not in drops}
+        windows[3] = window
     prompts = [rng.randint(2, 400) for _ in range(rng.randint(2, 5))]
     return drops, windows, prompts, rng.randint(2, 4)
 

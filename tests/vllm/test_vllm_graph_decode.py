@@ -391,3 +391,19 @@ def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(mon
     assert [id(t) for t in launched] == [id(world.attn_metadata[n].block_table) for n in world.names[2:]]
     dummy_forward()
     assert len(launched) == 2  # once per layer
+
+
+def test_window_rows_of_padding_rows_and_stale_tables_keep_the_kernels_contract():
+    """A captured decode batch is padded (seq_lens 0): those rows read entry 0 with count 1 (count 0 would make
+    the kernel's softmax 0/0); a count never exceeds the window, even from tables that do not fit the step."""
+    from uniprefill.vllm.graph_decode import window_rows
+
+    seq_lens = torch.tensor([300, 5, 0, 0])
+    tail = torch.arange(0, 16).repeat(4, 1) + 280  # kept positions 280..295 for every row
+    prompt_end = torch.tensor([296, 400, 0, 0])  # row 1: a position before its prompt end (stale)
+    has = torch.tensor([True, True, False, False])
+    rows = window_rows(seq_lens, torch.zeros(4, 8, dtype=torch.int32), tail, prompt_end, has, window=8)
+    assert rows.logical.tolist() == [299, 4, 0, 0]
+    assert rows.count.tolist()[2:] == [1, 1]  # padding rows
+    assert all(1 <= c <= min(8, l + 1) for c, l in zip(rows.count.tolist(), rows.logical.tolist()))
+    assert rows.count[0] == 4 + 4  # kept 292..295 and decoded 296..299

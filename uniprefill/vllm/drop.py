@@ -312,6 +312,8 @@ class VllmDropRuntime:
         if rows is None:
             raise RuntimeError(f"{name}: no window rows for this step (is it after a drop point?)")
         cache = self.window_layer_fn(name)
+        if cache is None:
+            raise RuntimeError(f"{name}: the sliding layer has no KV cache (vLLM has not allocated it)")
         if cache.window is not None and cache.window != self.windows[name]:
             raise RuntimeError(f"{name}: the layer's sliding window is {cache.window}, the rewrite assumed "
                                f"{self.windows[name]}")

@@ -127,7 +127,7 @@ def window_rows(seq_lens: torch.Tensor, block_table: torch.Tensor, tail: torch.T
     decoded = torch.clamp(torch.clamp(pos - end + 1, max=window), min=0)
     count = torch.where(has[:num_reqs], in_prompt + decoded, torch.clamp(pos + 1, max=window))
     logical = pos.clamp(min=0)
-    count = torch.minimum(count.clamp(min=1), logical + 1)
+    count = torch.minimum(count.clamp(1, window), logical + 1)  # the kernel's contract, also for stale tables
     return WindowRows(block_table[:num_reqs], torch.arange(num_reqs, device=seq_lens.device), logical, count)
 
 
@@ -181,6 +181,10 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
         if name not in runtime.step.graph_base:
             continue
         meta, slots = runtime.step.graph_base[name]
+        if meta.seq_lens.shape[0] != q.shape[0]:
+            raise RuntimeError(f"uniprefill: vLLM captures a decode graph of {q.shape[0]} tokens for "
+                               f"{meta.seq_lens.shape[0]} requests; decoding under CUDA graphs after a drop "
+                               "needs one token per request (no speculative decoding)")
         if name in runtime.windows:  # right-aligned: vLLM's seq_lens and slots stay; the window's rows
             key = (id(meta), runtime.windows[name])
             if key not in windowed:
@@ -191,10 +195,6 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
         if id(meta) not in installed:
             if getattr(meta, "use_cascade", False):
                 raise NotImplementedError(f"{name}: cascade attention in a captured decode graph after a drop")
-            if meta.seq_lens.shape[0] != q.shape[0]:
-                raise RuntimeError(f"uniprefill: vLLM captures a decode graph of {q.shape[0]} tokens for "
-                                   f"{meta.seq_lens.shape[0]} requests; decoding under CUDA graphs after a drop "
-                                   "needs one token per request (no speculative decoding)")
             lens, new_slots = segment_metadata(meta.seq_lens, meta.block_table, slots, table[column - 1],
                                                runtime.block_size_fn(name))
             fields = {"seq_lens": lens, "slot_mapping": new_slots}

@@ -91,8 +91,6 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
     writes the first rows of `output`, as vLLM's attention op would."""
     from uniprefill.kernels.paged_window import paged_window_attention
 
-    if cache is None:
-        raise RuntimeError("the sliding layer has no KV cache (vLLM has not allocated it)")
     tokens = rows.request.numel()
     dim = cache.key_cache.shape[-1]
     result = paged_window_attention(query[:tokens].reshape(tokens, -1, dim), cache.key_cache, cache.value_cache,
