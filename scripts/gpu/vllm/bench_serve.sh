@@ -6,6 +6,8 @@
 #   SETTINGS='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}' bash scripts/gpu/vllm/bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]
 # LENGTHS default 8192,16384,32000; CONCURRENCIES 1,4,16; NUM_PROMPTS 32 per point (random dataset, 16 output
 # tokens, --ignore-eos). One server per system serves every point (about two minutes to start with the compile).
+# SYSTEMS="standard" or "uniprefill" runs one side only (one call each on the box, whose calls stop at 600 s);
+# the table is made from whatever results OUT_DIR holds.
 set -uo pipefail
 OUT="${1:?usage: bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]}"
 LENGTHS="${2:-8192,16384,32000}"
@@ -16,7 +18,7 @@ mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # env.sh, SERVE_MODEL, serve_*
 serve_setup
 echo "$SETTINGS" > "$OUT/settings.json"
-for system in standard uniprefill; do
+for system in ${SYSTEMS:-standard uniprefill}; do
   serve_start "$system" "$OUT/$system.server.log" || continue
   for length in ${LENGTHS//,/ }; do
     for concurrency in ${CONCURRENCIES//,/ }; do
