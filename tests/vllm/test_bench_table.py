@@ -37,9 +37,11 @@ def test_a_length_run_by_one_system_only_is_an_error(tmp_path):
 SERVE_TABLE = SCRIPT.parent / "serve_table.py"
 
 
-def write_serve(folder: Path, system: str, length: int, concurrency: int, duration: float, ttft: float) -> None:
+def write_serve(folder: Path, system: str, length: int, concurrency: int, duration: float, ttft: float,
+                completed: int = 32) -> None:
     (folder / f"{system}-{length}-c{concurrency}.json").write_text(json.dumps(
-        {"duration": duration, "completed": 32, "failed": 0, "total_input_tokens": 32 * length,
+        {"duration": duration, "completed": completed, "failed": 32 - completed,
+         "total_input_tokens": completed * length,
          "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": 5.5}))
 
 
@@ -54,3 +56,17 @@ def test_serve_table_pairs_points_and_refuses_a_lonely_one(tmp_path):
     write_serve(tmp_path, "standard", 32000, 1, 10.0, 300.0)
     done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
     assert done.returncode != 0 and "('uniprefill', 32000, 1)" in done.stderr
+
+
+def test_serve_table_shows_a_point_where_every_request_failed(tmp_path):
+    """vLLM rejects prompts over its character bound before they run (the 32000-token point of 2026-12-04): such
+    a point has 0 tokens in ~0.1 s; the table names the failures instead of dividing by zero."""
+    write_serve(tmp_path, "standard", 8192, 1, 10.0, 300.0)
+    write_serve(tmp_path, "uniprefill", 8192, 1, 5.0, 140.0)
+    write_serve(tmp_path, "standard", 32000, 1, 0.1, 0.0, completed=0)
+    write_serve(tmp_path, "uniprefill", 32000, 1, 0.1, 0.0, completed=0)
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| 32000"))
+    assert "no completed request" in row and "32 / 32" in row and "x**" not in row
+    assert "**2.00x**" in next(line for line in done.stdout.splitlines() if line.startswith("| 8192"))

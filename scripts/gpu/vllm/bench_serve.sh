@@ -4,13 +4,16 @@
 # length and client concurrency, then the side-by-side table (scripts/gpu/vllm/serve_table.py). Not yet run on
 # a GPU (written 2026-12-03).
 #   SETTINGS='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}' bash scripts/gpu/vllm/bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]
-# LENGTHS default 8192,16384,32000; CONCURRENCIES 1,4,16; NUM_PROMPTS 32 per point (random dataset, 16 output
-# tokens, --ignore-eos). One server per system serves every point (about two minutes to start with the compile).
+# LENGTHS default 8192,16384,28672; CONCURRENCIES 1,4,16; NUM_PROMPTS 32 per point (random dataset, 16 output
+# tokens, --ignore-eos). Each point has its own --seed (the same for both systems): vLLM's random dataset builds
+# prompt i from an offset drawn from the seed, so one seed for every point repeats the same prompts and standard
+# vLLM serves the later points from its prefix cache (the run of 2026-12-04). 28672, not 32000: the word-level
+# test tokenizer spends 5.4 characters per token, and vLLM rejects a prompt over 5 x max_model_len characters. One server per system serves every point (about two minutes to start with the compile).
 # SYSTEMS="standard" or "uniprefill" runs one side only (one call each on the box, whose calls stop at 600 s);
 # the table is made from whatever results OUT_DIR holds.
 set -uo pipefail
 OUT="${1:?usage: bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]}"
-LENGTHS="${2:-8192,16384,32000}"
+LENGTHS="${2:-8192,16384,28672}"
 CONCURRENCIES="${3:-1,4,16}"
 NUM_PROMPTS="${4:-32}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -25,7 +28,7 @@ for system in ${SYSTEMS:-standard uniprefill}; do
       start=$(date +%s)
       timeout 600 "${VLLM_CLI[@]}" bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \
         --dataset-name random --random-input-len "$length" --random-output-len 16 --ignore-eos \
-        --num-prompts "$NUM_PROMPTS" --max-concurrency "$concurrency" --seed 0 \
+        --num-prompts "$NUM_PROMPTS" --max-concurrency "$concurrency" --seed "$(( length * 100 + concurrency ))" \
         --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 \
         --save-result --result-dir "$OUT" --result-filename "$system-$length-c$concurrency.json" \
         > "$OUT/$system-$length-c$concurrency.log" 2>&1

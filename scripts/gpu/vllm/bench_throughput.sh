@@ -6,12 +6,13 @@
 #   bash scripts/gpu/vllm/bench_throughput.sh OUT_DIR SETTINGS_JSON [LENGTHS] [NUM_PROMPTS]
 # e.g. bash scripts/gpu/vllm/bench_throughput.sh /tmp/bench '{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}'
 # Model: the Llama-3.1-8B shape with dummy weights (uniprefill.testing.word_llama, 32 layers, max_model_len
-# 32768), or SERVE_MODEL_DIR=/tmp/gemma-270m (real weights, serve_lib.sh). LENGTHS default 8192,16384,32000; NUM_PROMPTS default 16 (all queued at once: vLLM's own batching);
+# 32768), or SERVE_MODEL_DIR=/tmp/gemma-270m (real weights, serve_lib.sh). LENGTHS default 8192,16384,28672 (32000 is
+# over vLLM's 5-characters-per-token prompt bound with the word-level test tokenizer); NUM_PROMPTS default 16 (all queued at once: vLLM's own batching);
 # --output-len 1, so the time is the prefill's. Each run is one engine (about two minutes with the compile).
 set -uo pipefail
 OUT="${1:?usage: bench_throughput.sh OUT_DIR SETTINGS_JSON [LENGTHS] [NUM_PROMPTS]}"
 SETTINGS="${2:?give the uniprefill settings as JSON}"
-LENGTHS="${3:-8192,16384,32000}"
+LENGTHS="${3:-8192,16384,28672}"
 NUM_PROMPTS="${4:-16}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"

@@ -5,8 +5,9 @@ concurrency, from the `--save-result` files of `vllm bench serve` (`SYSTEM-L-cC.
 
 Per point: input tokens/s (prompt tokens over the run's duration, decode included: with 16 output tokens
 mostly prefill) of each and their ratio, TTFT p50 / p99
-and TPOT p50 (ms) of each, and failed requests. Prints Markdown and writes OUT_DIR/serve-table.md; a point
-present for one system only is an error, not a shorter table.
+and TPOT p50 (ms) of each, and failed requests. A point where either system completed no request shows its
+failure counts and no ratio (vLLM rejected the prompts, say). Prints Markdown and writes OUT_DIR/serve-table.md; a
+point present for one system only is an error, not a shorter table.
 """
 
 from __future__ import annotations
@@ -38,11 +39,15 @@ def table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
              "| TPOT p50 ms | failed |", "|---|---|---|---|---|---|---|---|"]
     for n, c in points:
         a, b = runs["standard", n, c], runs["uniprefill", n, c]
+        failed = f"{a.get('failed', 0)} / {b.get('failed', 0)}"
+        if not (a.get("completed") and b.get("completed")):
+            lines.append(f"| {n} | {c} | no completed request | - | - | - | - | {failed} |")
+            continue
         rate = [r["total_input_tokens"] / r["duration"] for r in (a, b)]
         pair = lambda key: f"{a[key]:.1f} -> {b[key]:.1f}"  # noqa: E731
         lines.append(f"| {n} | {c} | {rate[0]:,.0f} -> {rate[1]:,.0f} | **{rate[1] / rate[0]:.2f}x** | "
                      f"{pair('median_ttft_ms')} | {pair('p99_ttft_ms')} | {pair('median_tpot_ms')} | "
-                     f"{a.get('failed', 0)} / {b.get('failed', 0)} |")
+                     f"{failed} |")
     return lines
 
 
