@@ -197,19 +197,6 @@ def test_backend_report_names_layers_and_planned_drop_points():
     assert dropping.graphs[0].reason.kind is Kind.GRAPH_NOT_FOLLOWED
 
 
-def test_hybrids_with_gated_deltanet_run_unaccelerated_with_the_reason():
-    """Qwen3-Next in vLLM: GDN ops after a drop would read metadata for every row while only the
-    kept rows reach them; until that metadata is built, the rewrite refuses, naming it."""
-    import types
-
-    backend = VllmTokenDropBackend(config_from_compilation_config({"inductor_compile_config": {"uniprefill": {}}}),
-                                   layer_kinds=["linear", "linear", "linear", "full"] * 2, block_size=16)
-    info = types.SimpleNamespace(gdn_ops=6, layers=(3, 7), sites=())
-    report = types.SimpleNamespace(drop_layers=(3,), reason="")
-    assert backend._rewrite(None, info, report) is None
-    assert "6 linear-attention (Gated DeltaNet) ops" in report.reason and "not built yet" in report.reason
-
-
 def test_models_without_a_drop_point_or_with_other_scans_run_unaccelerated_with_the_reason():
     """A Mistral-style config (one window, every layer sliding) leaves no drop point; Mamba or
     short-convolution layers have no metadata rebuild in vLLM: both refused, named."""
@@ -217,14 +204,15 @@ def test_models_without_a_drop_point_or_with_other_scans_run_unaccelerated_with_
 
     settings = config_from_compilation_config({"inductor_compile_config": {"uniprefill": {}}})
     sliding = VllmTokenDropBackend(settings, layer_kinds=["sliding"] * 4, block_size=16)
-    info = types.SimpleNamespace(gdn_ops=0, layers=(0, 1, 2, 3), sites=())
+    info = types.SimpleNamespace(gdn_ops=0, linear_sites=(), layers=(0, 1, 2, 3), sites=())
     report = types.SimpleNamespace(drop_layers=(), reason="")
     assert sliding._rewrite(None, info, report) is None
     assert "selects no layer" in report.reason and "'sliding'" in report.reason
     mamba = VllmTokenDropBackend(settings, layer_kinds=["linear", "full"] * 2, block_size=16)
     report = types.SimpleNamespace(drop_layers=(1,), reason="")
-    assert mamba._rewrite(None, types.SimpleNamespace(gdn_ops=0, layers=(1, 3), sites=()), report) is None
-    assert "recurrent or convolutional token mixers" in report.reason
+    info = types.SimpleNamespace(gdn_ops=0, linear_sites=(), layers=(1, 3), sites=())
+    assert mamba._rewrite(None, info, report) is None
+    assert "recurrent or convolutional token mixers other than Gated DeltaNet" in report.reason
 
 
 @torch.library.custom_op("uniprefill_test::unified_attention_with_output", mutates_args=("output",))

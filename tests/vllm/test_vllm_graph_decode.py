@@ -231,7 +231,7 @@ def test_backend_sizes_the_table_from_max_num_seqs_and_takes_sliding_layers_afte
         VllmTokenDropBackend.from_vllm_config(config(64, decode_graphs=False), "0.26.0", aot_compile=False)
     backend = VllmTokenDropBackend.from_vllm_config(config(64), "0.26.0", aot_compile=False)
     report = types.SimpleNamespace(drop_layers=(1,), reason="")
-    info = types.SimpleNamespace(gdn_ops=0, layers=(0, 1, 2, 3), sites=[types.SimpleNamespace(layer=i, layer_name=f"l{i}")
+    info = types.SimpleNamespace(gdn_ops=0, linear_sites=(), layers=(0, 1, 2, 3), sites=[types.SimpleNamespace(layer=i, layer_name=f"l{i}")
                                                              for i in range(4)])
     backend._hooks = types.SimpleNamespace(window_layer_fn=None)
     assert backend._rewrite(None, info, report) is None  # graph decoding no longer refuses them: the hooks' check

@@ -39,6 +39,7 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 
+from . import gdn_metadata
 from .layout import KVCacheGroup, TokenLayout, _offsets, _ranges, batch_layout, compact, install_layer_metadata
 from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
@@ -67,7 +68,7 @@ class VllmDropRuntime:
                  group=None, windows: dict[str, int] | None = None,
                  window_layer_fn: Callable[[str], WindowLayer] | None = None,
                  graph_decode_max_reqs: int = 0, warm_up_max_seqlen: int = 0,
-                 warm_up_fn: Callable[..., Any] | None = None) -> None:
+                 warm_up_fn: Callable[..., Any] | None = None, linear_layers: dict[str, int] | None = None) -> None:
         """layer_names: attention layer names in graph order (index = position in the list).
         drop_layers: the drop layers (indices into layer_names), in order.
         num_prompt_tokens_fn: host [R] prompt lengths of the step's requests, or None when the
@@ -91,7 +92,9 @@ class VllmDropRuntime:
         warm_up_max_seqlen: > 0 (vLLM's `max_model_len`; the backend passes it on CUDA): at the
             first forward without requests (vLLM's profiling run) compile the score-and-select
             kernels' variants for prompts up to this length (`warm_up_fn`, default
-            `kernels.warm_up.warm_up_score_and_select`), so that the first real steps do not."""
+            `kernels.warm_up.warm_up_score_and_select`), so that the first real steps do not.
+        linear_layers: Gated DeltaNet layer name -> attention layers before it (it runs after the drop points
+            at positions below that): their metadata is rebuilt for the kept rows (`vllm.gdn_metadata`)."""
         if config.policy != "cumulative":
             raise NotImplementedError(f"policy {config.policy!r}: the vLLM runtime drops cumulatively only")
         self.config = config
@@ -112,6 +115,7 @@ class VllmDropRuntime:
         if graph_decode_max_reqs:
             self.graph_decode = DecodeRemovedBuffer(len(self.drop_layers), graph_decode_max_reqs,
                                                     max(self.windows.values(), default=0))
+        self.linear_layers = dict(linear_layers or {})
         self.warm_up_max_seqlen = warm_up_max_seqlen
         self.warm_up_fn = warm_up_fn
         self.vllm_attention: dict[int, Callable] = {}  # layer -> vLLM's attention op the rewrite replaced
@@ -205,6 +209,10 @@ class VllmDropRuntime:
         if self.step.changed:  # else the later layers see vLLM's own batch: its metadata (FA3's plan included) stays
             install_layer_metadata(context.attn_metadata, context.slot_mapping,
                                    {n: groups[n] for n in later if n not in self.windows}, out)
+        linear = [n for n, before in self.linear_layers.items() if before > layer]
+        if linear and bool((out.query_lens_cpu != self.step.base.query_lens_cpu).any()):
+            gdn_metadata.install_rows(context.attn_metadata, linear, out.query_start_loc, out.query_start_loc_cpu,
+                                      out.max_query_len)
         sliding = [n for n in later if n in self.windows]
         if sliding:
             self._install_windows(context, kept, counts, eligible, layer, sliding)

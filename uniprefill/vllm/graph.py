@@ -26,7 +26,7 @@ from ..passes.fx_utils import target_name
 
 ATTENTION_OP = "unified_attention_with_output"
 KV_UPDATE_OP = "unified_kv_cache_update"
-GDN_OP = "gdn_attention"
+GDN_OP = "gdn_attention"  # vLLM 0.26: qwen_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name=NAME)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -53,14 +53,32 @@ class VllmAttentionSite:
 
 
 @dataclass(frozen=True)
+class VllmLinearSite:
+    """One Gated DeltaNet layer of the graph: vLLM runs its conv1d and delta rule inside one op that reads the
+    layer's metadata by name (`vllm.gdn_metadata`)."""
+
+    layer_name: str
+    layer: int  # the N of "layers.N." in the name
+    node: fx.Node
+    attention_before: int  # attention sites before it in the graph: it runs after drop points at positions below
+
+
+@dataclass(frozen=True)
 class VllmGraphInfo:
     sites: tuple[VllmAttentionSite, ...]
     positions: fx.Node | None  # the placeholder of the token positions
-    gdn_ops: int  # linear-attention (Gated DeltaNet) ops, which the adapter does not handle yet
+    gdn_ops: int  # linear-attention (Gated DeltaNet) ops
+    linear_sites: tuple[VllmLinearSite, ...] = ()  # the GDN ops whose layer name could be read
 
     @property
     def layers(self) -> tuple[int, ...]:
         return tuple(site.layer for site in self.sites)
+
+    def position(self, layer: int) -> int:
+        """The position of attention layer `layer` among the sites (the runtime's layer index; the same number when
+        every layer is an attention layer)."""
+        self.site(layer)  # KeyError -> not an attention site
+        return self.layers.index(layer)
 
     def site(self, layer: int) -> VllmAttentionSite:
         for site in self.sites:
@@ -107,7 +125,8 @@ def _is_op(name: str, op: str) -> bool:
 
 
 def _name_argument(node: fx.Node) -> str | None:
-    position = 4 if _is_op(target_name(node), ATTENTION_OP) else 2
+    name = target_name(node)
+    position = 4 if _is_op(name, ATTENTION_OP) or GDN_OP in name else 2
     name_arg = node.args[position] if len(node.args) > position else node.kwargs.get("layer_name")
     if isinstance(name_arg, fx.Node):
         return layer_name_of(name_arg.meta.get("example_value", name_arg.meta.get("val")))
@@ -119,6 +138,7 @@ def analyze_vllm_graph(gm: fx.GraphModule) -> VllmGraphInfo:
     updates: dict[str, fx.Node] = {}
     sites: list[VllmAttentionSite] = []
     gdn = 0
+    linear: list[VllmLinearSite] = []
     positions = None
     for node in gm.graph.nodes:
         if node.op == "placeholder" and positions is None and "positions" in node.name:
@@ -128,6 +148,11 @@ def analyze_vllm_graph(gm: fx.GraphModule) -> VllmGraphInfo:
         name = target_name(node)
         if GDN_OP in name:
             gdn += 1
+            layer_name = _name_argument(node)
+            match = _LAYER_INDEX.search(layer_name or "")
+            if match is not None:
+                linear.append(VllmLinearSite(layer_name, int(match.group(1)), node, len(sites)))
+            continue
         if not (_is_op(name, ATTENTION_OP) or _is_op(name, KV_UPDATE_OP)):
             continue
         layer_name = _name_argument(node)
@@ -145,4 +170,4 @@ def analyze_vllm_graph(gm: fx.GraphModule) -> VllmGraphInfo:
     layers = [site.layer for site in sites]
     if len(set(layers)) != len(layers):
         raise ValueError(f"a layer index appears twice among the attention sites: {layers}")
-    return VllmGraphInfo(tuple(sites), positions, gdn)
+    return VllmGraphInfo(tuple(sites), positions, gdn, tuple(linear))

@@ -29,8 +29,10 @@ class VllmHooks:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
         from . import runner_hook as hook
+        from .gdn_metadata import record_vllm_builds
 
         hook.install(GPUModelRunner)
+        record_vllm_builds()  # Gated DeltaNet metadata remembers its build, to be built again for kept rows
         try:  # the drop totals by name, for `vllm serve` (runner_hook.install_worker_method)
             from vllm.v1.worker.gpu_worker import Worker
         except ImportError:

@@ -214,16 +214,20 @@ class VllmTokenDropBackend:
             report.reason = (f"drop_layers={self.config.drop_layers!r} selects no layer: no full-attention layer "
                              f"among the layer kinds {sorted(set(self.layer_kinds or []))}")
             return None
-        if info.gdn_ops:
-            report.reason = (f"{info.gdn_ops} linear-attention (Gated DeltaNet) ops: their vLLM metadata for the kept "
-                             "rows (FLA chunk indices, causal-conv1d pointers, state slots) is not built yet")
+        if info.gdn_ops != len(info.linear_sites):
+            report.reason = (f"{info.gdn_ops - len(info.linear_sites)} of {info.gdn_ops} Gated DeltaNet ops carry no "
+                             "readable 'layers.<index>.' layer name: their metadata could not be rebuilt for the kept rows")
             return None
-        if LayerKind.LINEAR in (self.layer_kinds or []):
-            report.reason = ("recurrent or convolutional token mixers (Mamba, short convolutions): the vLLM rewrite "
-                             "does not rebuild their state metadata for the kept rows")
+        linear = {site.layer for site in info.linear_sites}
+        other = [i for i, kind in enumerate(self.layer_kinds or []) if kind == LayerKind.LINEAR and i not in linear]
+        if other:
+            report.reason = (f"recurrent or convolutional token mixers other than Gated DeltaNet (Mamba, short "
+                             f"convolutions) at layers {other}: the vLLM rewrite does not rebuild their state metadata "
+                             "for the kept rows")
             return None
-        if not self.block_size or info.layers != tuple(range(len(info.layers))):
-            report.reason = "unknown KV block size, or attention layers that are not 0..L-1"
+        if not self.block_size or sorted(info.layers + tuple(linear)) != list(range(len(info.layers) + len(linear))):
+            report.reason = ("unknown KV block size, or layers that are not 0..L-1 (attention and Gated DeltaNet "
+                             f"layers {sorted(info.layers + tuple(linear))})")
             return None
         first = min(report.drop_layers)
         sliding = [site.layer_name for site in info.sites
@@ -242,7 +246,8 @@ class VllmTokenDropBackend:
                 report.reason = f"tensor_parallel_size={self.tensor_parallel} and the hooks give no tp_group_fn"
                 return None
             group = hooks.tp_group_fn()  # every rank sums the head-sharded block scores: one decision
-        runtime = VllmDropRuntime(self.config, [site.layer_name for site in info.sites], report.drop_layers,
+        runtime = VllmDropRuntime(self.config, [site.layer_name for site in info.sites],
+                                  [info.position(layer) for layer in report.drop_layers],
                                   hooks.context_fn, lambda name: self.block_size,
                                   num_prompt_tokens_fn=hooks.num_prompt_tokens_fn,
                                   request_ids_fn=hooks.request_ids_fn, opted_out_fn=hooks.opted_out_fn,
@@ -250,7 +255,8 @@ class VllmTokenDropBackend:
                                   windows={name: self.sliding_window for name in sliding},
                                   window_layer_fn=hooks.window_layer_fn, group=group,
                                   graph_decode_max_reqs=self.graph_decode_max_reqs,
-                                  warm_up_max_seqlen=self.warm_up_max_seqlen)
+                                  warm_up_max_seqlen=self.warm_up_max_seqlen,
+                                  linear_layers={site.layer_name: site.attention_before for site in info.linear_sites})
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
             result = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds, runtime)

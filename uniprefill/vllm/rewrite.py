@@ -5,7 +5,9 @@ token-major values, `positions`, attention as `unified_kv_cache_update` +
 `unified_attention_with_output` per layer; `uniprefill.vllm.graph` reads it). For each
 drop layer L, right after L's attention op the rewrite inserts
 
-    keep_L = uniprefill::vllm_drop(q_L, k_L, L)   # runtime.drop (uniprefill.vllm.drop): select, compact, install metadata
+    keep_L = uniprefill::vllm_drop(q_L, k_L, P)   # runtime.drop (uniprefill.vllm.drop): select, compact, install metadata
+
+(P: L's position among the attention layers, the runtime's index; L itself when every layer attends)
 
 and then gathers (`uniprefill::gather_rows`), with `keep_L`, every token-aligned value that is used after that point (the
 residual stream, the attention output, `positions`: a value is token-aligned when its traced
@@ -21,6 +23,9 @@ with the kept rows only. The rewritten graph runs eagerly (no Inductor), as vLLM
 Everything inserted is a `torch.library` op with a fake (`uniprefill.vllm.graph_ops`); the ops
 that act on the runtime find it through `graph_ops.running`, which the rewritten GraphModule's
 `forward` enters on every call.
+
+A Gated DeltaNet layer (Qwen3-Next) after a drop point needs nothing here: its inputs are gathered like any
+token-aligned value, and its op reads metadata the runtime rebuilt for the kept rows (`uniprefill.vllm.gdn_metadata`).
 
 A sliding-window layer after a drop point keeps its KV-cache update (the runtime gave it
 right-aligned slots) and its attention becomes `uniprefill::vllm_window_attention` (`runtime.window_attention`):
@@ -126,7 +131,8 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     for layer in drop_layers:
         site = info.site(layer)
         with graph.inserting_after(site.attention):
-            keep = graph.call_function(torch.ops.uniprefill.vllm_drop.default, (site.query, site.key, layer))
+            keep = graph.call_function(torch.ops.uniprefill.vllm_drop.default,
+                                       (site.query, site.key, info.position(layer)))
         keeps.append(keep)
         order = {node: i for i, node in enumerate(graph.nodes)}
         point = order[keep]
@@ -161,11 +167,12 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     for site in sliding_after:
         node = site.attention
         query, key, value, output, layer_name = _attention_args(node)
-        runtime.vllm_attention[site.layer] = node.target  # vLLM's op, for its dummy runs
+        position = info.position(site.layer)  # the runtime's layer index
+        runtime.vllm_attention[position] = node.target  # vLLM's op, for its dummy runs
         with graph.inserting_before(node):
             replacement = graph.call_function(
                 torch.ops.uniprefill.vllm_window_attention.default,
-                (query, key, value, output, layer_name, site.layer, node.kwargs.get("kv_cache_dummy_dep")))
+                (query, key, value, output, layer_name, position, node.kwargs.get("kv_cache_dummy_dep")))
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
     # the output: scatter token-aligned results back to all rows
