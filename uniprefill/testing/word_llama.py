@@ -38,12 +38,33 @@ WORDS = 2000
 
 def write_model_folder(folder: Path, layers: int) -> None:
     """config.json plus a word-level tokenizer (ids 0-2 special, then "w0".."w1999")."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     folder.mkdir(parents=True, exist_ok=True)
     config = dict(LLAMA_8B, num_hidden_layers=layers)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
+    _write_tokenizer(folder)
+
+
+def write_qwen3_next_folder(folder: Path, layer_types: list[str]) -> None:
+    """A small Qwen3-Next (Gated DeltaNet and full attention in the order of `layer_types`, 16 experts, hidden
+    1024, Qwen3-Next's head sizes) with the same word-level tokenizer: for vLLM engine runs on dummy weights."""
+    from transformers import Qwen3NextConfig
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = Qwen3NextConfig(
+        vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=len(layer_types),
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, layer_types=list(layer_types),
+        max_position_embeddings=32768, bos_token_id=1, eos_token_id=2).to_dict()
+    config.update(architectures=["Qwen3NextForCausalLM"], torch_dtype="bfloat16")
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    _write_tokenizer(folder)
+
+
+def _write_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i + 3 for i in range(WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
