@@ -162,6 +162,9 @@ class HybridBackbone(nn.Module):
         for i, kind in enumerate(KINDS):
             if kind == "linear":
                 mixed, b, a = self.gdn_in[i](x).chunk(3, -1)
+                # vLLM's fix_query_key_value_ordering: a reshape whose -1 divides by the row count (on the H200 its
+                # fake run needed the kept count known to be >= 1)
+                mixed = mixed.reshape(mixed.size(0), -1, 4).reshape(mixed.size(0), CHANNELS)
                 out = torch.zeros((x.shape[0], CHANNELS))  # as vLLM's GDN layer: zeros, filled by the op
                 torch.ops.uniprefill_fakevllm.gdn_attention_core(mixed, b, a, out, layer_name=layer_name(i))
                 x = x + self.gdn_out[i](out)

@@ -252,3 +252,70 @@ def test_under_vllms_default_mode_3_the_hybrid_drops_as_the_eager_rewrite(model,
     assert sum(runtime.step.points[-1].kept) < sum(query_lens) and runtime.linear_layers
     assert WORLD.context.attn_metadata[layer_name(5)].num_actual_tokens == sum(runtime.step.points[-1].kept)
     torch.testing.assert_close(ours, reference, atol=2e-5, rtol=2e-5)
+
+
+FUZZ_CASES = 6  # per CI run; `FUZZ_CASES = 100` for a longer run
+
+
+def positions_as_rows(kept_positions: list[set[int]], length: int) -> dict[int, torch.Tensor]:
+    """`reference`'s `kept` (rows among those entering each drop layer) from the positions each drop point kept."""
+    kept, entering = {}, list(range(length))
+    for layer, positions in zip(DROPS, kept_positions):
+        keep = [i for i, p in enumerate(entering) if p in positions]
+        kept[layer], entering = torch.tensor(keep), [entering[i] for i in keep]
+    return kept
+
+
+@pytest.mark.parametrize("case", range(FUZZ_CASES))
+def test_random_multi_step_cases_equal_each_request_alone_on_its_kept_rows(model, builder, case):
+    """A differential fuzz of the hybrid under forced dropping: 1-4 requests, whole prompts first and prompts in
+    two chunks after them (vLLM's order: in step 2 the whole ones decode before the last chunks), then 0-2 decode
+    steps of all; every request's row in every step equals the request alone over the positions each drop point
+    kept for it so far (its GDN state included)."""
+    import random
+
+    rng = random.Random(case)
+    whole = [rng.randint(2, 300) for _ in range(rng.randint(0, 2))]
+    chunked = [(rng.randint(1, 200), rng.randint(2, 200)) for _ in range(rng.randint(0, 2))]
+    while len(whole) + len(chunked) < 2:  # a one-token decode step would make dynamo specialise (a recompile)
+        whole.append(rng.randint(2, 300))
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(case * 10 + i))
+               for i, n in enumerate(whole + [a + b for a, b in chunked])]
+    lengths = [len(p) for p in prompts]
+    steps = [[(0, n) for n in whole] + [(0, a) for a, _ in chunked]]
+    steps.append([(n, 1) for n in whole] + [(a, b) for a, b in chunked])
+    done = [n + 1 for n in whole] + [a + b for a, b in chunked]  # tokens computed after step 2
+    for extra in range(rng.randint(0, 2)):
+        steps.append([(n + extra, 1) for n in done])
+    backend, compiled = compiled_backend(model, keep_ratio=0.5)
+    tokens = [p.clone() for p in prompts]
+    kept = [[set(), set()] for _ in prompts]
+    world = None
+    for number, step in enumerate(steps):
+        computed, query_lens = [c for c, _ in step], [q for _, q in step]
+        if world is None:
+            world = WORLD.context = gdn_world(query_lens, builder, room=420)
+        else:
+            WORLD.context = gdn_step(world, computed, query_lens)
+        WORLD.context.num_prompt_tokens = torch.tensor(lengths)
+        rows = []
+        for r, (c, q) in enumerate(step):
+            if c + q > len(tokens[r]):
+                tokens[r] = torch.cat([tokens[r], torch.randint(0, VOCAB, (1,), generator=torch.Generator()
+                                                                .manual_seed(case * 100 + number * 10 + r))])
+            rows.append((r, c, q))
+        ids = torch.cat([tokens[r][c:c + q] for r, c, q in rows])
+        positions = torch.cat([torch.arange(c, c + q) for _, c, q in rows])
+        with torch.no_grad():
+            out = compiled(ids, positions)
+        qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+        for i, point in enumerate(backend.runtimes[0].step.points):
+            for r, c, q in rows:
+                mine = point.source_rows[(point.source_rows >= qsl[r]) & (point.source_rows < qsl[r + 1])]
+                kept[r][i] |= set((mine - qsl[r] + c).tolist())
+        for r, c, q in rows:
+            with torch.no_grad():
+                ref = model.reference(tokens[r][:c + q], positions_as_rows(kept[r], c + q))
+            torch.testing.assert_close(out[qsl[r + 1] - 1], ref, atol=2e-5, rtol=2e-5,
+                                       msg=lambda m: f"case {case}, step {number}, request {r}: {m}")
+    torch._dynamo.reset()

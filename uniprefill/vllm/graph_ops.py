@@ -82,7 +82,8 @@ def vllm_drop(q: torch.Tensor, k: torch.Tensor, layer: int) -> torch.Tensor:
 
 @vllm_drop.register_fake
 def _(q, k, layer):
-    return q.new_empty(torch.library.get_ctx().new_dynamic_size(), dtype=torch.int64)
+    # at least one row: the last token is always kept (and a reshape with -1 after the drop needs it known)
+    return q.new_empty(torch.library.get_ctx().new_dynamic_size(min=1), dtype=torch.int64)
 
 
 @torch.library.custom_op(f"{LIB}::vllm_kept_rows", mutates_args=())
