@@ -12,10 +12,11 @@ attention of drop layer `layer` (`uniprefill.vllm.rewrite`). For the step's batc
    chunked prefill or after a prefix-cache hit, drops among this step's tokens only, its context
    whole: `vllm_context_drops`); decode tokens and other requests keep every row;
 3. scores the eligible requests' last-n queries against their keys and selects blocks
-   (`kernels.api.score_and_select`, one host sync for the kept counts);
+   (`vllm.selection.select_rows` over `kernels.api.score_and_select`, one host sync for the kept counts);
 4. compacts the layout (`compact`) and points every LATER layer of the forward context at it
    (`install_layer_metadata`: compacted `query_start_loc`, `seq_lens`, maxima, token count and
-   slot mappings, one metadata object per layer);
+   slot mappings, one metadata object per layer; Gated DeltaNet layers get vLLM's own builder's metadata
+   for the kept rows, `vllm.gdn_metadata`);
 5. returns the kept rows (indices into the rows entering the drop point), which the graph
    uses to gather the residual stream, the attention output and `positions`.
 
@@ -30,7 +31,6 @@ instead of vLLM's FlashAttention, whose uniform window counts cache entries.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +40,8 @@ import torch
 from uniprefill.config import UniPrefillConfig
 
 from . import gdn_metadata
-from .layout import KVCacheGroup, TokenLayout, _offsets, _ranges, batch_layout, compact, install_layer_metadata
+from .layout import KVCacheGroup, TokenLayout, batch_layout, compact, install_layer_metadata
+from .selection import select_rows
 from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
 from .graph_decode import DecodeRemovedBuffer, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
@@ -197,7 +198,8 @@ class VllmDropRuntime:
             kept = torch.arange(layout.num_actual_tokens, device=q.device)
             counts = layout.query_lens_cpu.clone()
         else:
-            kept, counts = self._select(q, k, layout, eligible, drop_index)
+            kept, counts = select_rows(self.config, q, k, layout, eligible, drop_index, len(self.drop_layers),
+                                       self._p_of, self.group)
         removed = None  # KV entries the layers after this drop point hold fewer than vLLM counts
         if self.step.history_rows is not None:
             removed = self.store.kv_removed(self.step.history_rows, drop_index + 1)
@@ -368,62 +370,3 @@ class VllmDropRuntime:
         allow_context = self.config.vllm_context_drops and not self.windows
         return drop_eligibility(qlen, ctx, prompt, self.config.effective_min_tokens, allow_context=allow_context,
                                 opted_out_cpu=self.opted_out_fn())
-
-    def _select(self, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, eligible: torch.Tensor,
-                drop_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept rows and host counts per request: selected for the eligible requests, all rows
-        for the others. Index arithmetic on the host (vectorised), one gather of q and k per sink count.
-
-        The sinks are the prompt's first `sink` tokens: a request whose step starts after some of them
-        (the last chunk of a chunked prefill, a prefix-cache hit; their context stays whole) forces only
-        the `sink - context` of them its step holds (rounded up to whole blocks), none once its context
-        covers them. Requests are
-        selected in groups of one forced-sink count (usually one group; the same groups on every
-        tensor-parallel rank, which sum their block scores per call)."""
-        cfg = self.config
-        qsl, qlen = layout.query_start_loc_cpu, layout.query_lens_cpu
-        chosen = torch.nonzero(eligible).flatten()
-        lacking = torch.clamp(cfg.sink - layout.num_computed_tokens_cpu[chosen], min=0)
-        # A partial count goes up to whole blocks (the rule forces "blocks touching the first sink tokens": the
-        # same blocks), capped at `sink` (a request without context keeps the config's rule exactly): so the
-        # values are 0, `sink` or multiples of the block size, not every count a context length leaves
-        sinks = torch.minimum((lacking + cfg.block_size - 1) // cfg.block_size * cfg.block_size,
-                              torch.tensor(cfg.sink))
-        counts = qlen.clone()
-        parts = []
-        for sink in torch.unique(sinks).tolist():
-            group = chosen[sinks == sink]
-            rows, kept_counts = self._select_group(q, k, qsl, qlen, group, drop_index, int(sink))
-            parts.append(rows)
-            counts[group] = kept_counts
-        others = torch.nonzero(~eligible).flatten()
-        if others.numel():
-            parts.append(_ranges(qsl[:-1][others], qlen[others]).to(q.device, non_blocking=True))
-        kept = parts[0] if len(parts) == 1 else torch.sort(torch.cat(parts)).values  # requests' rows are disjoint ranges
-        return kept, counts
-
-    def _select_group(self, q: torch.Tensor, k: torch.Tensor, qsl: torch.Tensor, qlen: torch.Tensor,
-                      chosen: torch.Tensor, drop_index: int, sink: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`score_and_select` over the requests `chosen` (host indices) with `sink` forced sink tokens:
-        their kept rows (device, batch row numbers) and kept counts (host)."""
-        from uniprefill.kernels.api import SelectionRule, score_and_select
-
-        cfg = self.config
-        device = q.device
-        lens = qlen[chosen]
-        n_q = torch.clamp(lens, max=cfg.last_q)
-        ends = qsl[1:][chosen]
-        key_rows = _ranges(ends - lens, lens)
-        query_rows = _ranges(ends - n_q, n_q)
-        cu_k, cu_q = _offsets(lens), _offsets(n_q)
-        key_rows_d = key_rows.to(device, non_blocking=True)
-        rule = dataclasses.replace(SelectionRule.from_config(cfg, drop_index, len(self.drop_layers)), sink=sink)
-        if rule.keep_ratio is None:  # top-p: a request may bring its own p
-            rule = dataclasses.replace(rule, p=self._p_of(chosen))
-        selection = score_and_select(
-            q[query_rows.to(device, non_blocking=True)], k[key_rows_d],
-            cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(lens.max()), rule,
-            scale=q.shape[-1] ** -0.5, impl=cfg.impl, host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()),
-            group=self.group,
-        )
-        return key_rows_d[selection.kept_idx], torch.tensor(selection.kept_counts, dtype=qlen.dtype)
