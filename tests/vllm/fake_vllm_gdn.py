@@ -21,7 +21,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from fake_vllm_model import BLOCK, DIM, HEADS, HIDDEN, VOCAB, WORLD, TinyBackbone, fake_context, rope, step_context
+from fake_vllm_model import (BLOCK, DIM, HEADS, HIDDEN, VOCAB, WORLD, TinyBackbone, causal_attention, fake_context,
+                             rope, step_context)
 
 KINDS = ["linear", "full", "linear", "full", "linear", "linear"]  # attention at 1 and 3, GDN after both
 CHANNELS = 8
@@ -193,10 +194,7 @@ class HybridBackbone(nn.Module):
             else:
                 q, k, v = self.qkv[i](x).view(-1, 3, HEADS, DIM).unbind(1)
                 q, k = rope(q, positions), rope(k, positions)
-                scores = torch.einsum("qhd,khd->hqk", q, k) * DIM ** -0.5
-                causal = torch.ones(len(q), len(q), dtype=torch.bool).tril()
-                out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
-                x = x + self.o[i](out.reshape(-1, HEADS * DIM))
+                x = x + self.o[i](causal_attention(q, k, v).reshape(-1, HEADS * DIM))
                 if i in kept:
                     x, positions = x[kept[i]], positions[kept[i]]
             x = x + self.mlp[i](x)

@@ -77,6 +77,17 @@ def _(query, key, value, output, layer_name, kv_cache_dummy_dep=None):
     return None
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
+    """Softmax attention of one request over its own rows [n, heads, dim]: causal, and within `window` ORIGINAL
+    positions when given (the references' rule)."""
+    scores = torch.einsum("qhd,khd->hqk", q, k) * DIM ** -0.5
+    causal = torch.ones(len(q), len(q), dtype=torch.bool).tril()
+    if window:
+        causal &= (positions[:, None] - positions[None, :]) < window
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+
+
 def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """A position-dependent rotation of pairs (stands in for RoPE: positions must stay original)."""
     angle = positions[:, None, None].float() * 0.05
@@ -117,11 +128,7 @@ class TinyBackbone(nn.Module):
         for i in range(LAYERS):
             q, k, v = self.qkv[i](x).view(-1, 3, HEADS, DIM).unbind(1)
             q, k = rope(q, positions), rope(k, positions)
-            scores = torch.einsum("qhd,khd->hqk", q, k) * DIM ** -0.5
-            causal = torch.ones(len(q), len(q), dtype=torch.bool).tril()
-            if windows and i in windows:
-                causal &= (positions[:, None] - positions[None, :]) < windows[i]
-            out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+            out = causal_attention(q, k, v, positions, (windows or {}).get(i))
             x = x + self.o[i](out.reshape(-1, HEADS * DIM))
             if i in kept:
                 x, positions = x[kept[i]], positions[kept[i]]

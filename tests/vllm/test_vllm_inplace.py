@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from fake_vllm_model import (BLOCK, DIM, HEADS, HIDDEN, LAYERS, VOCAB, WORLD, TinyBackbone, compile_with_drops,
-                             fake_context, kept_per_request, rope)
+from fake_vllm_model import (BLOCK, DIM, HEADS, HIDDEN, LAYERS, VOCAB, WORLD, TinyBackbone, causal_attention,
+                             compile_with_drops, fake_context, kept_per_request, rope)
 from uniprefill.config import UniPrefillConfig
 
 EPS, INTERMEDIATE = 1e-5, 48
@@ -124,10 +124,7 @@ class VllmLlamaStyle(nn.Module):
             h = rms_norm(residual, self.norms[2 * i])
             q, k, v = self.qkv[i](h).view(-1, 3, HEADS, DIM).unbind(1)
             q, k = rope(q, positions), rope(k, positions)
-            scores = torch.einsum("qhd,khd->hqk", q, k) * DIM ** -0.5
-            causal = torch.ones(len(q), len(q), dtype=torch.bool).tril()
-            out = torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
-            residual = residual + self.o[i](out.reshape(-1, HEADS * DIM))
+            residual = residual + self.o[i](causal_attention(q, k, v).reshape(-1, HEADS * DIM))
             if i in kept:
                 residual, positions = residual[kept[i]], positions[kept[i]]
             gate, up = self.gate_up[i](rms_norm(residual, self.norms[2 * i + 1])).chunk(2, dim=-1)
