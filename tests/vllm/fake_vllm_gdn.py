@@ -62,6 +62,7 @@ class FakeGDNMeta:
     non_spec_query_start_loc: torch.Tensor
     non_spec_state_indices_tensor: torch.Tensor
     has_initial_state: torch.Tensor | None
+    prefill_query_start_loc: torch.Tensor | None  # from the HOST copy, as vLLM's chunk and conv1d metadata
 
 
 def split_decodes_and_prefills(m: FakeCommon) -> tuple[int, int, int, int]:
@@ -78,12 +79,22 @@ def split_decodes_and_prefills(m: FakeCommon) -> tuple[int, int, int, int]:
 
 
 class FakeGDNBuilder:
+    """`align_block`: vLLM's `mamba_cache_mode="align"` (prefix caching on), where the state slot is the block
+    table's column `(seq_lens - 1) // align_block` (`mamba_get_block_table_tensor`); None: column 0."""
+
+    def __init__(self, align_block: int | None = None) -> None:
+        self.align_block = align_block
+
     def build(self, common_prefix_len: int, m: FakeCommon, num_accepted_tokens=None,
               num_decode_draft_tokens_cpu=None, fast_build: bool = False) -> FakeGDNMeta:
         context = m.compute_num_computed_tokens()
         decodes, prefills, decode_tokens, prefill_tokens = split_decodes_and_prefills(m)
+        table = m.block_table_tensor
+        if self.align_block is not None:
+            table = table.gather(1, ((m.seq_lens.long() - 1) // self.align_block)[:, None])
+        prefill_qsl = (m.query_start_loc_cpu[decodes:] - decode_tokens).clone() if prefills else None
         return FakeGDNMeta(prefills, prefill_tokens, decodes, decode_tokens, 0, m.num_actual_tokens, m.query_start_loc,
-                           m.block_table_tensor[:, 0], context > 0 if prefills else None)
+                           table[:, 0], context > 0 if prefills else None, prefill_qsl)
 
 
 @torch.library.custom_op("uniprefill_fakevllm::gdn_attention_core", mutates_args=("core_attn_out",))
@@ -95,14 +106,20 @@ def gdn_attention_core(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor
     meta = ctx.attn_metadata[layer_name]
     states = ctx.gdn_states[layer_name]  # [slots, CHANNELS]
     n = meta.num_actual_tokens
-    qsl = meta.non_spec_query_start_loc.tolist()
-    assert qsl[-1] == n <= mixed_qkv.shape[0], f"{layer_name}: metadata for {n} rows, {mixed_qkv.shape[0]} came"
+    assert int(meta.non_spec_query_start_loc[-1]) == n <= mixed_qkv.shape[0], \
+        f"{layer_name}: metadata for {n} rows, {mixed_qkv.shape[0]} came"
     gate, scale = torch.sigmoid(a[:n]), b[:n]
-    for r in range(len(qsl) - 1):
+    # vLLM's order: the decodes' rows first (one each, their state as it is), then the prefills' by their host-built
+    # cu_seqlens (zero state unless `has_initial_state`)
+    runs = [(r, r, r + 1) for r in range(meta.num_decodes)]
+    if meta.num_prefills:
+        qsl = (meta.prefill_query_start_loc + meta.num_decode_tokens).tolist()
+        runs += [(meta.num_decodes + j, qsl[j], qsl[j + 1]) for j in range(meta.num_prefills)]
+    for r, first, last in runs:
         slot = int(meta.non_spec_state_indices_tensor[r])
         starts_from_state = r < meta.num_decodes or bool(meta.has_initial_state[r])
         h = states[slot].clone() if starts_from_state else torch.zeros(CHANNELS)
-        for t in range(qsl[r], qsl[r + 1]):
+        for t in range(first, last):
             h = gate[t] * h + scale[t] * mixed_qkv[t]
             core_attn_out[t] = h
         states[slot] = h

@@ -187,6 +187,57 @@ def test_a_rebuild_that_would_change_vllms_decode_split_or_lacks_its_record_rais
         gdn_metadata.rebuild_for_rows(FakeGDNBuilder().build(0, common), kept, kept, 41)
 
 
+def test_in_align_mode_the_rebuild_keeps_the_state_slot_vllm_picked_from_seq_lens():
+    """Prefix caching puts Qwen3-Next's states in `mamba_cache_mode="align"`: the slot is the block table's column
+    of the request's last token (`seq_lens`). The rebuild keeps vLLM's `seq_lens` (compacted ones would pick
+    another column), so the slots stay vLLM's."""
+    from fake_vllm_gdn import FakeCommon
+
+    builder = FakeGDNBuilder(align_block=64)
+    gdn_metadata.record_builds(FakeGDNBuilder)
+    try:
+        qsl = torch.tensor([0, 150, 330], dtype=torch.int32)
+        table = torch.arange(1, 13, dtype=torch.int32).view(2, 6)
+        common = FakeCommon(qsl, qsl.clone(), torch.tensor([150, 250], dtype=torch.int32), 2, 330, 180, table)
+        meta = builder.build(0, common)
+        kept = torch.tensor([0, 40, 90], dtype=torch.int32)
+        rebuilt = gdn_metadata.rebuild_for_rows(meta, kept, kept, 50)
+    finally:
+        gdn_metadata.unrecord_builds(FakeGDNBuilder)
+    assert meta.non_spec_state_indices_tensor.tolist() == [3, 10]  # columns 149 // 64 = 2 and 249 // 64 = 3
+    assert rebuilt.non_spec_state_indices_tensor.tolist() == [3, 10]
+    assert rebuilt.has_initial_state.tolist() == [False, True] and rebuilt.prefill_query_start_loc.tolist() == [0, 40, 90]
+
+
+def test_last_q_below_2_and_gdn_layers_are_refused(model, builder):
+    """With last_q = 1 a prompt could keep one row, which vLLM's builder would take for a decode: refused up front
+    (the review of 2026-12-04 made it happen with last_q=1, sink=0, keep_ratio=0.01)."""
+    import types
+
+    backend, _ = compiled_backend(model, keep_ratio=0.5)
+    backend.config = UniPrefillConfig(block_size=BLOCK, last_q=1, sink=0, min_tokens=64, drop_layers=DROPS,
+                                      vllm_drop=True, keep_ratio=0.01)
+    report = types.SimpleNamespace(drop_layers=DROPS, reason="")
+    info = analyze_vllm_graph(torch.fx.symbolic_trace(model))
+    assert backend._rewrite(None, info, report) is None and "use last_q >= 2" in report.reason
+
+
+def test_auto_drop_layers_count_a_hybrids_gdn_layers(model):
+    """"auto" picks the drop points from the model's depth, Gated DeltaNet layers included, as the Hugging Face
+    path does (a kinds list over the attention layers alone would end at the last attention layer)."""
+    import types
+
+    from uniprefill.passes.classify import LayerInfo
+    from uniprefill.passes.drop_points import resolve_drop_layers
+
+    backend, _ = compiled_backend(model, keep_ratio=0.5)
+    backend.config = UniPrefillConfig(drop_layers="auto", vllm_drop=True)
+    report = types.SimpleNamespace(layers=(), drop_layers=None, plan_error=None)
+    backend._plan(torch.fx.symbolic_trace(model), report)
+    whole = {i: LayerInfo(i, backend.layer_kinds[i]) for i in range(len(KINDS))}
+    assert report.drop_layers == resolve_drop_layers("auto", whole)
+
+
 def test_gdn_ops_whose_layer_names_cannot_be_read_or_other_scans_are_refused(model, builder):
     """A GDN op without a readable 'layers.N.' name, and Mamba-like layers (LINEAR kinds with no GDN op), run
     unaccelerated with the reason."""
@@ -277,6 +328,7 @@ def test_random_multi_step_cases_equal_each_request_alone_on_its_kept_rows(model
     rng = random.Random(case)
     whole = [rng.randint(2, 300) for _ in range(rng.randint(0, 2))]
     chunked = [(rng.randint(1, 200), rng.randint(2, 200)) for _ in range(rng.randint(0, 2))]
+    whole.append(rng.randint(100, 300))  # one prompt long enough to drop in every case (min_tokens 64)
     while len(whole) + len(chunked) < 2:  # a one-token decode step would make dynamo specialise (a recompile)
         whole.append(rng.randint(2, 300))
     prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(case * 10 + i))
@@ -313,6 +365,8 @@ def test_random_multi_step_cases_equal_each_request_alone_on_its_kept_rows(model
             for r, c, q in rows:
                 mine = point.source_rows[(point.source_rows >= qsl[r]) & (point.source_rows < qsl[r + 1])]
                 kept[r][i] |= set((mine - qsl[r] + c).tolist())
+        if number == 0:
+            assert sum(backend.runtimes[0].step.points[-1].kept) < sum(query_lens), f"case {case}: nothing dropped"
         for r, c, q in rows:
             with torch.no_grad():
                 ref = model.reference(tokens[r][:c + q], positions_as_rows(kept[r], c + q))

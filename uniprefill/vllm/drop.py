@@ -226,8 +226,9 @@ class VllmDropRuntime:
         if drop_index == len(self.drop_layers) - 1:
             if self.totals.add_forward(self.step, eligible, len(self.layer_names), self.segment_layers):
                 logger.warning("uniprefill: first token drop in this engine: %d of %d requests dropped, their %d "
-                               "prompt rows -> %d after drop layers %s", int(eligible.sum()), self.step.base.num_reqs,
-                               self.totals.rows_in, self.totals.rows_kept, self.drop_layers)
+                               "prompt rows -> %d after %s", int(eligible.sum()), self.step.base.num_reqs,
+                               self.totals.rows_in, self.totals.rows_kept,
+                               [self.layer_names[p] for p in self.drop_layers])
         return kept
 
     def _graph_decode_point(self, context, q: torch.Tensor, layer: int) -> torch.Tensor:

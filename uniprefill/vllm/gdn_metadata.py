@@ -24,9 +24,10 @@ carries its inputs; the hooks install it on vLLM's class (`VllmHooks.from_vllm`)
 
 One guard. vLLM's builder classifies requests as decodes by their row count (`split_decodes_and_prefills`:
 leading requests of at most one row), and its decode kernels read the state slot without `has_initial_state`:
-a fresh prompt cut to one row would read the slot's previous owner's state. A request that drops keeps its
-last `last_q` rows and its sinks, so this cannot happen with a valid config; `rebuild_for_rows` still checks
-that the rebuilt metadata counts the same decodes and spec decodes as vLLM's and raises otherwise.
+a fresh prompt cut to one row would read the slot's previous owner's state. A request that drops keeps at
+least its last `last_q` rows, and the plugin refuses Gated DeltaNet graphs with `last_q < 2`
+(`plugin._rewrite`), so this does not happen; `rebuild_for_rows` still checks that the rebuilt metadata counts
+the same decodes and spec decodes as vLLM's, and raises rather than run a decode kernel on an unwritten state.
 """
 
 from __future__ import annotations

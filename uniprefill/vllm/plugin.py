@@ -195,8 +195,10 @@ class VllmTokenDropBackend:
             if self.layer_kinds is None:
                 report.plan_error = "the model config gave no layer kinds"
                 return None
+            # every layer of the model, so that "auto" sees a hybrid's depth (Gated DeltaNet layers included)
+            layers = set(info.layers) | set(range(len(self.layer_kinds)))
             kinds = {i: LayerInfo(i, self.layer_kinds[i] if i < len(self.layer_kinds) else LayerKind.OTHER)
-                     for i in info.layers}
+                     for i in layers}
             report.drop_layers = resolve_drop_layers(self.config.drop_layers, kinds)
             return info
         except ValueError as exc:
@@ -219,6 +221,11 @@ class VllmTokenDropBackend:
                              "readable 'layers.<index>.' layer name: their metadata could not be rebuilt for the kept rows")
             return None
         linear = {site.layer for site in info.linear_sites}
+        if linear and self.config.last_q < 2:
+            report.reason = (f"last_q={self.config.last_q} with Gated DeltaNet layers after a drop: a prompt could keep "
+                             "a single row, which vLLM's GDN metadata builder would take for a decode (whose kernels "
+                             "read a state slot the prompt never wrote); use last_q >= 2")
+            return None
         other = [i for i, kind in enumerate(self.layer_kinds or []) if kind == LayerKind.LINEAR and i not in linear]
         if other:
             report.reason = (f"recurrent or convolutional token mixers other than Gated DeltaNet (Mamba, short "
