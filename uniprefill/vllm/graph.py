@@ -59,7 +59,6 @@ class VllmLinearSite:
 
     layer_name: str
     layer: int  # the N of "layers.N." in the name
-    node: fx.Node
     attention_before: int  # attention sites before it in the graph: it runs after drop points at positions below
 
 
@@ -151,7 +150,7 @@ def analyze_vllm_graph(gm: fx.GraphModule) -> VllmGraphInfo:
             layer_name = _name_argument(node)
             match = _LAYER_INDEX.search(layer_name or "")
             if match is not None:
-                linear.append(VllmLinearSite(layer_name, int(match.group(1)), node, len(sites)))
+                linear.append(VllmLinearSite(layer_name, int(match.group(1)), len(sites)))
             continue
         if not (_is_op(name, ATTENTION_OP) or _is_op(name, KV_UPDATE_OP)):
             continue

@@ -232,9 +232,9 @@ class VllmTokenDropBackend:
                              f"convolutions) at layers {other}: the vLLM rewrite does not rebuild their state metadata "
                              "for the kept rows")
             return None
-        if not self.block_size or sorted(info.layers + tuple(linear)) != list(range(len(info.layers) + len(linear))):
-            report.reason = ("unknown KV block size, or layers that are not 0..L-1 (attention and Gated DeltaNet "
-                             f"layers {sorted(info.layers + tuple(linear))})")
+        numbered = sorted(info.layers + tuple(linear))
+        if not self.block_size or numbered != list(range(len(numbered))):
+            report.reason = f"unknown KV block size, or layers that are not 0..L-1 (attention and Gated DeltaNet: {numbered})"
             return None
         first = min(report.drop_layers)
         sliding = [site.layer_name for site in info.sites
