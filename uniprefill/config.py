@@ -90,6 +90,10 @@ class UniPrefillConfig:
             stays whole at every layer. False: such requests run unaccelerated
             (`SkipReason.HAS_CONTEXT`). Engines with sliding-window layers after a drop point never
             drop such requests (not built for them yet).
+        vllm_one_step_prefill: inside vLLM only: a dropping engine whose user gave no
+            `max_num_batched_tokens` gets a step budget of `max_model_len + max_num_seqs`, so that
+            a prompt is prefilled, and drops, in one step instead of in vLLM's default chunks
+            (`uniprefill.vllm.prefill_budget`; logged). False: vLLM's budget.
         early_sparse_p: None (default) or a float in (0, 1]: every full-attention layer before
             the first drop point runs block-sparse attention instead of dense, over blocks of
             128 tokens: per head, the sink blocks, a local band of `early_sparse_window` tokens
@@ -125,6 +129,7 @@ class UniPrefillConfig:
     vllm_decode_graphs: bool = False
     vllm_allow_untested: bool = False
     vllm_context_drops: bool = True
+    vllm_one_step_prefill: bool = True
     early_sparse_p: float | None = None
     early_sparse_keep: float | None = None
     early_sparse_window: int = 1024
@@ -161,7 +166,7 @@ class UniPrefillConfig:
                              "give one of them (top-p or a forced share)")
         _check_int("early_sparse_window", self.early_sparse_window, low=0)
         for name in ("strict", "debug", "vllm_drop", "vllm_decode_graphs", "vllm_allow_untested",
-                     "vllm_context_drops"):
+                     "vllm_context_drops", "vllm_one_step_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
 
@@ -226,7 +231,8 @@ class UniPrefillConfig:
 
 _ADDED_LATER = {"window_positions": "original", "selection": "paper", "vllm_drop": False,
                 "vllm_decode_graphs": False, "vllm_allow_untested": False, "vllm_context_drops": True,
-                "early_sparse_p": None, "early_sparse_keep": None, "early_sparse_window": 1024}
+                "vllm_one_step_prefill": True, "early_sparse_p": None, "early_sparse_keep": None,
+                "early_sparse_window": 1024}
 
 
 def _plain(value):

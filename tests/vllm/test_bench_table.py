@@ -42,7 +42,7 @@ def write_serve(folder: Path, system: str, length: int, concurrency: int, durati
     (folder / f"{system}-{length}-c{concurrency}.json").write_text(json.dumps(
         {"duration": duration, "completed": completed, "failed": 32 - completed,
          "total_input_tokens": completed * length,
-         "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": 5.5}))
+         "median_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "median_tpot_ms": 5.5, "p99_tpot_ms": 9.0}))
 
 
 def test_serve_table_pairs_points_and_refuses_a_lonely_one(tmp_path):
@@ -53,6 +53,11 @@ def test_serve_table_pairs_points_and_refuses_a_lonely_one(tmp_path):
     row = next(line for line in done.stdout.splitlines() if line.startswith("| 8192"))
     assert "26,214 -> 52,429" in row and "**2.00x**" in row and "300.0 -> 140.0" in row and "600.0 -> 280.0" in row
     assert (tmp_path / "serve-table.md").read_text() == done.stdout
+    write_serve(tmp_path, "uniprefill-chunked", 8192, 4, 8.0, 250.0)  # a third system: one row per system
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 8192")]
+    assert [row.split(" | ")[2] for row in rows] == ["uniprefill", "uniprefill-chunked"]
+    assert "**1.25x**" in rows[1] and "9.0 -> 9.0" in rows[1]
     write_serve(tmp_path, "standard", 32000, 1, 10.0, 300.0)
     done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
     assert done.returncode != 0 and "('uniprefill', 32000, 1)" in done.stderr

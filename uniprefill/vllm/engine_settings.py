@@ -5,10 +5,11 @@ Mode 3 (vLLM's default, `mode=3` here): the uniprefill settings are the one opti
 `compilation_config={"inductor_compile_config": {"uniprefill": {...}}}`; every other setting stays
 vLLM's (Inductor and piecewise CUDA graphs, AOT compile, chunked prefill with its own step budget,
 prefix caching): `uniprefill.vllm.piecewise` rewrites the graph in front of vLLM's backend, and
-`uniprefill.vllm.prefix_cache_guard` keeps dropped requests' blocks out of the prefix cache. A prompt
-longer than vLLM's step budget (`max_num_batched_tokens`, 16384 for `LLM` and 8192 for `vllm serve` on an
-H200) is prefilled in chunks and drops among the tokens of its last chunk only (`vllm_context_drops`; 1.43x
-instead of 2.39x at 32K on the Llama shape); `max_num_batched_tokens` raises the budget.
+`uniprefill.vllm.prefix_cache_guard` keeps dropped requests' blocks out of the prefix cache. Unless
+`max_num_batched_tokens` is given, the plugin raises vLLM's step budget to `max_model_len + max_num_seqs`
+(`uniprefill.vllm.prefill_budget`, option `vllm_one_step_prefill`), so a long prompt drops in one step; a
+budget given here is kept, and a prompt longer than it drops among the tokens of its last chunk only
+(`vllm_context_drops`; 1.43x instead of 2.39x at 32K on the Llama shape).
 
 Mode 2 (`mode=2`, the channel measured before mode 3 worked): uniprefill's backend runs the rewritten
 graph without Inductor (`inductor_compile_config["uniprefill"]` plus the backend string), chunked

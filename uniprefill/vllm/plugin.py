@@ -49,16 +49,19 @@ _loaded = False
 
 
 def register() -> None:
-    """The `vllm.general_plugins` entry point: idempotent. Where vLLM is imported (it calls this), it
-    installs `prefix_cache_guard` on vLLM's scheduler class; otherwise it imports nothing."""
+    """The `vllm.general_plugins` entry point (vLLM calls it once per process): idempotent. Where vLLM is
+    imported, it wraps vLLM's scheduler (`prefix_cache_guard`), compile backend (`piecewise`) and, where
+    their module is loaded (the process that builds the engine's config), engine arguments
+    (`prefill_budget`); otherwise it imports nothing."""
     global _loaded
     if _loaded:
         return
     _loaded = True
-    from . import piecewise, prefix_cache_guard
+    from . import piecewise, prefill_budget, prefix_cache_guard
 
     prefix_cache_guard.install_where_vllm_runs()
     piecewise.install_where_vllm_runs()
+    prefill_budget.install_where_vllm_runs()
     logger.debug("uniprefill vLLM plugin loaded; enable it with compilation_config.inductor_compile_config[%r]",
                  CONFIG_KEY)
 

@@ -8,7 +8,8 @@
 # Model: the Llama-3.1-8B shape with dummy weights (uniprefill.testing.word_llama, 32 layers, max_model_len
 # 32768), or SERVE_MODEL_DIR=/tmp/gemma-270m (real weights, serve_lib.sh). LENGTHS default 8192,16384,28672 (32000 is
 # over vLLM's 5-characters-per-token prompt bound with the word-level test tokenizer); NUM_PROMPTS default 16 (all queued at once: vLLM's own batching);
-# --output-len 1, so the time is the prefill's. Each run is one engine (about two minutes with the compile).
+# --output-len 1, so the time is the prefill's. SYSTEMS (default "standard uniprefill") may add uniprefill-chunked
+# (serve_lib.sh: vLLM's own step budget). Each run is one engine (about two minutes with the compile).
 set -uo pipefail
 OUT="${1:?usage: bench_throughput.sh OUT_DIR SETTINGS_JSON [LENGTHS] [NUM_PROMPTS]}"
 SETTINGS="${2:?give the uniprefill settings as JSON}"
@@ -21,9 +22,9 @@ serve_setup
 MODEL="$SERVE_MODEL"
 echo "$SETTINGS" > "$OUT/settings.json"
 for length in ${LENGTHS//,/ }; do
-  for system in standard uniprefill; do
+  for system in ${SYSTEMS:-standard uniprefill}; do
     extra=()
-    [[ "$system" == uniprefill ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $SETTINGS}}")
+    [[ "$system" == uniprefill* ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $(system_settings "$system")}}")
     start=$(date +%s)
     timeout 540 "${VLLM_CLI[@]}" bench throughput --model "$MODEL" "${LOAD_ARGS[@]}" --max-model-len 32768 --seed 0 \
       --dataset-name random --random-input-len "$length" --random-output-len 1 --num-prompts "$NUM_PROMPTS" \

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Sourced by soak.sh and bench_serve.sh on the GPU box: one local `vllm serve` of the Llama-3.1-8B shape
 # (dummy weights, max_model_len 32768) on 127.0.0.1:8000, on vLLM's defaults plus, for a system named
-# uniprefill*, the one option `-cc {"inductor_compile_config": {"uniprefill": SETTINGS}}`.
+# uniprefill*, the one option `-cc {"inductor_compile_config": {"uniprefill": SETTINGS}}` (the system
+# uniprefill-chunked adds "vllm_one_step_prefill": false: vLLM's own step budget, long prompts drop in their
+# last chunk).
 #   serve_start SYSTEM LOG   (sets SERVER_PID; returns once /health answers; non-zero, the server stopped,
 #                             if it died or did not answer within 300 s, or if port 8000 was taken already)
 #   serve_stop               (also on the sourcing script's exit)
@@ -31,9 +33,17 @@ serve_setup() {
   serve_model
 }
 
+system_settings() {  # SYSTEM: the uniprefill settings it runs with
+  if [[ "$1" == uniprefill-chunked ]]; then
+    python3 -c "import json, sys; s = json.loads(sys.argv[1]); s['vllm_one_step_prefill'] = False; print(json.dumps(s))" "$SETTINGS"
+  else
+    echo "$SETTINGS"
+  fi
+}
+
 serve_start() {
   local system="$1" log="$2" extra=() start
-  [[ "$system" == uniprefill* ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $SETTINGS}}")
+  [[ "$system" == uniprefill* ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $(system_settings "$system")}}")
   if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2> /dev/null; then
     echo "$system: something already answers on 127.0.0.1:8000; not starting a second server"
     return 1

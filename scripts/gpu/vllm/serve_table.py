@@ -1,13 +1,14 @@
-"""The side-by-side table of `bench_serve.sh`: uniprefill vs standard vLLM per prompt length and client
-concurrency, from the `--save-result` files of `vllm bench serve` (`SYSTEM-L-cC.json` in one folder).
+"""The side-by-side table of `bench_serve.sh`: each uniprefill system against standard vLLM per prompt length and
+client concurrency, from the `--save-result` files of `vllm bench serve` (`SYSTEM-L-cC.json` in one folder;
+SYSTEM is standard, uniprefill or uniprefill-chunked).
 
     python3 scripts/gpu/vllm/serve_table.py OUT_DIR
 
-Per point: input tokens/s (prompt tokens over the run's duration, decode included: with 16 output tokens
-mostly prefill) of each and their ratio, TTFT p50 / p99
-and TPOT p50 (ms) of each, and failed requests. A point where either system completed no request shows its
-failure counts and no ratio (vLLM rejected the prompts, say). Prints Markdown and writes OUT_DIR/serve-table.md; a
-point present for one system only is an error, not a shorter table.
+Per point and system: input tokens/s (prompt tokens over the run's duration, decode included: with 16 output
+tokens mostly prefill) of standard and of the system and their ratio, TTFT p50 / p99 and TPOT p50 / p99 (ms) of
+each, and failed requests. A point where either completed no request shows its failure counts and no ratio
+(vLLM rejected the prompts, say). Prints Markdown and writes OUT_DIR/serve-table.md; a point that standard ran
+and a system did not (or the reverse) is an error, not a shorter table.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import re
 import sys
 from pathlib import Path
 
+SYSTEMS = ("standard", "uniprefill", "uniprefill-chunked")
+
 
 def load(folder: Path) -> dict[tuple[str, int, int], dict]:
     runs = {}
     for path in folder.glob("*.json"):
-        match = re.fullmatch(r"(standard|uniprefill)-(\d+)-c(\d+)\.json", path.name)
+        match = re.fullmatch(r"(standard|uniprefill|uniprefill-chunked)-(\d+)-c(\d+)\.json", path.name)
         if match:
             runs[match.group(1), int(match.group(2)), int(match.group(3))] = json.loads(path.read_text())
     return runs
@@ -30,24 +33,26 @@ def load(folder: Path) -> dict[tuple[str, int, int], dict]:
 
 def table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
     points = sorted({(n, c) for _, n, c in runs})
-    if not points:
-        raise SystemExit("no standard-L-cC.json / uniprefill-L-cC.json files")
-    missing = [(s, n, c) for n, c in points for s in ("standard", "uniprefill") if (s, n, c) not in runs]
+    systems = [s for s in SYSTEMS[1:] if any(key[0] == s for key in runs)]
+    if not points or not systems:
+        raise SystemExit("no standard-L-cC.json with uniprefill-L-cC.json / uniprefill-chunked-L-cC.json files")
+    missing = [(s, n, c) for n, c in points for s in ("standard", *systems) if (s, n, c) not in runs]
     if missing:
         raise SystemExit(f"points missing (a failed server or client?): {missing}")
-    lines = ["| prompt tokens | concurrency | input tok/s standard -> uniprefill | ratio | TTFT p50 ms | TTFT p99 ms "
-             "| TPOT p50 ms | failed |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| prompt tokens | concurrency | system | input tok/s standard -> system | ratio | TTFT p50 ms "
+             "| TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for n, c in points:
-        a, b = runs["standard", n, c], runs["uniprefill", n, c]
-        failed = f"{a.get('failed', 0)} / {b.get('failed', 0)}"
-        if not (a.get("completed") and b.get("completed")):
-            lines.append(f"| {n} | {c} | no completed request | - | - | - | - | {failed} |")
-            continue
-        rate = [r["total_input_tokens"] / r["duration"] for r in (a, b)]
-        pair = lambda key: f"{a[key]:.1f} -> {b[key]:.1f}"  # noqa: E731
-        lines.append(f"| {n} | {c} | {rate[0]:,.0f} -> {rate[1]:,.0f} | **{rate[1] / rate[0]:.2f}x** | "
-                     f"{pair('median_ttft_ms')} | {pair('p99_ttft_ms')} | {pair('median_tpot_ms')} | "
-                     f"{failed} |")
+        for system in systems:
+            a, b = runs["standard", n, c], runs[system, n, c]
+            failed = f"{a.get('failed', 0)} / {b.get('failed', 0)}"
+            if not (a.get("completed") and b.get("completed")):
+                lines.append(f"| {n} | {c} | {system} | no completed request | - | - | - | - | - | {failed} |")
+                continue
+            rate = [r["total_input_tokens"] / r["duration"] for r in (a, b)]
+            pair = lambda key: f"{a.get(key, float('nan')):.1f} -> {b.get(key, float('nan')):.1f}"  # noqa: E731
+            lines.append(f"| {n} | {c} | {system} | {rate[0]:,.0f} -> {rate[1]:,.0f} | **{rate[1] / rate[0]:.2f}x** | "
+                         f"{pair('median_ttft_ms')} | {pair('p99_ttft_ms')} | {pair('median_tpot_ms')} | "
+                         f"{pair('p99_tpot_ms')} | {failed} |")
     return lines
 
 
