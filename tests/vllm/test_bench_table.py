@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm" / "bench_table.py"
 
 
@@ -58,6 +60,11 @@ def test_serve_table_pairs_points_and_refuses_a_lonely_one(tmp_path):
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 8192")]
     assert [row.split(" | ")[2] for row in rows] == ["uniprefill", "uniprefill-chunked"]
     assert "**1.25x**" in rows[1] and "9.0 -> 9.0" in rows[1]
+    pytest.importorskip("matplotlib")
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path), "--plot", str(tmp_path / "s.png")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     write_serve(tmp_path, "standard", 32000, 1, 10.0, 300.0)
     done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
     assert done.returncode != 0 and "('uniprefill', 32000, 1)" in done.stderr

@@ -2,7 +2,7 @@
 client concurrency, from the `--save-result` files of `vllm bench serve` (`SYSTEM-L-cC.json` in one folder;
 SYSTEM is standard, uniprefill or uniprefill-chunked).
 
-    python3 scripts/gpu/vllm/serve_table.py OUT_DIR
+    python3 scripts/gpu/vllm/serve_table.py OUT_DIR [--plot serve.png]
 
 Per point and system: input tokens/s (prompt tokens over the run's duration, decode included: with 16 output
 tokens mostly prefill) of standard and of the system and their ratio, TTFT p50 / p99 and TPOT p50 / p99 (ms) of
@@ -56,13 +56,50 @@ def table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
     return lines
 
 
+def plot(runs: dict[tuple[str, int, int], dict], path: Path) -> None:
+    """Two panels per concurrency: input tokens/s and TPOT p99 of every system, against prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    concurrencies = sorted({c for _, _, c in runs})
+    lengths_run = sorted({n for _, n, _ in runs})
+    fig, axes = plt.subplots(2, len(concurrencies), figsize=(3.6 * len(concurrencies), 5.6), squeeze=False)
+    for j, c in enumerate(concurrencies):
+        for system in SYSTEMS:
+            points = sorted((n, r) for (s, n, cc), r in runs.items() if s == system and cc == c and r.get("completed"))
+            if not points:
+                continue
+            lengths = [n for n, _ in points]
+            axes[0][j].plot(lengths, [r["total_input_tokens"] / r["duration"] / 1e3 for _, r in points], marker="o",
+                            label=system)
+            axes[1][j].plot(lengths, [r.get("p99_tpot_ms", float("nan")) for _, r in points], marker="o", label=system)
+        axes[0][j].set_title(f"concurrency {c}")
+        axes[1][j].set_xlabel("prompt tokens")
+        for ax in (axes[0][j], axes[1][j]):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths_run, [f"{n:,}" for n in lengths_run])
+            ax.minorticks_off()
+            ax.set_ylim(bottom=0)
+    axes[0][0].set_ylabel("input tokens/s (thousands)")
+    axes[1][0].set_ylabel("TPOT p99 (ms)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
+    parser.add_argument("--plot", type=Path, default=None, help="also draw input tokens/s and TPOT p99 (PNG)")
     args = parser.parse_args(argv)
-    text = "\n".join(table(load(args.folder))) + "\n"
+    runs = load(args.folder)
+    text = "\n".join(table(runs)) + "\n"
     sys.stdout.write(text)
     (args.folder / "serve-table.md").write_text(text)
+    if args.plot:
+        plot(runs, args.plot)
     return 0
 
 
