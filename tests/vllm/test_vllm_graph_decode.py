@@ -17,15 +17,15 @@ import torch
 from fake_vllm import make_world, step
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm.drop import VllmDropRuntime
-from uniprefill.vllm.graph_decode import DecodeRemovedBuffer, segment_metadata
+from uniprefill.vllm.graph_decode import DecodeTables, segment_metadata
 
 BLOCK, HEADS, HEAD = 16, 2, 16
 QUERY_LENS = [400, 30, 260]  # the middle request is too short to drop: it has no history
 
 
-def dropped_world(drop_layers=(1, 3), layers=6, max_reqs=8, windows=None):
+def dropped_world(drop_layers=(1, 3), layers=6, max_reqs=8, windows=None, prefill=True):
     """A prefill step in which requests 0 and 2 drop (eager host path), and the runtime; `windows`:
-    sliding layers (index -> window) after the drops."""
+    sliding layers (index -> window) after the drops. prefill=False: the runtime before any forward."""
     world = make_world(QUERY_LENS, layers=layers, groups=2, block=BLOCK, kv_heads=HEADS, head_size=HEAD, room=48)
     config = UniPrefillConfig(keep_ratio=0.5, drop_layers=drop_layers, min_tokens=64, sink=16, last_q=16,
                               block_size=BLOCK, impl="torch")
@@ -33,6 +33,8 @@ def dropped_world(drop_layers=(1, 3), layers=6, max_reqs=8, windows=None):
     runtime = VllmDropRuntime(config, world.names, drop_layers, lambda: world, lambda name: BLOCK,
                               request_ids_fn=lambda: world.request_ids, graph_decode_max_reqs=max_reqs,
                               windows=sliding, window_layer_fn=(lambda name: None) if sliding else None)
+    if not prefill:
+        return world, runtime
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(sum(QUERY_LENS), HEADS, HEAD, generator=gen) for _ in range(2))
     runtime.begin_step()
@@ -76,6 +78,15 @@ def test_capture_path_computes_the_host_paths_decode_metadata(drop_layers):
     assert last_seq[1] == vllm_seq[1] and (last_seq[[0, 2]] < vllm_seq[[0, 2]]).all()
     first_seq, _ = eager[world.names[0]]
     assert torch.equal(first_seq, vllm_seq)  # before the drop: vLLM's own
+
+
+def test_a_capture_before_any_eager_forward_is_refused():
+    """The removed-KV table is allocated by an eager forward (vLLM's profiling run comes first); a capture that
+    came first would bake a table address into the graph that nothing refills: refused, not replayed wrong."""
+    world, runtime = dropped_world((1,), prefill=False)
+    assert runtime.graph_decode.table is None
+    with pytest.raises(RuntimeError, match="before any eager forward allocated the removed-KV table"):
+        decode_metadata(world, runtime, capture=True)
 
 
 def test_removed_table_follows_the_steps_requests_in_batch_order():
@@ -122,7 +133,7 @@ def test_graph_decode_needs_full_attention_after_the_drops_and_a_table_size():
     windowed.graph_decode.on(q.device)  # sliding layers after the drop: the window tables come with the table
     assert windowed.graph_decode.tail.shape == (1, 4, 32) and windowed.graph_decode.has.shape == (4,)
     with pytest.raises(ValueError, match="max_num_reqs=0"):
-        DecodeRemovedBuffer(1, 0)
+        DecodeTables(1, 0)
 
 
 def test_config_check_accepts_decode_graphs_only_behind_their_switch(monkeypatch):

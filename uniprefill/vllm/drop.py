@@ -44,7 +44,7 @@ from .layout import KVCacheGroup, TokenLayout, batch_layout, compact, install_la
 from .selection import select_rows
 from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
-from .graph_decode import DecodeRemovedBuffer, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
+from .graph_decode import DecodeTables, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
 
 from .window import paged_window_step, row_logical, warm_up_window_layer, window_counts
 from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
@@ -114,7 +114,7 @@ class VllmDropRuntime:
         self.window_layer_fn = window_layer_fn
         self.graph_decode = None
         if graph_decode_max_reqs:
-            self.graph_decode = DecodeRemovedBuffer(len(self.drop_layers), graph_decode_max_reqs,
+            self.graph_decode = DecodeTables(len(self.drop_layers), graph_decode_max_reqs,
                                                     max(self.windows.values(), default=0))
         self.linear_layers = dict(linear_layers or {})
         self.warm_up_max_seqlen = warm_up_max_seqlen

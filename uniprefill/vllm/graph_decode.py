@@ -9,7 +9,7 @@ inside the graph, from buffers whose addresses the graph keeps:
 
 * vLLM's own persistent inputs, which it refills before every replay: the group's `seq_lens`,
   `block_table` and `slot_mapping` (read from the metadata vLLM built for the capture);
-* `DecodeRemovedBuffer.table`, `[columns, max_num_reqs]` int32: KV entries removed per request
+* `DecodeTables.table`, `[columns, max_num_reqs]` int32: KV entries removed per request
   at the layers after each drop point, which `fill` (called by the model-runner hook before
   every step, `vllm.runner_hook`) refills from the drop histories, in the step's batch order.
 
@@ -38,8 +38,9 @@ from .layout import _ABSENT
 from .metadata import DropHistoryStore
 
 
-class DecodeRemovedBuffer:
-    """The device table of KV entries removed per (column, request) for the current step."""
+class DecodeTables:
+    """The device tables decode graphs read for the current step: KV entries removed per (column, request) and,
+    with sliding layers after a drop, the window tables."""
 
     def __init__(self, columns: int, max_num_reqs: int, max_window: int = 0) -> None:
         if columns < 1 or max_num_reqs < 1 or max_window < 0:
