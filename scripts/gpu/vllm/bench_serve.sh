@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU box (vLLM installed by box_install.sh): vLLM's own `vllm bench serve` against a local `vllm serve`,
 # standard vLLM on its defaults and the same server plus the one uniprefill option (serve_lib.sh), per prompt
-# length and client concurrency, then the side-by-side table (scripts/gpu/vllm/serve_table.py). Not yet run on
-# a GPU (written 2026-12-03).
+# length and client concurrency, then the side-by-side table (scripts/gpu/vllm/serve_table.py). Run on the H200
+# since 2026-12-04 (docs/results/vllm-bench-serve-*).
 #   SETTINGS='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}' bash scripts/gpu/vllm/bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]
 # LENGTHS default 8192,16384,28672; CONCURRENCIES 1,4,16; NUM_PROMPTS 32 per point (random dataset, 16 output
 # tokens, --ignore-eos). Each point has its own --seed (the same for both systems): vLLM's random dataset builds
@@ -10,7 +10,10 @@
 # vLLM serves the later points from its prefix cache (the run of 2026-12-04). 28672, not 32000: the word-level
 # test tokenizer spends 5.4 characters per token, and vLLM rejects a prompt over 5 x max_model_len characters. One server per system serves every point (about two minutes to start with the compile).
 # SYSTEMS="standard" or "uniprefill" runs one side only (one call each on the box, whose calls stop at 600 s);
-# the table is made from whatever results OUT_DIR holds.
+# "uniprefill-chunked" is uniprefill with vLLM's own step budget (serve_lib.sh). A point whose result file OUT_DIR
+# already holds is kept, so a call cut at 600 s is continued by the same command in the next call (the box keeps
+# /tmp between back-to-back calls; each call starts its server again, about 150 s). The table is made from
+# whatever results OUT_DIR holds.
 set -uo pipefail
 OUT="${1:?usage: bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]}"
 LENGTHS="${2:-8192,16384,28672}"
@@ -22,9 +25,17 @@ source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # env.sh, SERVE_MODEL, serve_*
 serve_setup
 echo "$SETTINGS" > "$OUT/settings.json"
 for system in ${SYSTEMS:-standard uniprefill}; do
+  todo=0
+  for length in ${LENGTHS//,/ }; do for concurrency in ${CONCURRENCIES//,/ }; do
+    [[ -s "$OUT/$system-$length-c$concurrency.json" ]] || todo=$(( todo + 1 ))
+  done; done
+  (( todo )) || { echo "$system: every point already in $OUT"; continue; }
   serve_start "$system" "$OUT/$system.server.log" || continue
   for length in ${LENGTHS//,/ }; do
     for concurrency in ${CONCURRENCIES//,/ }; do
+      if [[ -s "$OUT/$system-$length-c$concurrency.json" ]]; then
+        echo "$system $length c$concurrency: kept from an earlier call"; continue
+      fi
       start=$(date +%s)
       timeout 600 "${VLLM_CLI[@]}" bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \
         --dataset-name random --random-input-len "$length" --random-output-len 16 --ignore-eos \
