@@ -115,7 +115,7 @@ class VllmDropRuntime:
         self.graph_decode = None
         if graph_decode_max_reqs:
             self.graph_decode = DecodeTables(len(self.drop_layers), graph_decode_max_reqs,
-                                                    max(self.windows.values(), default=0))
+                                             max(self.windows.values(), default=0))
         self.linear_layers = dict(linear_layers or {})
         self.warm_up_max_seqlen = warm_up_max_seqlen
         self.warm_up_fn = warm_up_fn
