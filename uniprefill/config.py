@@ -91,9 +91,10 @@ class UniPrefillConfig:
             (`SkipReason.HAS_CONTEXT`). Engines with sliding-window layers after a drop point never
             drop such requests (not built for them yet).
         vllm_one_step_prefill: inside vLLM only: a dropping engine whose user gave no
-            `max_num_batched_tokens` gets a step budget of `max_model_len + max_num_seqs`, so that
-            a prompt is prefilled, and drops, in one step instead of in vLLM's default chunks
-            (`uniprefill.vllm.prefill_budget`; logged). False: vLLM's budget.
+            `max_num_batched_tokens` gets a step budget of `min(max_model_len, 32768) +
+            max_num_seqs - 1`, so that a prompt of up to 32,768 tokens is prefilled, and drops, in
+            one step instead of in vLLM's default chunks (`uniprefill.vllm.prefill_budget`, which
+            says when the budget is left alone; logged). False: vLLM's budget.
         early_sparse_p: None (default) or a float in (0, 1]: every full-attention layer before
             the first drop point runs block-sparse attention instead of dense, over blocks of
             128 tokens: per head, the sink blocks, a local band of `early_sparse_window` tokens

@@ -3,12 +3,11 @@ docs' commands all build them here.
 
 Mode 3 (vLLM's default, `mode=3` here): the uniprefill settings are the one option,
 `compilation_config={"inductor_compile_config": {"uniprefill": {...}}}`; every other setting stays
-vLLM's (Inductor and piecewise CUDA graphs, AOT compile, chunked prefill with its own step budget,
-prefix caching): `uniprefill.vllm.piecewise` rewrites the graph in front of vLLM's backend, and
+vLLM's (Inductor and piecewise CUDA graphs, AOT compile, chunked prefill, prefix caching): `uniprefill.vllm.piecewise` rewrites the graph in front of vLLM's backend, and
 `uniprefill.vllm.prefix_cache_guard` keeps dropped requests' blocks out of the prefix cache. Unless
-`max_num_batched_tokens` is given, the plugin raises vLLM's step budget to `max_model_len + max_num_seqs`
-(`uniprefill.vllm.prefill_budget`, option `vllm_one_step_prefill`), so a long prompt drops in one step; a
-budget given here is kept, and a prompt longer than it drops among the tokens of its last chunk only
+`max_num_batched_tokens` is given, the plugin raises vLLM's step budget so that a prompt of up to 32,768
+tokens fits in one step beside the running decodes (`uniprefill.vllm.prefill_budget`, option
+`vllm_one_step_prefill`) and drops over all its tokens; a budget given here is kept, and a prompt longer than it drops among the tokens of its last chunk only
 (`vllm_context_drops`; 1.43x instead of 2.39x at 32K on the Llama shape).
 
 Mode 2 (`mode=2`, the channel measured before mode 3 worked): uniprefill's backend runs the rewritten

@@ -59,6 +59,8 @@ def register() -> None:
     _loaded = True
     from . import piecewise, prefill_budget, prefix_cache_guard
 
+    # the guard first: if installing it fails, nothing after it is installed and nothing drops (vLLM logs the
+    # plugin's failure), instead of dropping with prefix caching unguarded
     prefix_cache_guard.install_where_vllm_runs()
     piecewise.install_where_vllm_runs()
     prefill_budget.install_where_vllm_runs()

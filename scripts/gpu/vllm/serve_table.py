@@ -5,8 +5,9 @@ SYSTEM is standard, uniprefill or uniprefill-chunked).
     python3 scripts/gpu/vllm/serve_table.py OUT_DIR [--plot serve.png]
 
 Per point and system: input tokens/s (prompt tokens over the run's duration, decode included: with 16 output
-tokens mostly prefill) of standard and of the system and their ratio, TTFT p50 / p99 and TPOT p50 / p99 (ms) of
-each, and failed requests. A point where either completed no request shows its failure counts and no ratio
+tokens mostly prefill) of standard and of the system and their ratio, TTFT p50 / p99, TPOT p50 / p99 and the inter-token gap's p99
+(ms; TPOT is a per-request mean, the gap's p99 shows a decode stalled behind a long prefill step) of each, and
+failed requests. A point where either completed no request shows its failure counts and no ratio
 (vLLM rejected the prompts, say). Prints Markdown and writes OUT_DIR/serve-table.md; a point that standard ran
 and a system did not (or the reverse) is an error, not a shorter table.
 """
@@ -40,24 +41,26 @@ def table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
     if missing:
         raise SystemExit(f"points missing (a failed server or client?): {missing}")
     lines = ["| prompt tokens | concurrency | system | input tok/s standard -> system | ratio | TTFT p50 ms "
-             "| TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | failed |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | inter-token gap p99 ms | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, c in points:
         for system in systems:
             a, b = runs["standard", n, c], runs[system, n, c]
             failed = f"{a.get('failed', 0)} / {b.get('failed', 0)}"
             if not (a.get("completed") and b.get("completed")):
-                lines.append(f"| {n} | {c} | {system} | no completed request | - | - | - | - | - | {failed} |")
+                lines.append(f"| {n} | {c} | {system} | no completed request | - | - | - | - | - | - | {failed} |")
                 continue
             rate = [r["total_input_tokens"] / r["duration"] for r in (a, b)]
             pair = lambda key: f"{a.get(key, float('nan')):.1f} -> {b.get(key, float('nan')):.1f}"  # noqa: E731
             lines.append(f"| {n} | {c} | {system} | {rate[0]:,.0f} -> {rate[1]:,.0f} | **{rate[1] / rate[0]:.2f}x** | "
                          f"{pair('median_ttft_ms')} | {pair('p99_ttft_ms')} | {pair('median_tpot_ms')} | "
-                         f"{pair('p99_tpot_ms')} | {failed} |")
+                         f"{pair('p99_tpot_ms')} | {pair('p99_itl_ms')} | {failed} |")
     return lines
 
 
 def plot(runs: dict[tuple[str, int, int], dict], path: Path) -> None:
-    """Two panels per concurrency: input tokens/s and TPOT p99 of every system, against prompt length."""
+    """Two panels per concurrency: input tokens/s and the inter-token gap's p99 of every system, against prompt
+    length."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -74,7 +77,7 @@ def plot(runs: dict[tuple[str, int, int], dict], path: Path) -> None:
             lengths = [n for n, _ in points]
             axes[0][j].plot(lengths, [r["total_input_tokens"] / r["duration"] / 1e3 for _, r in points], marker="o",
                             label=system)
-            axes[1][j].plot(lengths, [r.get("p99_tpot_ms", float("nan")) for _, r in points], marker="o", label=system)
+            axes[1][j].plot(lengths, [r.get("p99_itl_ms", float("nan")) for _, r in points], marker="o", label=system)
         axes[0][j].set_title(f"concurrency {c}")
         axes[1][j].set_xlabel("prompt tokens")
         for ax in (axes[0][j], axes[1][j]):
@@ -83,7 +86,7 @@ def plot(runs: dict[tuple[str, int, int], dict], path: Path) -> None:
             ax.minorticks_off()
             ax.set_ylim(bottom=0)
     axes[0][0].set_ylabel("input tokens/s (thousands)")
-    axes[1][0].set_ylabel("TPOT p99 (ms)")
+    axes[1][0].set_ylabel("inter-token gap p99 (ms)")
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -92,7 +95,7 @@ def plot(runs: dict[tuple[str, int, int], dict], path: Path) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--plot", type=Path, default=None, help="also draw input tokens/s and TPOT p99 (PNG)")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw input tokens/s and the inter-token gap's p99 (PNG)")
     args = parser.parse_args(argv)
     runs = load(args.folder)
     text = "\n".join(table(runs)) + "\n"
