@@ -88,8 +88,9 @@ class UniPrefillConfig:
             last chunk of a chunked prefill, or a prefix-cache hit) drops among the tokens of that
             last prefill step: its last n queries score those tokens' keys, and the cached context
             stays whole at every layer. False: such requests run unaccelerated
-            (`SkipReason.HAS_CONTEXT`). Engines with sliding-window layers after a drop point never
-            drop such requests (not built for them yet).
+            (`SkipReason.HAS_CONTEXT`). With sliding-window layers after a drop point, such a
+            request drops only where its step drops at least `min(window - 1, context)` rows
+            (`uniprefill.vllm.window`; else `SkipReason.CONTEXT_TAIL`).
         vllm_one_step_prefill: inside vLLM only: a dropping engine whose user gave no
             `max_num_batched_tokens` gets a step budget of `min(max_model_len, 32768) +
             max_num_seqs - 1`, so that a prompt of up to 32,768 tokens is prefilled, and drops, in

@@ -121,9 +121,10 @@ class TinyBackbone(nn.Module):
         return x
 
     def reference(self, ids: torch.Tensor, kept: dict[int, torch.Tensor],
-                  windows: dict[int, int] | None = None) -> torch.Tensor:
+                  windows: dict[int, int] | None = None, rows_from: int | None = None) -> torch.Tensor:
         """One request alone; `kept[layer]` = rows kept right after that layer's attention;
-        `windows[layer]`: a sliding window over ORIGINAL positions (the model's rule)."""
+        `windows[layer]`: a sliding window over ORIGINAL positions (the model's rule). The last row's
+        hidden state, or with `rows_from` those of every row left at the end at that position or later."""
         x, positions = self.embed(ids), torch.arange(ids.numel())
         for i in range(LAYERS):
             q, k, v = self.qkv[i](x).view(-1, 3, HEADS, DIM).unbind(1)
@@ -133,20 +134,21 @@ class TinyBackbone(nn.Module):
             if i in kept:
                 x, positions = x[kept[i]], positions[kept[i]]
             x = x + self.mlp[i](x)
-        return x[-1]
+        return x[-1] if rows_from is None else x[positions >= rows_from]
 
     def decode_reference(self, tokens: torch.Tensor, prompt_len: int, prompt_kept: list[set[int]],
-                         drops) -> torch.Tensor:
+                         drops, windows: dict[int, int] | None = None, rows_from: int | None = None) -> torch.Tensor:
         """The last token of one request decoding after a dropped prefill: `tokens` = prompt +
         decoded; `prompt_kept[i]` = the prompt positions drop point `drops[i]` kept; every decoded
-        token is kept everywhere."""
+        token is kept everywhere; `windows` as in `reference`."""
         n = tokens.numel()
         kept, entering = {}, torch.arange(n)
         for layer, kept_prompt in zip(drops, prompt_kept):
             keep_rows = torch.tensor(sorted(kept_prompt | set(range(prompt_len, n))))
             keep = torch.nonzero(torch.isin(entering, keep_rows)).flatten()
             kept[layer], entering = keep, entering[keep]
-        return self.reference(tokens, kept)
+        extra = {} if windows is None and rows_from is None else {"windows": windows, "rows_from": rows_from}
+        return self.reference(tokens, kept, **extra)  # subclasses without windows take (ids, kept)
 
 
 def fake_window_layer(name: str) -> WindowLayer:

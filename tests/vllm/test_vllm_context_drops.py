@@ -137,12 +137,51 @@ def test_with_context_drops_off_the_last_chunk_keeps_every_row(model):
     assert runtime.store.get("req-0") is None and runtime.store.get("req-1") is not None
 
 
-def test_sliding_layers_after_a_drop_keep_requests_with_context_whole(model):
-    """Their window tables assume a prompt that starts at position 0: such requests run unaccelerated."""
+def assert_steps_match_the_reference(model, steps, prompt_kept, tokens, drops, windows=None):
+    """Steps 2 and 3: every request's hidden states equal it alone in plain PyTorch, each drop point keeping
+    `prompt_kept` of its prompt and every decoded token, windows over ORIGINAL positions: in step 2 every row the
+    step kept (an early row's window reaches into the context), in step 3 the decoded token."""
+    for i in (1, 2):
+        hidden, _, query_lens = steps[i]  # one row per scheduled token: a dropped row's is not compared
+        qsl = torch.tensor([0] + query_lens).cumsum(0)
+        for r in range(3):
+            done = sum(s[2][r] for s in steps[:i])  # request r's tokens before step i
+            length = done + query_lens[r]
+            own = sorted(p - done for p in prompt_kept[r][-1] if p >= done) if done < PROMPTS[r] else [0]
+            with torch.no_grad():
+                ref = model.decode_reference(tokens[r][:length], PROMPTS[r], prompt_kept[r], drops, windows,
+                                             rows_from=done)
+            torch.testing.assert_close(hidden[int(qsl[r]) + torch.tensor(own)], ref, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"step {i}, request {r}: {m}")
+
+
+@pytest.mark.parametrize("drops, windows", [((1,), {0: 24, 2: 24}), ((1, 2), {0: 24, 3: 8}), ((1,), {2: 40, 3: 24})],
+                         ids=["one-drop", "two-drops", "two-windows"])
+def test_sliding_layers_after_a_drop_see_the_context_of_a_dropping_last_chunk(model, drops, windows):
+    """The last chunks drop; a sliding layer after the drop sees, within its window, the context (its last
+    entries copied below the kept rows, `window.copy_context_tail`) and the kept rows, and decode after it the
+    same plus the decoded tokens. Fails without the copy (the window would read the gap's stale entries) and
+    without the context term of `window_counts`."""
     config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
-    _, steps, _, _ = run_chunked(model, config, (1,), windows={0: 24, 2: 24})
+    runtime, steps, prompt_kept, tokens = run_chunked(model, config, drops, windows)
+    assert steps[1][1] == [SkipReason.ELIGIBLE, SkipReason.DECODE, SkipReason.ELIGIBLE]
+    for r in (0, 2):
+        assert len(prompt_kept[r][-1]) < PROMPTS[r] - 30  # the last chunk dropped rows
+        assert set(range(FIRST[r])) <= prompt_kept[r][-1]  # its context stayed whole
+    assert_steps_match_the_reference(model, steps, prompt_kept, tokens, drops, windows)
+
+
+def test_a_last_chunk_too_short_to_hold_its_context_tail_keeps_every_row(model):
+    """A window of 200 needs the context's last 199 (or 128) entries copied below the kept rows; a last chunk of
+    78 or 150 rows dropping half leaves a gap of 39 or 75: it keeps every row (`SkipReason.CONTEXT_TAIL`), and the
+    whole request 1 (no context) still drops."""
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    runtime, steps, prompt_kept, tokens = run_chunked(model, config, (1,), windows={2: 200})
     assert steps[0][1] == [SkipReason.PARTIAL_CHUNK, SkipReason.ELIGIBLE, SkipReason.PARTIAL_CHUNK]
-    assert steps[1][1] == [SkipReason.HAS_CONTEXT, SkipReason.DECODE, SkipReason.HAS_CONTEXT]
+    assert steps[1][1] == [SkipReason.CONTEXT_TAIL, SkipReason.DECODE, SkipReason.CONTEXT_TAIL]
+    assert prompt_kept[0][0] == set(range(PROMPTS[0])) and prompt_kept[2][0] == set(range(PROMPTS[2]))
+    assert runtime.store.get("req-0") is None and runtime.store.get("req-1") is not None
+    assert_steps_match_the_reference(model, steps, prompt_kept, tokens, (1,), {2: 200})
 
 
 def test_the_option_is_on_by_default_and_enters_the_digest_only_when_off():

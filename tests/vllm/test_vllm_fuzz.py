@@ -122,7 +122,9 @@ def test_dropping_under_mode_3_equals_the_eager_rewrite_on_random_steps(runtimes
 
 
 def decode_scenario(seed: int):
-    """(drop layers, windows by layer, prompt lengths, decode steps) of one random multi-step case."""
+    """(drop layers, windows by layer, prompt lengths, decode steps, first chunks) of one random multi-step case;
+    first chunks: None (each prompt prefills in one step), or per prompt the tokens of a first step that does not
+    drop, so the last chunk drops with its context in the cache."""
     rng = random.Random(seed)
     drops = (1,) if rng.random() < 0.5 else (1, 2)
     windows = {}
@@ -131,13 +133,15 @@ def decode_scenario(seed: int):
         windows = {layer: window for layer in (0, 2, 3) if rng.random() < 0.5 and layer not in drops}
         windows[3] = window
     prompts = [rng.randint(2, 400) for _ in range(rng.randint(2, 5))]
-    return drops, windows, prompts, rng.randint(2, 4)
+    decode_steps = rng.randint(2, 4)
+    first = [rng.randint(1, q - 1) for q in prompts] if rng.random() < 0.4 else None
+    return drops, windows, prompts, decode_steps, first
 
 
 def run_decode_scenario(seed: int, decode_graphs: bool):
     """Prefill (eager: some prompts drop) then uniform decode steps, eagerly or down the path of vLLM's full
     decode graphs (forward context FULL, the device tables refilled by `before_step`); the decode outputs."""
-    drops, windows, prompts, steps = decode_scenario(seed)
+    drops, windows, prompts, steps, first = decode_scenario(seed)
     model = TinyBackbone().eval()
     config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
     torch._dynamo.reset()
@@ -149,7 +153,15 @@ def run_decode_scenario(seed: int, decode_graphs: bool):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (sum(prompts),), generator=gen)
     with torch.no_grad():
-        compiled(ids, torch.cat([torch.arange(q) for q in prompts]))
+        if first is None:
+            compiled(ids, torch.cat([torch.arange(q) for q in prompts]))
+        else:  # a first chunk (kept whole), then the last chunks drop with their context in the cache
+            world.num_prompt_tokens = torch.tensor(prompts)
+            offsets = [0] + torch.tensor(prompts).cumsum(0).tolist()
+            for done, todo in ((([0] * len(prompts)), first), (first, [q - f for q, f in zip(prompts, first)])):
+                step(world, done, todo)
+                chunk = torch.cat([ids[o + d:o + d + t] for o, d, t in zip(offsets, done, todo)])
+                compiled(chunk, torch.cat([torch.arange(d, d + t) for d, t in zip(done, todo)]))
     runtime = state["runtime"]
     outputs = []
     for decoded in range(steps):
@@ -166,8 +178,8 @@ def run_decode_scenario(seed: int, decode_graphs: bool):
 
 @pytest.mark.parametrize("group", [0, 1])
 def test_decode_down_the_full_graph_path_equals_eager_decode_on_random_cases(group):
-    """Multi-step cases (2-5 prompts, 1-2 drop points, sliding layers with windows of 8-200 tokens or none,
-    2-4 decode steps): the decode outputs computed through the capture path (what vLLM's default full decode
+    """Multi-step cases (2-5 prompts, some prefilled in two chunks so that the last chunk drops with context, 1-2
+    drop points, sliding layers with windows of 8-200 tokens or none, 2-4 decode steps): the decode outputs computed through the capture path (what vLLM's default full decode
     graphs replay: the later layers' lengths and slots, and sliding layers' windows, counted on the device)
     equal eager decode's, whose host path `test_vllm_rewrite.py` checks against the reference model."""
     for seed in range(500 + group * CASES // 2, 500 + (group + 1) * CASES // 2):

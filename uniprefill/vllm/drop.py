@@ -46,7 +46,8 @@ from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
 from .graph_decode import DecodeTables, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
 
-from .window import paged_window_step, row_logical, warm_up_window_layer, window_counts
+from .window import (copy_context_tail, keep_whole_where_the_tail_does_not_fit, paged_window_step, row_logical,
+                     warm_up_window_layer, window_counts)
 from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
     DropPointRecord, DropTotals, StepDrops, WindowLayer, WindowRows,
 )
@@ -112,16 +113,16 @@ class VllmDropRuntime:
         if self.windows and window_layer_fn is None:
             raise ValueError("windows: sliding layers after a drop need window_layer_fn (their caches and scale)")
         self.window_layer_fn = window_layer_fn
+        self.max_window = max(self.windows.values(), default=0)
         self.graph_decode = None
         if graph_decode_max_reqs:
-            self.graph_decode = DecodeTables(len(self.drop_layers), graph_decode_max_reqs,
-                                             max(self.windows.values(), default=0))
+            self.graph_decode = DecodeTables(len(self.drop_layers), graph_decode_max_reqs, self.max_window)
         self.linear_layers = dict(linear_layers or {})
         self.warm_up_max_seqlen = warm_up_max_seqlen
         self.warm_up_fn = warm_up_fn
         self.vllm_attention: dict[int, Callable] = {}  # layer -> vLLM's attention op the rewrite replaced
         self.store = DropHistoryStore(tuple(self.drop_layers), len(self.layer_names), "cumulative",
-                                      max_window=max(self.windows.values(), default=0))
+                                      max_window=self.max_window)
         self.step = StepDrops()
         self.totals = DropTotals()
         self._static_rows: torch.Tensor | None = None  # `_all_rows`
@@ -200,6 +201,11 @@ class VllmDropRuntime:
         else:
             kept, counts = select_rows(self.config, q, k, layout, eligible, drop_index, len(self.drop_layers),
                                        self._p_of, self.group)
+            if self.windows and drop_index == 0:  # later points keep fewer rows: their gaps are larger
+                kept, counts, refused = keep_whole_where_the_tail_does_not_fit(layout, kept, counts, eligible,
+                                                                               self.max_window)
+                self.step.reasons[refused] = SkipReason.CONTEXT_TAIL
+                eligible = eligible & ~refused
         removed = None  # KV entries the layers after this drop point hold fewer than vLLM counts
         if self.step.history_rows is not None:
             removed = self.store.kv_removed(self.step.history_rows, drop_index + 1)
@@ -291,6 +297,12 @@ class VllmDropRuntime:
         right = self.step.right_layout = compact(entering, kept, counts, align="right")
         groups = self.step.groups
         install_layer_metadata(context.attn_metadata, context.slot_mapping, {n: groups[n] for n in names}, right)
+        with_context = torch.nonzero(eligible & (right.num_computed_tokens_cpu > 0)).flatten().tolist()
+        if with_context:  # close the gap below their kept rows in the layers up to the next drop point
+            following = next((d for d in self.drop_layers if d > layer), len(self.layer_names))
+            for name in names:
+                if self.layer_names.index(name) < following:
+                    copy_context_tail(right, groups[name], with_context, self.max_window, self.window_layer_fn(name))
         request, logical = row_logical(right)
         by_window = {}
         for name in names:
@@ -366,8 +378,8 @@ class VllmDropRuntime:
         prompt = self.num_prompt_tokens_fn()
         if prompt is None:  # no chunking: a request without context holds its whole prompt
             prompt = torch.where(ctx == 0, qlen, ctx)
-        # a prompt whose start is cached drops among this step's tokens (`vllm_context_drops`); not
-        # where sliding layers follow a drop: their window tables assume the prompt starts at 0
-        allow_context = self.config.vllm_context_drops and not self.windows
-        return drop_eligibility(qlen, ctx, prompt, self.config.effective_min_tokens, allow_context=allow_context,
+        # a prompt whose start is cached drops among this step's tokens (`vllm_context_drops`); sliding
+        # layers after a drop see its context through `window.copy_context_tail`
+        return drop_eligibility(qlen, ctx, prompt, self.config.effective_min_tokens,
+                                allow_context=self.config.vllm_context_drops,
                                 opted_out_cpu=self.opted_out_fn())

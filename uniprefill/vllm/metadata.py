@@ -36,6 +36,7 @@ class SkipReason(enum.IntEnum):
     SHORT = 4  # fewer tokens than min_tokens
     OPTED_OUT = 5  # asked for prompt logprobs (every prompt row reaches the logits), or opted out
     CUDA_GRAPH = 6  # the step runs vLLM's piecewise CUDA graphs, captured for a fixed number of rows
+    CONTEXT_TAIL = 7  # sliding layers after a drop: too few rows dropped to hold its context's window tail
 
 
 def drop_eligibility(

@@ -14,6 +14,15 @@ see (entry e holds a position <= e, and a visible entry has a position > p - W).
 
 Visibility is then a contiguous run of cache entries ending at the query's own entry:
 `[e_q - count_q + 1, e_q]`, with count_q <= W (kept positions are distinct and increasing).
+
+A request whose prompt starts in the cache (a prefix-cache hit, the last chunk of a chunked prefill) holds its
+context at natural indices `0 .. ctx - 1`, and right alignment leaves a gap of `qlen - K` unwritten entries
+between the context and its kept rows. Its queries also see the context keys within the window, so the run
+would break at the gap. `copy_context_tail` closes it: it copies the context's last `min(max_window - 1, ctx)`
+entries (every context key a kept or a later decode query can see) into the top of the gap, so the run stays
+contiguous, and entry e still holds a position <= e. The drop keeps such a request whole where the gap is
+shorter than that (`context_tail_fits`). The drop history's window tables list the context positions within
+the window before the kept ones (`DropHistoryStore.add`), so decode counts them as it counts kept prompt keys.
 `window_counts` computes count_q for every row of a step (vectorised, no loop over
 requests); `paged_window_attention` (`uniprefill.kernels.paged_window`: a Triton kernel on
 CUDA, beside its PyTorch reference) reads those entries from vLLM's paged cache and attends.
@@ -47,8 +56,9 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
     """Device [T]: how many cache entries each row's query sees under a window over positions.
 
     layout: the rows after a drop point (positions ORIGINAL, requests' rows in order).
-    dropping_cpu: host bool [R], requests that drop in this step (no cached context: their
-        visible keys are all rows of this step).
+    dropping_cpu: host bool [R], requests that drop in this step: their visible keys are the kept rows of
+        this step within the window, plus the context keys within it (copied below them by
+        `copy_context_tail`).
     store / history_rows_cpu / layer: requests with a drop history (decode after a dropped
         prefill) count their kept prompt keys through `store.window_first_visible`; without a
         history a request holds one entry per position, so its count is min(W, pos + 1).
@@ -68,7 +78,9 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
         keys = request * _SPAN + positions
         first = torch.searchsorted(keys, keys - window + 1)
         in_step = torch.arange(keys.numel(), device=device) - first + 1
-        counts = torch.where(dropping.to(device, non_blocking=True)[request], in_step, counts)
+        ctx = layout.num_computed_tokens_cpu.to(device, non_blocking=True)[request]
+        in_context = torch.clamp(ctx - torch.clamp(positions - window + 1, min=0), min=0)
+        counts = torch.where(dropping.to(device, non_blocking=True)[request], in_step + in_context, counts)
     if store is not None and history_rows_cpu is not None:
         has = store.has_history(history_rows_cpu) & ~dropping
         if bool(has.any()):
@@ -83,6 +95,55 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
             _, count = store.window_first_visible(store_rows, pos, layer, window)
             counts = counts.index_copy(0, rows.to(device, non_blocking=True), count.to(device, non_blocking=True))
     return counts
+
+
+def context_tail(ctx: int, max_window: int) -> int:
+    """How many of a request's `ctx` context entries its kept and decode queries can see: the last W - 1."""
+    return min(max(max_window - 1, 0), int(ctx))
+
+
+def context_tail_fits(layout: TokenLayout, counts_cpu: torch.Tensor, max_window: int) -> torch.Tensor:
+    """Host bool [R]: whether each request's gap after a drop to `counts_cpu` rows holds its context tail."""
+    ctx = layout.num_computed_tokens_cpu
+    tail = torch.clamp(ctx, max=max(max_window - 1, 0))
+    return (layout.query_lens_cpu - counts_cpu) >= tail
+
+
+def keep_whole_where_the_tail_does_not_fit(layout: TokenLayout, kept: torch.Tensor, counts_cpu: torch.Tensor,
+                                           dropping_cpu: torch.Tensor, max_window: int):
+    """(kept, counts, refused) after the first drop point: a dropping request whose gap cannot hold its context
+    tail (`context_tail_fits`) keeps every row instead (always sound); `refused` (host bool [R]) names them."""
+    refused = dropping_cpu & ~context_tail_fits(layout, counts_cpu, max_window)
+    if not bool(refused.any()):
+        return kept, counts_cpu, refused
+    mask = torch.zeros(layout.num_actual_tokens, dtype=torch.bool, device=kept.device)
+    mask[kept] = True
+    whole = _ranges(layout.query_start_loc_cpu[:-1][refused], layout.query_lens_cpu[refused])
+    mask[whole.to(kept.device)] = True
+    return torch.nonzero(mask).flatten(), torch.where(refused, layout.query_lens_cpu, counts_cpu), refused
+
+
+def copy_context_tail(right: TokenLayout, group: int, requests: list[int], max_window: int, cache) -> None:
+    """Copy, for each request in `requests` (dropping, with context), its last `context_tail` context entries into
+    the top of the gap below its right-aligned kept rows, in one sliding layer's paged cache (`cache`: a
+    `drop_records.WindowLayer`, the layer's KV-cache group `group` of `right`)."""
+    table, block = right.block_tables[group], right.block_sizes[group]
+    src, dst, rows = [], [], []
+    for r in requests:
+        ctx = int(right.num_computed_tokens_cpu[r])
+        n = context_tail(ctx, max_window)
+        if n == 0:
+            continue
+        src.append(torch.arange(ctx - n, ctx))
+        dst.append(torch.arange(int(right.kv_base_cpu[r]) - n, int(right.kv_base_cpu[r])))  # kv_base: first kept entry
+        rows.append(torch.full((n,), r))
+    if not src:
+        return
+    device = cache.key_cache.device
+    src, dst, rows = (torch.cat(t).to(device, non_blocking=True) for t in (src, dst, rows))
+    src_blocks, dst_blocks = table[rows, src // block].long(), table[rows, dst // block].long()
+    for c in (cache.key_cache, cache.value_cache):
+        c[dst_blocks, dst % block] = c[src_blocks, src % block]
 
 
 def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, window: int, impl: str) -> None:
