@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fake_vllm import make_world, step
 from fake_vllm_model import BLOCK, VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context, kept_per_request, step_context
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm.metadata import SkipReason
@@ -169,6 +170,66 @@ def test_sliding_layers_after_a_drop_see_the_context_of_a_dropping_last_chunk(mo
         assert len(prompt_kept[r][-1]) < PROMPTS[r] - 30  # the last chunk dropped rows
         assert set(range(FIRST[r])) <= prompt_kept[r][-1]  # its context stayed whole
     assert_steps_match_the_reference(model, steps, prompt_kept, tokens, drops, windows)
+
+
+@pytest.mark.parametrize("drops, windows", [((1,), {2: 300}), ((1, 2), {3: 280}), ((1,), {2: 300, 3: 120}),
+                                            ((1, 3), {2: 300})],
+                         ids=["one-drop", "two-drops", "two-windows", "sliding-between-drops"])
+def test_decode_windows_reach_into_the_copied_context(model, drops, windows):
+    """Windows longer than the last chunk (first chunks of 60 tokens): prefill rows and decode queries see copied
+    context entries, at one or two drop points and in a sliding layer between two drop points. Fails if the drop
+    history's window tables leave the context out, or if a later drop point copies nothing (reviewer's mutations)."""
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    runtime, steps, prompt_kept, tokens = run_chunked(model, config, drops, windows, first=[60, 170, 60])
+    assert steps[1][1] == [SkipReason.ELIGIBLE, SkipReason.DECODE, SkipReason.ELIGIBLE]
+    assert_steps_match_the_reference(model, steps, prompt_kept, tokens, drops, windows)
+
+
+@pytest.mark.parametrize("drops, windows", [((1,), {2: 24}), ((1,), {3: 24}), ((1, 2), {3: 24}), ((1,), {})],
+                         ids=["window-2", "window-3", "two-drops", "no-window"])
+def test_a_prefix_hit_on_blocks_written_in_the_same_step(model, drops, windows):
+    """vLLM publishes a request's full blocks when it schedules them, so a request scheduled later in the same step
+    can hit them: request B's first 48 tokens are request A's blocks (A is short and does not drop), and their KV is
+    written by this very forward. The context copy must run after each sliding layer's KV update (the review's
+    finding: copied at the drop point, it read stale entries and failed for a window at layer 2 or 3)."""
+    ctx, a_len, b_len = 48, 48, 200
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, drops, windows)
+    torch.manual_seed(3)
+    shared = torch.randint(0, VOCAB, (ctx,))
+    tokens_b = torch.cat([shared, torch.randint(0, VOCAB, (b_len,))])
+    world = make_world([a_len, ctx + b_len], layers=4, groups=2, block=BLOCK, kv_heads=2, head_size=16, room=8)
+    world.windows = {world.names[i]: w for i, w in windows.items()}
+    for table in world.tables:  # B's first blocks are A's: a prefix-cache hit
+        table[1, :ctx // BLOCK] = table[0, :ctx // BLOCK]
+    step(world, [0, ctx], [a_len, b_len])
+    world.num_prompt_tokens = torch.tensor([a_len, ctx + b_len])
+    WORLD.context = world
+    with torch.no_grad():
+        hidden = compiled(torch.cat([shared, tokens_b[ctx:]]),
+                          torch.cat([torch.arange(a_len), torch.arange(ctx, ctx + b_len)]))
+    runtime = state["runtime"]
+    assert [SkipReason(int(x)) for x in runtime.step.reasons] == [SkipReason.SHORT, SkipReason.ELIGIBLE]
+    kept = [set(range(ctx)) | {ctx + i for i in kept_per_request(p, [a_len, b_len])[1]} for p in runtime.step.points]
+    own = sorted(p - ctx for p in kept[-1] if p >= ctx)
+    assert len(own) < b_len
+    with torch.no_grad():
+        ref = model.decode_reference(tokens_b, ctx + b_len, kept, drops, windows or None, rows_from=ctx)
+    torch._dynamo.reset()
+    torch.testing.assert_close(hidden[a_len + torch.tensor(own)], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("drops, windows", [((1,), {2: 200, 3: 200}), ((1, 2), {3: 200}), ((1,), {2: 120, 3: 200})])
+def test_decode_graphs_equal_eager_decode_when_decode_sees_the_context(monkeypatch, drops, windows):
+    """The device tables of vLLM's full decode graphs count copied context entries as the host path does."""
+    import test_vllm_fuzz as fuzz
+
+    monkeypatch.setattr(fuzz, "decode_scenario", lambda seed: (drops, windows, [240, 230, 150], 3, [60, 50, 20]))
+    eager, eager_totals = fuzz.run_decode_scenario(900, decode_graphs=False)
+    graphed, graph_totals = fuzz.run_decode_scenario(900, decode_graphs=True)
+    assert eager_totals.requests_dropped == graph_totals.requests_dropped >= 2
+    for want, got in zip(eager, graphed):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_a_last_chunk_too_short_to_hold_its_context_tail_keeps_every_row(model):

@@ -229,6 +229,6 @@ def _context_note(settings: UniPrefillConfig, what: str) -> str:
     """What happens to a prompt whose start is in the KV cache when its last step runs."""
     if settings.vllm_context_drops:
         return (f"{what} drops among the tokens of its last step, its context whole (vllm_context_drops; in models "
-                "with sliding-window layers after a drop point only where that step drops at least the window's "
-                "length of rows, else it runs unaccelerated)")
+                "with sliding-window layers after a drop point only where that step drops at least min(window - 1, "
+                "context) rows, else it runs unaccelerated)")
     return f"{what} runs unaccelerated (vllm_context_drops is off)"

@@ -113,6 +113,8 @@ class VllmDropRuntime:
         if self.windows and window_layer_fn is None:
             raise ValueError("windows: sliding layers after a drop need window_layer_fn (their caches and scale)")
         self.window_layer_fn = window_layer_fn
+        if any(self.layer_names[d] in self.windows for d in self.drop_layers):
+            raise ValueError(f"drop layers {list(self.drop_layers)}: a drop point must be a full-attention layer")
         self.max_window = max(self.windows.values(), default=0)
         self.graph_decode = None
         if graph_decode_max_reqs:
@@ -298,11 +300,13 @@ class VllmDropRuntime:
         groups = self.step.groups
         install_layer_metadata(context.attn_metadata, context.slot_mapping, {n: groups[n] for n in names}, right)
         with_context = torch.nonzero(eligible & (right.num_computed_tokens_cpu > 0)).flatten().tolist()
-        if with_context:  # close the gap below their kept rows in the layers up to the next drop point
+        if with_context:  # close the gap below their kept rows in the layers up to the next drop point, each in
+            # its `window_attention`: after its KV update, since a context block may be written in this very forward
+            # (a prefix-cache hit on blocks another request of the step publishes as it is scheduled)
             following = next((d for d in self.drop_layers if d > layer), len(self.layer_names))
             for name in names:
                 if self.layer_names.index(name) < following:
-                    copy_context_tail(right, groups[name], with_context, self.max_window, self.window_layer_fn(name))
+                    self.step.pending_copies[name] = (right, groups[name], with_context)
         request, logical = row_logical(right)
         by_window = {}
         for name in names:
@@ -340,6 +344,10 @@ class VllmDropRuntime:
         if cache.window is not None and cache.window != self.windows[name]:
             raise RuntimeError(f"{name}: the layer's sliding window is {cache.window}, the rewrite assumed "
                                f"{self.windows[name]}")
+        pending = self.step.pending_copies.pop(name, None)
+        if pending is not None:  # this layer's KV update has run: every context entry of the step is current
+            right, group, requests = pending
+            copy_context_tail(right, group, requests, self.windows[name], cache)
         paged_window_step(query, output, rows, cache, self.windows[name], self.config.impl)
 
     def free(self, request_id: str) -> bool:

@@ -18,10 +18,12 @@ Visibility is then a contiguous run of cache entries ending at the query's own e
 A request whose prompt starts in the cache (a prefix-cache hit, the last chunk of a chunked prefill) holds its
 context at natural indices `0 .. ctx - 1`, and right alignment leaves a gap of `qlen - K` unwritten entries
 between the context and its kept rows. Its queries also see the context keys within the window, so the run
-would break at the gap. `copy_context_tail` closes it: it copies the context's last `min(max_window - 1, ctx)`
-entries (every context key a kept or a later decode query can see) into the top of the gap, so the run stays
-contiguous, and entry e still holds a position <= e. The drop keeps such a request whole where the gap is
-shorter than that (`context_tail_fits`). The drop history's window tables list the context positions within
+would break at the gap. `copy_context_tail` closes it: in each sliding layer, after that layer's KV update (a
+context block may be written in the same forward: a prefix-cache hit on blocks another request of the step
+publishes when it is scheduled), it copies the context's last `min(W - 1, ctx)` entries (every context key a
+kept or a later decode query can see) into the top of the gap, so the run stays contiguous, and entry e still
+holds a position <= e. The drop keeps such a request whole where the gap is shorter than that for the engine's
+largest window (`context_tail_fits`): the copy never writes below `ctx`, into blocks the prefix cache may share. The drop history's window tables list the context positions within
 the window before the kept ones (`DropHistoryStore.add`), so decode counts them as it counts kept prompt keys.
 `window_counts` computes count_q for every row of a step (vectorised, no loop over
 requests); `paged_window_attention` (`uniprefill.kernels.paged_window`: a Triton kernel on
@@ -123,19 +125,25 @@ def keep_whole_where_the_tail_does_not_fit(layout: TokenLayout, kept: torch.Tens
     return torch.nonzero(mask).flatten(), torch.where(refused, layout.query_lens_cpu, counts_cpu), refused
 
 
-def copy_context_tail(right: TokenLayout, group: int, requests: list[int], max_window: int, cache) -> None:
-    """Copy, for each request in `requests` (dropping, with context), its last `context_tail` context entries into
-    the top of the gap below its right-aligned kept rows, in one sliding layer's paged cache (`cache`: a
-    `drop_records.WindowLayer`, the layer's KV-cache group `group` of `right`)."""
+def copy_context_tail(right: TokenLayout, group: int, requests: list[int], window: int, cache) -> None:
+    """Copy, for each request in `requests` (dropping, with context), its last `context_tail(ctx, window)` context
+    entries into the top of the gap below its right-aligned kept rows, in one sliding layer's paged cache
+    (`cache`: a `drop_records.WindowLayer`; its window `window`, its KV-cache group `group` of `right`). Run after
+    the layer's KV update (a context entry may be written in the same forward). The gap must hold them
+    (`context_tail_fits`, checked with the engine's largest window): the copy never writes below `ctx`, where
+    the context's blocks may be shared with other requests through the prefix cache."""
     table, block = right.block_tables[group], right.block_sizes[group]
     src, dst, rows = [], [], []
     for r in requests:
         ctx = int(right.num_computed_tokens_cpu[r])
-        n = context_tail(ctx, max_window)
+        n = context_tail(ctx, window)
         if n == 0:
             continue
+        base = int(right.kv_base_cpu[r])  # the first kept entry
+        if base - n < ctx:
+            raise RuntimeError(f"request {r}: a gap of {base - ctx} entries cannot hold its context tail of {n}")
         src.append(torch.arange(ctx - n, ctx))
-        dst.append(torch.arange(int(right.kv_base_cpu[r]) - n, int(right.kv_base_cpu[r])))  # kv_base: first kept entry
+        dst.append(torch.arange(base - n, base))
         rows.append(torch.full((n,), r))
     if not src:
         return
