@@ -23,8 +23,9 @@ context block may be written in the same forward: a prefix-cache hit on blocks a
 publishes when it is scheduled), it copies the context's last `min(W - 1, ctx)` entries (every context key a
 kept or a later decode query can see) into the top of the gap, so the run stays contiguous, and entry e still
 holds a position <= e. The drop keeps such a request whole where the gap is shorter than that for the engine's
-largest window (`context_tail_fits`): the copy never writes below `ctx`, into blocks the prefix cache may share. The drop history's window tables list the context positions within
-the window before the kept ones (`DropHistoryStore.add`), so decode counts them as it counts kept prompt keys.
+largest window (`context_tail_fits`): the copy never writes below `ctx`, into blocks the prefix cache may share.
+The drop history's window tables list the context positions within the window before the kept ones
+(`DropHistoryStore.add`), so decode counts them as it counts kept prompt keys.
 `window_counts` computes count_q for every row of a step (vectorised, no loop over
 requests); `paged_window_attention` (`uniprefill.kernels.paged_window`: a Triton kernel on
 CUDA, beside its PyTorch reference) reads those entries from vLLM's paged cache and attends.
@@ -99,9 +100,10 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
     return counts
 
 
-def context_tail(ctx: int, max_window: int) -> int:
-    """How many of a request's `ctx` context entries its kept and decode queries can see: the last W - 1."""
-    return min(max(max_window - 1, 0), int(ctx))
+def context_tail(ctx: int, window: int) -> int:
+    """How many of a request's `ctx` context entries its kept and decode queries can see under `window`: the last
+    window - 1."""
+    return min(max(window - 1, 0), int(ctx))
 
 
 def context_tail_fits(layout: TokenLayout, counts_cpu: torch.Tensor, max_window: int) -> torch.Tensor:
