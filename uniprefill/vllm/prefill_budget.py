@@ -1,4 +1,4 @@
-"""One-step prefill: a dropping engine's step budget holds its longest prompt beside a full batch of decodes.
+"""One-step prefill: a dropping engine's step budget holds a prompt of up to 32K tokens beside a full batch of decodes.
 
 vLLM prefills a prompt longer than the step's free budget in chunks (chunked prefill is on by default; the
 budget `max_num_batched_tokens` is 16384 for `LLM` and 8192 for `vllm serve` on an H200, and the running
