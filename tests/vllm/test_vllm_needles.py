@@ -143,3 +143,24 @@ def test_smoke_script_warms_up_one_and_two_prompt_steps_before_timing_batches(mo
     calls.clear()
     measure.run_throughput(FakeLLM(), [64], [1], 32000, [], save=lambda: None)
     assert calls == [1, 1]  # batch 1 only: no two-prompt warm-up
+
+
+def test_throughput_repeats_time_fresh_prompts_and_keep_the_median_run(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
+    durations = iter([0.5, 3.0, 1.0, 2.0])  # the warm-up, then three timed calls
+    clock = [0.0]
+    seen = []
+
+    class FakeLLM:
+        def generate(self, prompts, params, use_tqdm=False):
+            seen.append(tuple(prompts[0]["prompt_token_ids"][:8]))
+            clock[0] += next(durations)
+            return [types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], num_cached_tokens=0, metrics=None)
+                    for p in prompts]
+
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: clock[0])
+    points = []
+    measure.run_throughput(FakeLLM(), [64], [1], 32000, points, save=lambda: None, repeats=3)
+    assert len(set(seen)) == 4  # the warm-up and each repeat on prompts of their own
+    assert points[0]["seconds_each"] == [3.0, 1.0, 2.0] and points[0]["seconds"] == 2.0
+    assert points[0]["tokens_per_s"] == 32.0

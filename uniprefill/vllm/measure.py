@@ -71,8 +71,10 @@ def decode_metrics(outputs, decode_tokens: int) -> dict:
 
 
 def run_throughput(llm, lengths: list[int], batches: list[int], vocab_size: int, points: list, save,
-                   decode_tokens: int = 0) -> None:
-    """Appends one dict per (length, batch) to `points`, calling save() after each. With
+                   decode_tokens: int = 0, repeats: int = 1) -> None:
+    """Appends one dict per (length, batch) to `points`, calling save() after each. `repeats` timed
+    calls per point, each on fresh prompts, give its median (a small model's prefill takes milliseconds,
+    so one call is noise). With
     `decode_tokens`, each point also generates that many tokens after the first from fresh
     prompts of the same shape and records the time per output token (`decode_metrics`)."""
     from vllm import SamplingParams
@@ -90,13 +92,18 @@ def run_throughput(llm, lengths: list[int], batches: list[int], vocab_size: int,
             llm.generate(warm, params, use_tqdm=False)
         warm_s = time.perf_counter() - t0
         for batch in batches:
-            batch_prompts = [{"prompt_token_ids": ids} for ids in token_prompts(length, batch, "timed", vocab_size)]
-            t0 = time.perf_counter()
-            outputs = llm.generate(batch_prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - t0
+            runs = []  # (seconds, outputs) per repeat, each on prompts of its own (no prefix-cache hits)
+            for repeat in range(repeats):
+                tag = "timed" if repeat == 0 else f"timed{repeat}"
+                batch_prompts = [{"prompt_token_ids": ids} for ids in token_prompts(length, batch, tag, vocab_size)]
+                t0 = time.perf_counter()
+                outputs = llm.generate(batch_prompts, params, use_tqdm=False)
+                runs.append((time.perf_counter() - t0, outputs))
+            seconds, outputs = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]  # the median run
             engine = request_metrics(outputs)
             point = {
                 "length": length, "batch": batch, "seconds": round(seconds, 4),
+                "seconds_each": [round(run[0], 4) for run in runs],
                 "tokens_per_s": round(batch * length / seconds, 1), "warmup_s_for_length": round(warm_s, 3),
                 "prompt_lengths_ok": all(len(o.prompt_token_ids) == length for o in outputs),
                 "cached_tokens": max((o.num_cached_tokens or 0) for o in outputs),

@@ -3,7 +3,8 @@
     python3 scripts/gpu/vllm/compare_engines.py STANDARD.json OTHER.json [--out SUMMARY.json]
 
 Parity: per prompt, equal token ids or the first position where they differ (prompt lengths must
-match). Throughput: per (length, batch) point present in both, OTHER's prefill tokens/s over
+match); with OTHER's `--parity-repeat` pass, how many of its outputs equal its first pass's and standard's,
+and how many prompt tokens came from the prefix cache. Throughput: per (length, batch) point present in both, OTHER's prefill tokens/s over
 STANDARD's, the engine-side prefill span ratio, and decode ms per token of each.
 """
 
@@ -28,6 +29,14 @@ def parity(a: dict, b: dict) -> dict | None:
     n = len(pa["output_token_ids"])
     result = {"prompts": n, "identical": n - len(differ), "differ": differ,
               "lengths": [min(pa["prompt_lengths"]), max(pa["prompt_lengths"])]}
+    if "repeat" in pb:  # the same prompts again in OTHER's engine: prefix-cache hits
+        repeat = pb["repeat"]
+        result["repeat"] = {"identical_to_first_pass": sum(x == y for x, y in zip(pb["output_token_ids"],
+                                                                                   repeat["output_token_ids"])),
+                            "identical_to_standard": sum(x == y for x, y in zip(pa["output_token_ids"],
+                                                                                 repeat["output_token_ids"])),
+                            "prompts_with_cached_tokens": sum(c > 0 for c in repeat["cached_tokens"]),
+                            "cached_tokens": sum(repeat["cached_tokens"]), "prompt_tokens": sum(pa["prompt_lengths"])}
     if "output_logprobs" in pa and "output_logprobs" in pb:
         result["logprobs"] = logprob_differences(pa, pb)
     return result

@@ -16,7 +16,10 @@ chunking, caching, AOT compile), the engine's start time, and:
   cut from the haystack with the model's tokenizer), greedy, 16 new tokens each: the token ids
   (`compare_engines.py` compares two runs token for token); all at once (vLLM batches them as they
   arrive: the steps' composition depends on timing) or, `--parity-sequential`, one at a time;
-  `--parity-logprobs` adds each token's logprob (where two runs' numbers first part);
+  `--parity-logprobs` adds each token's logprob (where two runs' numbers first part); `--parity-repeat`
+  generates the same prompts a second time, each request's cached prompt tokens recorded (prefix-cache hits
+  on the blocks the first pass published: a dropping request publishes those of its earlier chunks only),
+  with the second pass's token ids (`compare_engines.py` counts the prompts the two passes agree on);
 * `--throughput-lengths/--throughput-batches`: `uniprefill.vllm.measure.run_throughput` (prefill
   tokens/s of B prompts of exactly L tokens, engine timestamps; `--decode-tokens` more for ms per
   output token);
@@ -111,9 +114,13 @@ def main(argv=None) -> int:
     parser.add_argument("--parity-logprobs", action="store_true",
                         help="also record each generated token's logprob (compare_engines.py finds the first "
                              "position where two runs' logprobs differ: the prefill's, or a decode step's)")
+    parser.add_argument("--parity-repeat", action="store_true",
+                        help="generate the parity prompts again, after the first pass: prefix-cache hits")
     parser.add_argument("--throughput-lengths", default="")
     parser.add_argument("--throughput-batches", default="1,4")
     parser.add_argument("--decode-tokens", type=int, default=0)
+    parser.add_argument("--throughput-repeats", type=int, default=1,
+                        help="timed calls per point, each on fresh prompts; the median counts")
     parser.add_argument("--needles", default="", help="comma-separated needle prompt lengths")
     parser.add_argument("--needle-samples", type=int, default=10, help="prompts per task and length")
     parser.add_argument("--needle-tasks", default="niah_single_1,niah_single_2,niah_single_3,niah_multikey_1")
@@ -183,6 +190,13 @@ def main(argv=None) -> int:
         summary["parity"] = {"seconds": round(time.perf_counter() - start, 2), "sequential": args.parity_sequential,
                              "prompt_lengths": [len(p) for p in prompts],
                              "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
+        summary["parity"]["cached_tokens"] = [o.num_cached_tokens or 0 for o in outputs]
+        if args.parity_repeat:
+            start = time.perf_counter()
+            again = llm.generate(requests, params, use_tqdm=False)
+            summary["parity"]["repeat"] = {"seconds": round(time.perf_counter() - start, 2),
+                                           "cached_tokens": [o.num_cached_tokens or 0 for o in again],
+                                           "output_token_ids": [list(o.outputs[0].token_ids) for o in again]}
         if args.parity_logprobs:  # the sampled token's logprob at each position (float32 from vLLM's sampler)
             summary["parity"]["output_logprobs"] = [
                 [step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
@@ -196,7 +210,8 @@ def main(argv=None) -> int:
         batches = [int(x) for x in args.throughput_batches.split(",")]
         summary["throughput"] = {"points": []}
         run_throughput(llm, lengths, batches, llm.llm_engine.model_config.get_vocab_size(),
-                       summary["throughput"]["points"], save, decode_tokens=args.decode_tokens)
+                       summary["throughput"]["points"], save, decode_tokens=args.decode_tokens,
+                       repeats=args.throughput_repeats)
     if args.uniprefill is not None:
         from uniprefill.vllm.runner_hook import collect_drop_totals
 

@@ -12,11 +12,14 @@
 #   MODEL llama: a Llama-3.1-8B shape (dummy weights, 32K context): prefill throughput at 8192/16384 x batch
 #          1/4 with 8 decode tokens; llama32k: the same at 32000 tokens (longer than vLLM's default step
 #          budget of 16384: chunked)
+#   MODEL gemma: Gemma-3-270M (real weights, 32K; box_install_models.sh cuda): 120 parity prompts (32..~32K
+#          tokens) generated twice (the second pass hits the prefix cache), 80 needle prompts (4096/16384) and,
+#          unless SKIP_THROUGHPUT=1, prefill throughput at 8192/16384/32000 x batch 1/4/16 (median of 5 calls)
 #   VARIANT standard | again (a second standard engine) | nocombo (standard with Inductor's
 #          benchmark_combo_kernel off, as uniprefill's hook sets it) | p1 | p095 | p099 | keep03 (the option:
 #          {"p": 1.0} / {"p": 0.95} / {"p": 0.99} / {"keep_ratio": 0.3, "drop_layers": [7]}, each with
 #          "vllm_drop": true) | p099chunk2k (p099 with max_num_batched_tokens 2048: prompts chunked, the last
-#          chunk drops) | keep03onestep (keep03 with max_num_batched_tokens 32768: prompts in one step) |
+#          chunk drops; p095chunk2k the same at p = 0.95, no throughput) | keep03onestep (keep03 with max_num_batched_tokens 32768: prompts in one step) |
 #          p1keepplan (p1 with the diagnosis aid UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1, sound at p = 1 only) |
 #          p1last (p1 with one drop point, after the last layer but one: SmolLM2's layer 28) | p1nohint (p1 with
 #          Inductor's own unbacked_symint_fallback, 8192, for the kept rows: how uniprefill compiled the
@@ -40,14 +43,24 @@ SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120)
 [[ "${LOGPROBS:-0}" == 1 ]] && SMOLLM2+=(--parity-logprobs)
 [[ "${SEQUENTIAL:-0}" == 1 ]] && SMOLLM2+=(--parity-sequential)
 [[ "${SKIP_THROUGHPUT:-0}" == 1 ]] || SMOLLM2+=(--throughput-lengths 2048,7000 --throughput-batches 1,4,16)
+GEMMA=(--model-dir /tmp/gemma-270m --max-model-len 32768 --parity 120 --parity-repeat)
+[[ "${SKIP_NEEDLES:-0}" == 1 ]] || GEMMA+=(--needles 4096,16384)
+[[ "${SKIP_THROUGHPUT:-0}" == 1 ]] || GEMMA+=(--throughput-lengths 8192,16384,32000 --throughput-batches 1,4,16 --throughput-repeats 5 --decode-tokens 8)
 LLAMA=(--layers 32 --throughput-lengths 8192,16384 --throughput-batches 1,4 --decode-tokens 8)
 LLAMA32K=(--layers 32 --throughput-lengths 32000 --throughput-batches 1,4 --decode-tokens 8)
 declare -A SETTINGS=([standard]="" [p1]='{"p": 1.0, "vllm_drop": true}' [p095]='{"p": 0.95, "vllm_drop": true}'
                      [p099]='{"p": 0.99, "vllm_drop": true}'
                      [keep03]='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}')
+without_throughput() {  # the arguments less --throughput-lengths/--throughput-batches/--decode-tokens and their values
+  local skip=0
+  for a in "$@"; do
+    if (( skip )); then skip=0; continue; fi
+    case "$a" in --throughput-lengths|--throughput-batches|--throughput-repeats|--decode-tokens) skip=1 ;; *) echo "$a" ;; esac
+  done
+}
 for name in "$@"; do
   model="${name%%-*}" variant="${name#*-}"
-  case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; smollm2pw) args=("${SMOLLM2[@]}" --cudagraph-mode PIECEWISE) ;; llama) args=("${LLAMA[@]}") ;; llama32k) args=("${LLAMA32K[@]}") ;;
+  case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; smollm2pw) args=("${SMOLLM2[@]}" --cudagraph-mode PIECEWISE) ;; llama) args=("${LLAMA[@]}") ;; gemma) args=("${GEMMA[@]}") ;; llama32k) args=("${LLAMA32K[@]}") ;;
     *) echo "unknown run $name" >&2; exit 2 ;; esac
   envs=()
   case "$variant" in
@@ -58,6 +71,7 @@ for name in "$@"; do
     p1combo) args+=(--uniprefill "${SETTINGS[p1]}"); envs=(UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK=1) ;;
     nocombo) args+=(--inductor '{"benchmark_combo_kernel": false}') ;;
     p099chunk2k) args+=(--uniprefill "${SETTINGS[p099]}" --max-num-batched-tokens 2048) ;;
+    p095chunk2k) args=($(without_throughput "${args[@]}")); args+=(--uniprefill "${SETTINGS[p095]}" --max-num-batched-tokens 2048) ;;
     keep03onestep) args+=(--uniprefill "${SETTINGS[keep03]}" --max-num-batched-tokens 32768) ;;
     *) [[ -v "SETTINGS[$variant]" ]] || { echo "unknown variant $variant" >&2; exit 2; }
        [[ -n "${SETTINGS[$variant]}" ]] && args+=(--uniprefill "${SETTINGS[$variant]}") ;;
@@ -74,7 +88,7 @@ for name in "$@"; do
   if [[ "$variant" != standard && -f "$OUT/$model-standard.json" ]]; then
     python3 -P "$ROOT/scripts/gpu/vllm/compare_engines.py" "$OUT/$model-standard.json" "$OUT/$name.json" \
       --out "$OUT/compare-$name.json" | python3 -c "import json,sys; d=json.load(sys.stdin); p=d['parity']
-print('$name:', 'parity', p and (p['identical'], p['prompts']), 'throughput', [(r['length'], r['batch'], r['ratio']) for r in d['throughput']], 'drops', str(d['drop_totals'])[:300])"
+print('$name:', 'parity', p and (p['identical'], p['prompts']), 'repeat', p and p.get('repeat'), 'throughput', [(r['length'], r['batch'], r['ratio']) for r in d['throughput']], 'drops', str(d['drop_totals'])[:300])"
     if [[ -f "$OUT/$model-standard.needles.jsonl" && -f "$OUT/$name.needles.jsonl" ]]; then
       python3 -P "$ROOT/scripts/gpu/vllm/needle_parity.py" compare "$OUT/$model-standard.needles.jsonl" \
         "$OUT/$name.needles.jsonl" --out "$OUT/needles-$name.json"
