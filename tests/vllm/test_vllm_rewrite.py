@@ -621,6 +621,44 @@ def test_sliding_layers_after_a_drop_window_over_original_positions(model, decod
     torch._dynamo.reset()
 
 
+def test_the_window_op_gets_the_layer_name_as_a_string_where_vllm_hoists_it(model):
+    """vLLM 0.26 on torch >= 2.11 hands each layer name as a placeholder holding an opaque `LayerName`; the window
+    op's schema takes a string. Passing the placeholder on stopped Gemma-3-270M's first engine on the H200 (Inductor:
+    "Expected a value of type 'str' for argument 'layer_name' but instead found type 'FakeScriptObject'")."""
+    captured = {}
+
+    def capture(gm, example_inputs):
+        captured["gm"] = gm
+        return gm.forward
+
+    WORLD.context = fake_context([40])
+    with torch.no_grad():
+        torch.compile(model, backend=capture, dynamic=True, fullgraph=True)(torch.zeros(40, dtype=torch.long),
+                                                                          torch.arange(40))
+    gm = captured["gm"]
+    first = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.args[4:5] and isinstance(n.args[4], str)]:
+        with gm.graph.inserting_before(first):
+            hoisted = gm.graph.placeholder(f"synthetic_{node.name}")
+        hoisted.meta["example_value"] = types.SimpleNamespace(real_obj=LayerName(node.args[4]))
+        node.update_arg(4, hoisted)
+    info = analyze_vllm_graph(gm)
+    names = [site.layer_name for site in info.sites]
+    runtime = VllmDropRuntime(UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16), names, (1,),
+                              context_fn=lambda: WORLD.context, block_size_fn=lambda name: BLOCK,
+                              windows={names[2]: 24}, window_layer_fn=fake_window_layer)
+    assert rewrite_vllm_graph(gm, info, (1,), ["full", "full", "sliding"], runtime).windowed == 1
+    window_ops = [n for n in gm.graph.nodes if n.target is torch.ops.uniprefill.vllm_window_attention.default]
+    assert [n.args[4] for n in window_ops] == [names[2]]
+
+
+class LayerName:
+    """vLLM's opaque layer-name type, as Dynamo records it (`.value`)."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+
 def test_a_window_over_cache_entries_would_differ(model):
     """The check above has teeth: FlashAttention's window over cache entries (the released
     code's rule) gives a different prefill result than the window over original positions."""

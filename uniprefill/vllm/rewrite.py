@@ -166,13 +166,13 @@ def rewrite_vllm_graph(gm: fx.GraphModule, info: VllmGraphInfo, drop_layers: Seq
     # sliding layers after a drop: a window over original positions instead of vLLM's attention
     for site in sliding_after:
         node = site.attention
-        query, key, value, output, layer_name = _attention_args(node)
+        query, key, value, output, _ = _attention_args(node)
         position = info.position(site.layer)  # the runtime's layer index
         runtime.vllm_attention[position] = node.target  # vLLM's op, for its dummy runs
-        with graph.inserting_before(node):
+        with graph.inserting_before(node):  # the name as a string: vLLM's may be a hoisted opaque LayerName
             replacement = graph.call_function(
                 torch.ops.uniprefill.vllm_window_attention.default,
-                (query, key, value, output, layer_name, position, node.kwargs.get("kv_cache_dummy_dep")))
+                (query, key, value, output, site.layer_name, position, node.kwargs.get("kv_cache_dummy_dep")))
         node.replace_all_uses_with(replacement)
         graph.erase_node(node)
     # the output: scatter token-aligned results back to all rows

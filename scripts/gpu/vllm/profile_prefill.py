@@ -1,0 +1,138 @@
+"""Where one vLLM prefill's device time goes, standard vLLM or with the uniprefill option (GPU box; written after
+Gemma-3-270M came out at 0.69-0.91x of standard vLLM on its defaults, 2026-12-04; not yet run).
+
+    python3 -P scripts/gpu/vllm/profile_prefill.py --model-dir /tmp/gemma-270m --length 32000 --out $OUT/std.json
+    python3 -P scripts/gpu/vllm/profile_prefill.py --model-dir /tmp/gemma-270m --length 32000 \\
+        --uniprefill '{"p": 0.95, "vllm_drop": true}' --out $OUT/p095.json
+    python3 -P scripts/gpu/vllm/profile_prefill.py --compare $OUT/std.json $OUT/p095.json
+
+The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so torch.profiler sees the model runner's
+kernels; everything else is vLLM's defaults (as `defaults_engine.py`). After warm-ups on prompts of their own, it
+times `--repeats` prefills of one prompt of `--length` random token ids (median wall time), then profiles one
+prefill (`max_tokens=1`) and one prefill plus `--decode-tokens` greedy tokens. The JSON holds, for each profile,
+the device time per kernel (top 40) and per kind (`KINDS`: the window kernel, flash attention, GEMMs, Inductor's
+Triton kernels, the score-and-select ops, copies, the rest), and the decode part as the difference of the two.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+
+KINDS = (("window", r"window"),  # uniprefill's paged_window_kernel (kernels/paged_window)
+         ("score/select", r"softmax_stats|combine_stats|token_scores|block_means|select_blocks|kept_offsets|"
+                          r"expand_kept|topk|sort|cumsum|scan"),
+         ("flash attention", r"flash|fmha|attention"), ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas"),
+         ("copy/gather", r"copy|gather|index|scatter|cat"), ("inductor triton", r"^triton_"))
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def device_times(prof) -> dict[str, float]:
+    """Device microseconds per kernel name (self time: each kernel counted once)."""
+    out: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", 0.0)
+        if us > 0 and event.device_type.name == "CUDA":
+            out[event.key] = out.get(event.key, 0.0) + us
+    return out
+
+
+def summary(times: dict[str, float]) -> dict:
+    kinds: dict[str, float] = {}
+    for name, us in times.items():
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + us
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:40]
+    return {"device_ms": round(sum(times.values()) / 1e3, 3),
+            "by_kind_ms": {k: round(v / 1e3, 3) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top_kernels_ms": [[name[:160], round(us / 1e3, 3)] for name, us in top]}
+
+
+def profile(args) -> dict:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from uniprefill.vllm.measure import token_prompts
+
+    kwargs: dict = {"seed": 0, "max_model_len": args.max_model_len}
+    if args.uniprefill:
+        kwargs["compilation_config"] = {"inductor_compile_config": {"uniprefill": json.loads(args.uniprefill)}}
+    llm = LLM(model=str(args.model_dir), tokenizer=str(args.model_dir), **kwargs)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    decode = SamplingParams(max_tokens=1 + args.decode_tokens, temperature=0.0, ignore_eos=True)
+
+    def run(tag: str, params) -> float:
+        prompt = [{"prompt_token_ids": token_prompts(args.length, 1, tag, vocab)[0]}]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for i in range(3):
+        run(f"warm{i}", decode)
+    walls = [run(f"timed{i}", prefill) for i in range(args.repeats)]
+    result = {"settings": vars(args) | {"model_dir": str(args.model_dir)}, "prefill_wall_ms_median":
+              round(1e3 * statistics.median(walls), 3), "prefill_wall_ms": [round(1e3 * w, 3) for w in walls]}
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    profiles = {}
+    for label, params in (("prefill", prefill), ("prefill+decode", decode)):
+        with torch.profiler.profile(activities=activities) as prof:
+            run(f"profiled-{label}", params)
+        profiles[label] = device_times(prof)
+        result[label] = summary(profiles[label])
+    names = set(profiles["prefill"]) | set(profiles["prefill+decode"])
+    result["decode_part"] = summary({n: profiles["prefill+decode"].get(n, 0.0) - profiles["prefill"].get(n, 0.0)
+                                     for n in names})
+    return result
+
+
+def compare(a: dict, b: dict) -> str:
+    lines = [f"prefill wall ms (median): {a['prefill_wall_ms_median']} -> {b['prefill_wall_ms_median']}"]
+    for part in ("prefill", "decode_part"):
+        lines.append(f"{part}: device ms {a[part]['device_ms']} -> {b[part]['device_ms']}")
+        for kind in sorted(set(a[part]["by_kind_ms"]) | set(b[part]["by_kind_ms"])):
+            lines.append(f"  {kind:16s} {a[part]['by_kind_ms'].get(kind, 0.0):9.3f} -> "
+                         f"{b[part]['by_kind_ms'].get(kind, 0.0):9.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path)
+    parser.add_argument("--length", type=int, default=32000)
+    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--uniprefill", default=None, help="JSON of the uniprefill settings (the one option)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("STANDARD", "OTHER"))
+    args = parser.parse_args(argv)
+    if args.compare:
+        print(compare(*(json.loads(p.read_text()) for p in args.compare)))
+        return 0
+    if args.model_dir is None or args.out is None:
+        parser.error("--model-dir and --out are needed to profile")
+    result = profile(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("prefill_wall_ms_median",)} | {
+        part: {"device_ms": result[part]["device_ms"], "by_kind_ms": result[part]["by_kind_ms"]}
+        for part in ("prefill", "decode_part")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
