@@ -3,7 +3,9 @@
 For R rows (the kept tokens of one request after a drop point) it times, with CUDA events
 (median of `--repeats` after a warm-up), one sliding layer's attention three ways:
 
-  (a) triton     -- `kernels.paged_window` (what `VllmDropRuntime.window_attention` runs);
+  (a) triton     -- `kernels.paged_window` (what `VllmDropRuntime.window_attention` runs: the per-row kernel),
+                    and each of its two kernels (`per_row_ms`, `tiled_ms`: the tiled kernel, one read of a key per
+                    tile of rows, not yet measured on a GPU);
   (b) reference  -- its PyTorch reference (row chunks of gathered keys);
   (c) sdpa-window -- for scale: SDPA over the same R rows of one contiguous request with a
                     uniform window of W rows (what FlashAttention's own sliding window costs on
@@ -39,7 +41,8 @@ def _time(fn, repeats: int) -> float:
 
 
 def run_one(rows: int, args) -> dict:
-    from uniprefill.kernels.paged_window import paged_window_attention, paged_window_attention_torch
+    from uniprefill.kernels.paged_window import (paged_window_attention, paged_window_attention_torch,
+                                                 paged_window_attention_triton)
 
     dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -58,6 +61,10 @@ def run_one(rows: int, args) -> dict:
     out = paged_window_attention(*call, **kw, impl="triton")
     ref = paged_window_attention_torch(*call, **kw)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    errors = {}
+    for tiled in (False, True):
+        forced = paged_window_attention_triton(*call, **kw, tiled=tiled)
+        errors[tiled] = ((forced.float() - ref.float()).norm() / ref.float().norm()).item()
     k = key_cache[table[0, logical // block].long(), logical % block]  # [rows, Hk, D], contiguous rows
     v = value_cache[table[0, logical // block].long(), logical % block]
     group = args.heads // args.kv_heads
@@ -68,8 +75,10 @@ def run_one(rows: int, args) -> dict:
     mask = (distance >= 0) & (distance < args.window)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     return {
-        "rows": rows, "rel_err": err,
+        "rows": rows, "rel_err": err, "rel_err_per_row": errors[False], "rel_err_tiled": errors[True],
         "triton_ms": _time(lambda: paged_window_attention(*call, **kw, impl="triton"), args.repeats),
+        "per_row_ms": _time(lambda: paged_window_attention_triton(*call, **kw, tiled=False), args.repeats),
+        "tiled_ms": _time(lambda: paged_window_attention_triton(*call, **kw, tiled=True), args.repeats),
         "reference_ms": _time(lambda: paged_window_attention_torch(*call, **kw), args.repeats),
         "sdpa_window_ms": _time(lambda: sdpa(q4, k4, v4, attn_mask=mask), args.repeats),
     }
@@ -89,11 +98,11 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
     results = [run_one(int(r), args) for r in args.rows.split(",")]
-    print("| rows | triton ms | reference ms | SDPA, uniform window, ms | rel. error |")
+    print("| rows | triton ms (per row / tiled) | reference ms | SDPA, uniform window, ms | rel. error (per row / tiled) |")
     print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['rows']} | {r['triton_ms']:.3f} | {r['reference_ms']:.3f} | {r['sdpa_window_ms']:.3f} "
-              f"| {r['rel_err']:.1e} |")
+        print(f"| {r['rows']} | {r['per_row_ms']:.3f} / {r['tiled_ms']:.3f} | {r['reference_ms']:.3f} "
+              f"| {r['sdpa_window_ms']:.3f} | {r['rel_err_per_row']:.1e} / {r['rel_err_tiled']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"settings": vars(args), "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)

@@ -1,6 +1,15 @@
-"""The Triton kernel of paged sliding-window attention and its launcher (imported only when it runs:
-importing it imports triton). One program per (row, KV head), an online-softmax loop over the row's
-entries in tiles of BLOCK_N, the GQA query heads of that KV head together."""
+"""The Triton kernels of paged sliding-window attention and their launcher (imported only when it runs:
+importing it imports triton).
+
+- `paged_window_kernel`: one program per (row, KV head), an online-softmax loop over the row's entries in tiles
+  of BLOCK_N, the GQA query heads of that KV head together. Each key is read once per row: W keys per row.
+- `paged_window_tiled_kernel`: one program per (BLOCK_M consecutive rows, KV head). Per request among its rows,
+  one loop over the union of those rows' runs of entries, each row masked to its own run: a key is read once per
+  tile of rows. Meant for prefill steps (a request with many rows). Checked against the reference in Triton's CPU
+  interpreter only: the launcher runs it where asked (`tiled=True`, `benchmarks/bench_paged_window.py`) until it is
+  measured on a GPU, and the runtime keeps the per-row kernel.
+
+Both read only entries inside some row's run (blocks behind every window may have been freed and reused)."""
 
 from __future__ import annotations
 
@@ -71,10 +80,87 @@ def paged_window_kernel(
              out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def paged_window_tiled_kernel(
+    Q, K, V, O, TABLE, REQ, LOGICAL, COUNT, tokens,
+    sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, sv_b, sv_n, sv_h, sv_d, so_t, so_h, so_d, st_r, st_b,
+    scale, softcap,
+    CACHE_BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Program (c, h): rows [c * BLOCK_M, (c + 1) * BLOCK_M), KV head h and its GROUP query heads, as BLOCK_M x
+    BLOCK_G query rows. While rows are left: take the smallest request id r among them, run one online softmax
+    over the entries from the smallest first to the largest own entry of r's rows (entry columns no row of r
+    sees are neither read nor counted), and mark r's rows done."""
+    c = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    i = tl.arange(0, BLOCK_M * BLOCK_G)
+    g = i % BLOCK_G
+    t = c * BLOCK_M + i // BLOCK_G
+    t_ok = t < tokens
+    row_ok = t_ok & (g < GROUP)
+    t = tl.where(t_ok, t, 0)
+    req = tl.load(REQ + t).to(tl.int64)
+    own = tl.load(LOGICAL + t).to(tl.int64)
+    first = own - tl.load(COUNT + t).to(tl.int64) + 1
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + t[:, None] * sq_t + (h * GROUP + g)[:, None] * sq_h + d[None, :] * sq_d,
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    m = tl.full((BLOCK_M * BLOCK_G,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_M * BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_M * BLOCK_G, BLOCK_D), tl.float32)
+    big = 1 << 62
+    todo = row_ok
+    while tl.max(todo.to(tl.int32), 0) > 0:
+        r = tl.min(tl.where(todo, req, big), 0)
+        seg = todo & (req == r)
+        lo = tl.min(tl.where(seg, first, big), 0)
+        hi = tl.max(tl.where(seg, own, -1), 0)
+        for start in range(lo, hi + 1, BLOCK_N):
+            idx = start + tl.arange(0, BLOCK_N)
+            visible = seg[:, None] & (idx[None, :] >= first[:, None]) & (idx[None, :] <= own[:, None])
+            seen = tl.max(visible.to(tl.int32), 0) > 0  # a column some row of r sees
+            idx_read = tl.where(seen, idx, hi)  # never read an entry outside every window (freed blocks)
+            blk = tl.load(TABLE + r * st_r + (idx_read // CACHE_BLOCK) * st_b).to(tl.int64)
+            off = idx_read % CACHE_BLOCK
+            k = tl.load(K + blk[:, None] * sk_b + off[:, None] * sk_n + h * sk_h + d[None, :] * sk_d,
+                        mask=d_ok[None, :], other=0.0)
+            v = tl.load(V + blk[:, None] * sv_b + off[:, None] * sv_n + h * sv_h + d[None, :] * sv_d,
+                        mask=seen[:, None] & d_ok[None, :], other=0.0)
+            if FP32_DOT:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * scale
+            if USE_SOFTCAP:
+                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            denom = denom * alpha + tl.sum(p, 1)
+            if FP32_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        todo = todo & (req != r)
+    out = acc / tl.where(row_ok, denom, 1.0)[:, None]
+    tl.store(O + t[:, None] * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d,
+             out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
 def paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                                   *, window: int, scale: float, softcap: float | None = None,
-                                  block_n: int = 64) -> torch.Tensor:
-    """The Triton kernel (see the module docstring); same contract as the reference."""
+                                  block_n: int = 64, tiled: bool = False) -> torch.Tensor:
+    """The Triton kernels (see the module docstring); same contract as the reference. `tiled`: the tiled kernel
+    instead of the per-row one."""
     tokens, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
@@ -82,6 +168,19 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
     if tokens == 0:
         return out
     fp32_dot = query.dtype == torch.float32 or interpret_enabled()  # the interpreter's bf16 dot is wrong
+    if tiled:
+        block_g = next_power_of_2(group)
+        block_m = max(1, 64 // block_g)  # 64 query rows per program (16 x 4 heads for Gemma-3-270M)
+        block_d = max(16, next_power_of_2(dim))
+        paged_window_tiled_kernel[(triton.cdiv(tokens, block_m), kv_heads)](
+            query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, tokens,
+            *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),
+            float(scale), float(softcap or 0.0),
+            CACHE_BLOCK=key_cache.shape[1], GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=dim,
+            BLOCK_D=block_d, BLOCK_N=32 if block_d >= 256 else block_n, USE_SOFTCAP=bool(softcap),
+            FP32_DOT=fp32_dot, num_warps=8 if block_d >= 256 else 4,
+        )
+        return out
     paged_window_kernel[(tokens, kv_heads)](
         query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),

@@ -87,11 +87,14 @@ def test_window_counts_match_the_position_rule(window):
     assert max(got) <= window
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("impl", ["torch", "triton-per-row", "triton-tiled"])
 def test_paged_window_attention_matches_a_dense_reference(impl):
-    """The reference (one chunk and chunks of 3 rows) and the Triton kernel (CPU interpreter
-    here) against a per-row loop; softcap on and off; strided caches as vLLM's views are."""
-    from uniprefill.kernels.paged_window import paged_window_attention_torch
+    """The reference (one chunk and chunks of 3 rows) and both Triton kernels (CPU interpreter
+    here) against a per-row loop; softcap on and off; strided caches as vLLM's views are. Rows of
+    three requests in random order, so a tile of the tiled kernel holds several requests and gaps
+    between its rows' runs; every cache entry outside all runs is NaN (freed blocks hold anything):
+    reading one would show."""
+    from uniprefill.kernels.paged_window import paged_window_attention_torch, paged_window_attention_triton
 
     torch.manual_seed(0)
     heads, kv_heads, dim, block, num_blocks, window = 4, 2, 8, 16, 40, 24
@@ -103,6 +106,11 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
     logical = torch.randint(0, 160, (rows,))
     count = torch.minimum(torch.randint(1, window + 1, (rows,)), logical + 1)
     query = torch.randn(rows, heads, dim)
+    live = torch.zeros(num_blocks, block, dtype=torch.bool)
+    for t in range(rows):
+        idx = torch.arange(int(logical[t]) - int(count[t]) + 1, int(logical[t]) + 1)
+        live[table[request[t], idx // block].long(), idx % block] = True
+    packed.masked_fill_(~live[:, None, :, None], float("nan"))
     scale, softcap = dim ** -0.5, 5.0
     for cap in (None, softcap):
         budgets = (1 << 26, 3 * window * kv_heads * dim) if impl == "torch" else (None,)
@@ -113,7 +121,8 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
             else:  # the CPU interpreter here, the GPU where there is one (fp32 either way)
                 dev = "cuda" if torch.cuda.is_available() else "cpu"
                 moved = [t.to(dev) for t in (query, key_cache, value_cache, table, request, logical, count)]
-                out = paged_window_attention(*moved, window=window, scale=scale, softcap=cap, impl="triton").cpu()
+                out = paged_window_attention_triton(*moved, window=window, scale=scale, softcap=cap,
+                                                    tiled=impl == "triton-tiled").cpu()
             for t in range(rows):
                 idx = torch.arange(int(logical[t]) - int(count[t]) + 1, int(logical[t]) + 1)
                 blocks = table[request[t], idx // block].long()
@@ -136,8 +145,8 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_paged_window_kernel_on_gemma_shapes(dtype):
     """Gemma-3-270M's sliding layers (4 query heads, 1 KV head, head size 256, window 512),
-    vLLM's cache layout, 8K rows after a drop: the Triton kernel against the reference."""
-    from uniprefill.kernels.paged_window import paged_window_attention_torch
+    vLLM's cache layout, 8K rows after a drop: both Triton kernels against the reference."""
+    from uniprefill.kernels.paged_window import paged_window_attention_torch, paged_window_attention_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, kv_heads, dim, block, window, rows = 4, 1, 256, 16, 512, 8192
@@ -150,6 +159,7 @@ def test_gpu_paged_window_kernel_on_gemma_shapes(dtype):
     query = torch.randn(rows, heads, dim, device="cuda", dtype=dtype, generator=gen)
     args = (query, key_cache, value_cache, table, request, logical, count)
     ref = paged_window_attention_torch(*args, window=window, scale=dim ** -0.5)
-    out = paged_window_attention(*args, window=window, scale=dim ** -0.5, impl="triton")
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
+    for tiled in (False, True):
+        out = paged_window_attention_triton(*args, window=window, scale=dim ** -0.5, tiled=tiled)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), (tiled, err)
