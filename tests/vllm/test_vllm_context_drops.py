@@ -173,12 +173,15 @@ def test_sliding_layers_after_a_drop_see_the_context_of_a_dropping_last_chunk(mo
 
 
 @pytest.mark.parametrize("drops, windows", [((1,), {2: 300}), ((1, 2), {3: 280}), ((1,), {2: 300, 3: 120}),
-                                            ((1, 3), {2: 300})],
-                         ids=["one-drop", "two-drops", "two-windows", "sliding-between-drops"])
+                                            ((1, 3), {2: 300}), ((0, 2), {1: 300, 3: 300})],
+                         ids=["one-drop", "two-drops", "two-windows", "sliding-between-drops",
+                              "same-window-before-and-after-a-drop"])
 def test_decode_windows_reach_into_the_copied_context(model, drops, windows):
     """Windows longer than the last chunk (first chunks of 60 tokens): prefill rows and decode queries see copied
     context entries, at one or two drop points and in a sliding layer between two drop points. Fails if the drop
-    history's window tables leave the context out, or if a later drop point copies nothing (reviewer's mutations)."""
+    history's window tables leave the context out, or if a later drop point copies nothing (reviewer's mutations),
+    or if a later drop point's copy reuses the slots planned for an earlier one (the same group and window, another
+    layout)."""
     config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
     runtime, steps, prompt_kept, tokens = run_chunked(model, config, drops, windows, first=[60, 170, 60])
     assert steps[1][1] == [SkipReason.ELIGIBLE, SkipReason.DECODE, SkipReason.ELIGIBLE]

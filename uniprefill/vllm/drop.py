@@ -347,7 +347,7 @@ class VllmDropRuntime:
         pending = self.step.pending_copies.pop(name, None)
         if pending is not None:  # this layer's KV update has run: every context entry of the step is current
             right, group, requests = pending
-            copy_context_tail(right, group, requests, self.windows[name], cache)
+            copy_context_tail(right, group, requests, self.windows[name], cache, self.step.copy_plans)
         paged_window_step(query, output, rows, cache, self.windows[name], self.config.impl)
 
     def free(self, request_id: str) -> bool:

@@ -127,13 +127,31 @@ def keep_whole_where_the_tail_does_not_fit(layout: TokenLayout, kept: torch.Tens
     return torch.nonzero(mask).flatten(), torch.where(refused, layout.query_lens_cpu, counts_cpu), refused
 
 
-def copy_context_tail(right: TokenLayout, group: int, requests: list[int], window: int, cache) -> None:
+def copy_context_tail(right: TokenLayout, group: int, requests: list[int], window: int, cache,
+                      plans: dict | None = None) -> None:
     """Copy, for each request in `requests` (dropping, with context), its last `context_tail(ctx, window)` context
     entries into the top of the gap below its right-aligned kept rows, in one sliding layer's paged cache
     (`cache`: a `drop_records.WindowLayer`; its window `window`, its KV-cache group `group` of `right`). Run after
     the layer's KV update (a context entry may be written in the same forward). The gap must hold them
     (`context_tail_fits`, checked with the engine's largest window): the copy never writes below `ctx`, where
-    the context's blocks may be shared with other requests through the prefix cache."""
+    the context's blocks may be shared with other requests through the prefix cache. `plans` (the step's) keeps
+    the source and destination slots for its later sliding layers of the same layout, group and window."""
+    key = (id(right), group, window)
+    layout, plan = plans.get(key, (None, None)) if plans is not None else (None, None)
+    if layout is not right:  # not planned yet (or an id reused by another layout)
+        plan = context_tail_slots(right, group, requests, window, cache.key_cache.device)
+        if plans is not None:
+            plans[key] = (right, plan)
+    if plan is None:
+        return
+    src_blocks, src_offsets, dst_blocks, dst_offsets = plan
+    for c in (cache.key_cache, cache.value_cache):
+        c[dst_blocks, dst_offsets] = c[src_blocks, src_offsets]
+
+
+def context_tail_slots(right: TokenLayout, group: int, requests: list[int], window: int, device):
+    """(source blocks, source offsets, destination blocks, destination offsets) of `copy_context_tail`'s copy in
+    KV-cache group `group`, or None when no request has a context tail to copy."""
     table, block = right.block_tables[group], right.block_sizes[group]
     src, dst, rows = [], [], []
     for r in requests:
@@ -148,12 +166,9 @@ def copy_context_tail(right: TokenLayout, group: int, requests: list[int], windo
         dst.append(torch.arange(base - n, base))
         rows.append(torch.full((n,), r))
     if not src:
-        return
-    device = cache.key_cache.device
+        return None
     src, dst, rows = (torch.cat(t).to(device, non_blocking=True) for t in (src, dst, rows))
-    src_blocks, dst_blocks = table[rows, src // block].long(), table[rows, dst // block].long()
-    for c in (cache.key_cache, cache.value_cache):
-        c[dst_blocks, dst % block] = c[src_blocks, src % block]
+    return table[rows, src // block].long(), src % block, table[rows, dst // block].long(), dst % block
 
 
 def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, window: int, impl: str) -> None:
