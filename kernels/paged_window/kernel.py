@@ -21,6 +21,32 @@ from .._common import interpret_enabled, next_power_of_2
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, visible, m, denom, acc, scale, softcap, USE_SOFTCAP: tl.constexpr,
+                         FP32_DOT: tl.constexpr):
+    """One tile of keys k / values v ([BLOCK_N, BLOCK_D]) into the running max m, denominator and accumulator of
+    the query rows q, each row seeing the columns `visible` marks. A row that has seen nothing yet stays empty."""
+    if FP32_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * scale
+    if USE_SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    denom = denom * alpha + tl.sum(p, 1)
+    if FP32_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, denom, acc
+
+
+@triton.jit
 def paged_window_kernel(
     Q, K, V, O, TABLE, REQ, LOGICAL, COUNT,
     sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, sv_b, sv_n, sv_h, sv_d, so_t, so_h, so_d, st_r, st_b,
@@ -57,24 +83,8 @@ def paged_window_kernel(
                     mask=d_ok[None, :], other=0.0)
         v = tl.load(V + blk[:, None] * sv_b + off[:, None] * sv_n + h * sv_h + d[None, :] * sv_d,
                     mask=d_ok[None, :], other=0.0)
-        if FP32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
-        if USE_SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        if FP32_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, denom, acc = _online_softmax_step(q, k, v, n_ok[None, :], m, denom, acc, scale, softcap, USE_SOFTCAP,
+                                             FP32_DOT)
     out = acc / denom[:, None]
     tl.store(O + t * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d,
              out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
@@ -131,25 +141,8 @@ def paged_window_tiled_kernel(
                         mask=d_ok[None, :], other=0.0)
             v = tl.load(V + blk[:, None] * sv_b + off[:, None] * sv_n + h * sv_h + d[None, :] * sv_d,
                         mask=seen[:, None] & d_ok[None, :], other=0.0)
-            if FP32_DOT:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)) * scale
-            if USE_SOFTCAP:
-                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet: no NaN
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            denom = denom * alpha + tl.sum(p, 1)
-            if FP32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, denom, acc = _online_softmax_step(q, k, v, visible, m, denom, acc, scale, softcap, USE_SOFTCAP,
+                                                 FP32_DOT)
         todo = todo & (req != r)
     out = acc / tl.where(row_ok, denom, 1.0)[:, None]
     tl.store(O + t[:, None] * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d,
