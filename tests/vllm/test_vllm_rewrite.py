@@ -566,18 +566,29 @@ def free_blocks_behind_the_window(world, seq_lens: list[int], window: int, group
     return freed
 
 
-@pytest.mark.parametrize("decode_graphs, window", [(False, 24), (True, 24), (True, 64)],
-                         ids=["eager-decode", "decode-graph-path", "decode-graph-path-w64"])
-def test_sliding_layers_after_a_drop_window_over_original_positions(model, decode_graphs, window):
+@pytest.mark.parametrize("decode_graphs, window, tiled", [(False, 24, False), (True, 24, False), (True, 64, False),
+                                                    (False, 24, True)],
+                         ids=["eager-decode", "decode-graph-path", "decode-graph-path-w64", "tiled-window-kernel"])
+def test_sliding_layers_after_a_drop_window_over_original_positions(model, monkeypatch, decode_graphs, window, tiled):
     """Layers 0 and 2 slide (window 24, one KV-cache group), the drop is at layer 1: layer 2
     runs `window_attention` over its right-aligned kept keys. Prefill, then vLLM frees the
     blocks behind each window, then two decode steps: every request's hidden state equals the
     reference whose sliding layers see the keys at original positions p - 24 < pos <= p. With
     `decode_graphs` the decode steps run as vLLM captures full decode graphs (vLLM's default
     FULL_AND_PIECEWISE): the window rows come from the device tables `before_step` refills (at window 64
-    dropped prompt positions lie inside a decode token's window: fewer entries than the window)."""
+    dropped prompt positions lie inside a decode token's window: fewer entries than the window). `tiled`: the
+    Triton kernels (CPU interpreter), the prefill step on the tiled one (`UNIPREFILL_DEBUG_TILED_WINDOW`)."""
     windows = {0: window, 2: window}
-    config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64,
+                              impl="triton" if tiled else "auto")
+    launches = []
+    if tiled:
+        from uniprefill.kernels.paged_window import kernel as window_kernels
+
+        run = window_kernels.paged_window_attention_triton
+        monkeypatch.setenv("UNIPREFILL_DEBUG_TILED_WINDOW", "1")
+        monkeypatch.setattr(window_kernels, "paged_window_attention_triton",
+                            lambda *a, **kw: launches.append((a[0].shape[0], kw["tiled"])) or run(*a, **kw))
     compiled, state = compile_with_drops(model, config, (1,), windows, graph_decode_max_reqs=4 if decode_graphs else 0)
     query_lens = [300, 40, 170]
     torch.manual_seed(5)
@@ -618,6 +629,8 @@ def test_sliding_layers_after_a_drop_window_over_original_positions(model, decod
         if window == 64:
             assert int(runtime.step.window_rows[world.names[2]].count[0]) < window
     assert runtime.totals.decode_graph_captures == (2 if decode_graphs else 0)
+    if tiled:  # the prefill step on the tiled kernel, the decode steps (a row per request) on the per-row one
+        assert [t for _, t in launches] == [True, False, False] and launches[0][0] > 3
     torch._dynamo.reset()
 
 

@@ -175,13 +175,15 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
     """One sliding layer's attention after a drop: the window over original positions, read from
     the paged cache (`rows`: a `drop_records.WindowRows`, `cache`: a `drop_records.WindowLayer`);
     writes the first rows of `output`, as vLLM's attention op would."""
+    from uniprefill import env
     from uniprefill.kernels.paged_window import paged_window_attention
 
     tokens = rows.request.numel()
     dim = cache.key_cache.shape[-1]
+    tiled = env.debug_tiled_window() and tokens > rows.block_table.shape[0]  # a prefill step, the A/B aid asked
     result = paged_window_attention(query[:tokens].reshape(tokens, -1, dim), cache.key_cache, cache.value_cache,
                                     rows.block_table, rows.request, rows.logical, rows.count,
-                                    window=window, scale=cache.scale, softcap=cache.softcap, impl=impl)
+                                    window=window, scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled)
     output[:tokens].copy_(result.reshape(output[:tokens].shape))
 
 

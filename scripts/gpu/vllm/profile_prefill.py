@@ -4,6 +4,7 @@ Gemma-3-270M came out at 0.69-0.91x of standard vLLM on its defaults, 2026-12-04
     python3 -P scripts/gpu/vllm/profile_prefill.py --model-dir /tmp/gemma-270m --length 32000 --out $OUT/std.json
     python3 -P scripts/gpu/vllm/profile_prefill.py --model-dir /tmp/gemma-270m --length 32000 \\
         --uniprefill '{"p": 0.95, "vllm_drop": true}' --out $OUT/p095.json
+    UNIPREFILL_DEBUG_TILED_WINDOW=1 python3 -P scripts/gpu/vllm/profile_prefill.py ... --out $OUT/p095-tiled.json
     python3 -P scripts/gpu/vllm/profile_prefill.py --compare $OUT/std.json $OUT/p095.json
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so torch.profiler sees the model runner's
