@@ -3,8 +3,9 @@
     python3 scripts/gpu/vllm/compare_engines.py STANDARD.json OTHER.json [--out SUMMARY.json]
 
 Parity: per prompt, equal token ids or the first position where they differ (prompt lengths must
-match); with OTHER's `--parity-repeat` pass, how many of its outputs equal its first pass's and standard's,
-and how many prompt tokens came from the prefix cache. Throughput: per (length, batch) point present in both, OTHER's prefill tokens/s over
+match); with OTHER's `--parity-repeat` pass, how many of its outputs equal its first pass's and standard's
+(standard's repeat pass where it ran one; standard's own agreement between its two passes beside it), and how
+many prompt tokens came from the prefix cache. Throughput: per (length, batch) point present in both, OTHER's prefill tokens/s over
 STANDARD's, the engine-side prefill span ratio, and decode ms per token of each.
 """
 
@@ -31,10 +32,13 @@ def parity(a: dict, b: dict) -> dict | None:
               "lengths": [min(pa["prompt_lengths"]), max(pa["prompt_lengths"])]}
     if "repeat" in pb:  # the same prompts again in OTHER's engine: prefix-cache hits
         repeat = pb["repeat"]
+        standard_repeat = pa.get("repeat", pa)  # standard's own second pass where it ran one
         result["repeat"] = {"identical_to_first_pass": sum(x == y for x, y in zip(pb["output_token_ids"],
                                                                                    repeat["output_token_ids"])),
-                            "identical_to_standard": sum(x == y for x, y in zip(pa["output_token_ids"],
+                            "identical_to_standard": sum(x == y for x, y in zip(standard_repeat["output_token_ids"],
                                                                                  repeat["output_token_ids"])),
+                            "standard_identical_to_its_first_pass": sum(
+                                x == y for x, y in zip(pa["output_token_ids"], standard_repeat["output_token_ids"])),
                             "prompts_with_cached_tokens": sum(c > 0 for c in repeat["cached_tokens"]),
                             "cached_tokens": sum(repeat["cached_tokens"]), "prompt_tokens": sum(pa["prompt_lengths"])}
     if "output_logprobs" in pa and "output_logprobs" in pb:

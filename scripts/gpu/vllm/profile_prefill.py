@@ -8,7 +8,8 @@ Gemma-3-270M came out at 0.69-0.91x of standard vLLM on its defaults, 2026-12-04
     python3 -P scripts/gpu/vllm/profile_prefill.py --compare $OUT/std.json $OUT/p095.json
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so torch.profiler sees the model runner's
-kernels; everything else is vLLM's defaults (as `defaults_engine.py`). After warm-ups on prompts of their own, it
+kernels; everything else is vLLM's defaults (as `defaults_engine.py`; with uniprefill's option a prompt of up to
+32K tokens is one step, standard vLLM's `LLM` budget of 16384 splits a 32000-token prompt in two). After warm-ups on prompts of their own, it
 times `--repeats` prefills of one prompt of `--length` random token ids (median wall time), then profiles one
 prefill (`max_tokens=1`) and one prefill plus `--decode-tokens` greedy tokens. The JSON holds, for each profile,
 the device time per kernel (top 40) and per kind (`KINDS`: the window kernel, flash attention, GEMMs, Inductor's
@@ -25,11 +26,12 @@ import statistics
 import time
 from pathlib import Path
 
-KINDS = (("window", r"window"),  # uniprefill's paged_window_kernel (kernels/paged_window)
-         ("score/select", r"softmax_stats|combine_stats|token_scores|block_means|select_blocks|kept_offsets|"
-                          r"expand_kept|topk|sort|cumsum|scan"),
-         ("flash attention", r"flash|fmha|attention"), ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas"),
-         ("copy/gather", r"copy|gather|index|scatter|cat"), ("inductor triton", r"^triton_"))
+KINDS = (("inductor triton", r"^triton_"),  # Inductor's generated kernels, whatever they fuse
+         ("window", r"^paged_window"),  # uniprefill's paged window kernels (kernels/paged_window)
+         ("score/select", r"^_(softmax_stats|combine_stats|token_scores|block_means|select_blocks|kept_offsets|"
+                          r"expand_kept)_kernel"),  # uniprefill's score-and-select kernels
+         ("kv write", r"reshape_and_cache"), ("flash attention", r"flash|fmha"),
+         ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas"), ("copy/gather", r"copy|gather|index|scatter|cat"))
 
 
 def kind_of(name: str) -> str:
@@ -85,7 +87,8 @@ def profile(args) -> dict:
     for i in range(3):
         run(f"warm{i}", decode)
     walls = [run(f"timed{i}", prefill) for i in range(args.repeats)]
-    result = {"settings": vars(args) | {"model_dir": str(args.model_dir)}, "prefill_wall_ms_median":
+    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "prefill_wall_ms_median":
               round(1e3 * statistics.median(walls), 3), "prefill_wall_ms": [round(1e3 * w, 3) for w in walls]}
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     profiles = {}
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
         parser.error("--model-dir and --out are needed to profile")
     result = profile(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: result[k] for k in ("prefill_wall_ms_median",)} | {
         part: {"device_ms": result[part]["device_ms"], "by_kind_ms": result[part]["by_kind_ms"]}
         for part in ("prefill", "decode_part")}))
