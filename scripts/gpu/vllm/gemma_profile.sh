@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# On the GPU box (vLLM from box_install.sh, Gemma-3-270M from box_install_models.sh cuda), one call (~6 min):
+# On the GPU box (vLLM from box_install.sh, Gemma-3-270M from box_install_models.sh cuda); each engine takes 2.5-3.5
+# minutes to start, so two calls: RUNS="standard p095" first (with the kernel bench), then RUNS=p095-tiled SKIP_BENCH=1:
 # why Gemma-3-270M on vLLM's defaults at p = 0.95 was 0.68-0.91x standard (docs/results/vllm-gemma-defaults-h200-2026-12-04).
 #   1. both paged-window kernels (per row, tiled) at Gemma's sliding-layer shapes (benchmarks/bench_paged_window.py);
 #   2. one 32000-token prefill and 16 decode tokens under torch.profiler (scripts/gpu/vllm/profile_prefill.py):
 #      standard vLLM, uniprefill p = 0.95, and uniprefill with the tiled window kernel (UNIPREFILL_DEBUG_TILED_WINDOW=1);
 #   3. the side-by-side device time by kernel kind.
-#   bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR
+#   RUNS="standard p095" bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS=p095-tiled SKIP_BENCH=1 bash ... OUT_DIR
 set -uo pipefail
 OUT="${1:?usage: gemma_profile.sh OUT_DIR}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/env.sh"
 bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
-timeout 120 python3 -P "$ROOT/benchmarks/bench_paged_window.py" --rows 4096,16384,32768 --out "$OUT/paged-window.json" \
+[[ "${SKIP_BENCH:-0}" == 1 ]] || timeout 120 python3 -P "$ROOT/benchmarks/bench_paged_window.py" --rows 4096,16384,32768 --out "$OUT/paged-window.json" \
   2>&1 | tee "$OUT/paged-window.log" | tail -6
 P095='{"p": 0.95, "vllm_drop": true}'
-for run in standard p095 p095-tiled; do
+for run in ${RUNS:-standard p095 p095-tiled}; do
   args=(--model-dir /tmp/gemma-270m --length 32000 --out "$OUT/profile-$run.json")
   envs=()
   [[ "$run" != standard ]] && args+=(--uniprefill "$P095")
