@@ -304,9 +304,10 @@ class VllmDropRuntime:
             # its `window_attention`: after its KV update, since a context block may be written in this very forward
             # (a prefix-cache hit on blocks another request of the step publishes as it is scheduled)
             following = next((d for d in self.drop_layers if d > layer), len(self.layer_names))
+            plans: dict = {}  # this drop point's copy slots per (group, window), shared by its sliding layers
             for name in names:
                 if self.layer_names.index(name) < following:
-                    self.step.pending_copies[name] = (right, groups[name], with_context)
+                    self.step.pending_copies[name] = (right, groups[name], with_context, plans)
         request, logical = row_logical(right)
         by_window = {}
         for name in names:
@@ -346,8 +347,8 @@ class VllmDropRuntime:
                                f"{self.windows[name]}")
         pending = self.step.pending_copies.pop(name, None)
         if pending is not None:  # this layer's KV update has run: every context entry of the step is current
-            right, group, requests = pending
-            copy_context_tail(right, group, requests, self.windows[name], cache, self.step.copy_plans)
+            right, group, requests, plans = pending
+            copy_context_tail(right, group, requests, self.windows[name], cache, plans)
         paged_window_step(query, output, rows, cache, self.windows[name], self.config.impl)
 
     def free(self, request_id: str) -> bool:

@@ -99,9 +99,8 @@ class StepDrops:
     layouts: list[TokenLayout] = field(default_factory=list)  # after each drop point
     right_layout: TokenLayout | None = None  # after the last drop point, right-aligned (sliding layers)
     window_rows: dict[str, WindowRows] = field(default_factory=dict)  # sliding layer name -> its rows
-    pending_copies: dict = field(default_factory=dict)  # sliding layer -> (right layout, group, requests): context
-    # tails `window_attention` copies after the layer's KV update (`window.copy_context_tail`)
-    copy_plans: dict = field(default_factory=dict)  # (id(layout), group, window) -> (layout, the copy's slots)
+    pending_copies: dict = field(default_factory=dict)  # sliding layer -> (right layout, group, requests, the drop
+    # point's plans): context tails `window_attention` copies after the layer's KV update (`window.copy_context_tail`)
     profiling: bool = False  # a forward without attention metadata (vLLM's dummy runs)
     changed: bool = False  # a drop point so far removed a row, or a request holds fewer KV entries after one
     graph_base: dict = field(default_factory=dict)  # layer name -> (vLLM's metadata, slot mapping), in a capture

@@ -134,14 +134,12 @@ def copy_context_tail(right: TokenLayout, group: int, requests: list[int], windo
     (`cache`: a `drop_records.WindowLayer`; its window `window`, its KV-cache group `group` of `right`). Run after
     the layer's KV update (a context entry may be written in the same forward). The gap must hold them
     (`context_tail_fits`, checked with the engine's largest window): the copy never writes below `ctx`, where
-    the context's blocks may be shared with other requests through the prefix cache. `plans` (the step's) keeps
-    the source and destination slots for its later sliding layers of the same layout, group and window."""
-    key = (id(right), group, window)
-    layout, plan = plans.get(key, (None, None)) if plans is not None else (None, None)
-    if layout is not right:  # not planned yet (or an id reused by another layout)
-        plan = context_tail_slots(right, group, requests, window, cache.key_cache.device)
-        if plans is not None:
-            plans[key] = (right, plan)
+    the context's blocks may be shared with other requests through the prefix cache. `plans` (one drop point's:
+    one layout) keeps the source and destination slots for its later sliding layers of the same group and window."""
+    plans = {} if plans is None else plans
+    if (group, window) not in plans:
+        plans[group, window] = context_tail_slots(right, group, requests, window, cache.key_cache.device)
+    plan = plans[group, window]
     if plan is None:
         return
     src_blocks, src_offsets, dst_blocks, dst_offsets = plan
