@@ -74,7 +74,17 @@ def run_one(rows: int, args) -> dict:
     distance = logical[:, None] - logical[None, :]
     mask = (distance >= 0) & (distance < args.window)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    variants = {}  # the tiled kernel's tuning knobs: query rows x heads per program, warps
+    for tile_rows, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+        try:
+            def one(tile_rows=tile_rows, warps=warps):
+                return paged_window_attention_triton(*call, **kw, tiled=True, tile_rows=tile_rows, num_warps=warps)
+            rel = ((one().float() - ref.float()).norm() / ref.float().norm()).item()
+            variants[f"rows{tile_rows}-warps{warps}"] = {"ms": _time(one, args.repeats), "rel_err": rel}
+        except Exception as error:  # e.g. out of shared memory at this tile
+            variants[f"rows{tile_rows}-warps{warps}"] = f"{type(error).__name__}: {str(error)[:200]}"
     return {
+        "tiled_variants_ms": variants,
         "rows": rows, "rel_err": err, "rel_err_per_row": errors[False], "rel_err_tiled": errors[True],
         "triton_ms": _time(lambda: paged_window_attention(*call, **kw, impl="triton"), args.repeats),
         "per_row_ms": _time(lambda: paged_window_attention_triton(*call, **kw, tiled=False), args.repeats),

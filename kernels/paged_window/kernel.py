@@ -151,9 +151,11 @@ def paged_window_tiled_kernel(
 
 def paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                                   *, window: int, scale: float, softcap: float | None = None,
-                                  block_n: int = 64, tiled: bool = False) -> torch.Tensor:
+                                  block_n: int = 64, tiled: bool = False, tile_rows: int = 64,
+                                  num_warps: int | None = None) -> torch.Tensor:
     """The Triton kernels (see the module docstring); same contract as the reference. `tiled`: the tiled kernel
-    instead of the per-row one."""
+    instead of the per-row one; `tile_rows` (query rows x heads per program) and `num_warps` are its tuning
+    knobs (benchmarks/bench_paged_window.py compares them)."""
     tokens, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
@@ -163,7 +165,7 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
     fp32_dot = query.dtype == torch.float32 or interpret_enabled()  # the interpreter's bf16 dot is wrong
     if tiled:
         block_g = next_power_of_2(group)
-        block_m = max(1, 64 // block_g)  # 64 query rows per program (16 x 4 heads for Gemma-3-270M)
+        block_m = max(1, tile_rows // block_g)  # 64 query rows per program: 16 x 4 heads for Gemma-3-270M
         block_d = max(16, next_power_of_2(dim))
         paged_window_tiled_kernel[(triton.cdiv(tokens, block_m), kv_heads)](
             query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, tokens,
@@ -171,7 +173,7 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
             float(scale), float(softcap or 0.0),
             CACHE_BLOCK=key_cache.shape[1], GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=dim,
             BLOCK_D=block_d, BLOCK_N=32 if block_d >= 256 else block_n, USE_SOFTCAP=bool(softcap),
-            FP32_DOT=fp32_dot, num_warps=8 if block_d >= 256 else 4,
+            FP32_DOT=fp32_dot, num_warps=num_warps or (8 if block_d >= 256 else 4),
         )
         return out
     paged_window_kernel[(tokens, kv_heads)](

@@ -1,32 +1,31 @@
 #!/usr/bin/env bash
 # On the GPU box (vLLM from box_install.sh, Gemma-3-270M from box_install_models.sh cuda); each engine takes 2.5-3.5
-# minutes to start, so two calls: RUNS="standard p095" first (with the kernel bench), then RUNS=p095-tiled SKIP_BENCH=1:
+# minutes to start, so two calls: RUNS=standard first (with the kernel bench), then RUNS=p095 SKIP_BENCH=1:
 # why Gemma-3-270M on vLLM's defaults at p = 0.95 was 0.68-0.91x standard (docs/results/vllm-gemma-defaults-h200-2026-12-04).
 #   1. both paged-window kernels (per row, tiled) at Gemma's sliding-layer shapes (benchmarks/bench_paged_window.py);
 #   2. one 32000-token prefill and 16 decode tokens under torch.profiler (scripts/gpu/vllm/profile_prefill.py):
-#      standard vLLM, uniprefill p = 0.95, and uniprefill with the tiled window kernel (UNIPREFILL_DEBUG_TILED_WINDOW=1);
+#      standard vLLM, uniprefill p = 0.95, and the same uniprefill engine again with the tiled window kernel
+#      (--tiled-too: UNIPREFILL_DEBUG_TILED_WINDOW=1 set in-process, read at each step);
 #   3. the side-by-side device time by kernel kind.
-#   RUNS="standard p095" bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS=p095-tiled SKIP_BENCH=1 bash ... OUT_DIR
+#   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS=p095 SKIP_BENCH=1 bash ... OUT_DIR
 set -uo pipefail
 OUT="${1:?usage: gemma_profile.sh OUT_DIR}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/env.sh"
 bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
-[[ "${SKIP_BENCH:-0}" == 1 ]] || timeout 120 python3 -P "$ROOT/benchmarks/bench_paged_window.py" --rows 4096,16384,32768 --out "$OUT/paged-window.json" \
+[[ "${SKIP_BENCH:-0}" == 1 ]] || timeout 180 python3 -P "$ROOT/benchmarks/bench_paged_window.py" --rows 4096,16384,32768 --out "$OUT/paged-window.json" \
   2>&1 | tee "$OUT/paged-window.log" | tail -6
 P095='{"p": 0.95, "vllm_drop": true}'
-for run in ${RUNS:-standard p095 p095-tiled}; do
+for run in ${RUNS:-standard p095}; do
   args=(--model-dir /tmp/gemma-270m --length 32000 --out "$OUT/profile-$run.json")
-  envs=()
-  [[ "$run" != standard ]] && args+=(--uniprefill "$P095")
-  [[ "$run" == p095-tiled ]] && envs=(UNIPREFILL_DEBUG_TILED_WINDOW=1)
+  [[ "$run" != standard ]] && args+=(--uniprefill "$P095" --tiled-too)
   start=$(date +%s)
-  env "${envs[@]}" timeout 240 python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/profile-$run.log" 2>&1
+  timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/profile-$run.log" 2>&1
   echo "$run: exit $? in $(( $(date +%s) - start )) s"
   grep -E "Traceback|Error" "$OUT/profile-$run.log" | head -3 | cut -c1-300
 done
-for run in p095 p095-tiled; do
+for run in p095; do
   [[ -f "$OUT/profile-standard.json" && -f "$OUT/profile-$run.json" ]] || continue
   echo "== standard -> $run"
   python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" --compare "$OUT/profile-standard.json" "$OUT/profile-$run.json"

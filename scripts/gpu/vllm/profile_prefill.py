@@ -4,7 +4,7 @@ Gemma-3-270M came out at 0.69-0.91x of standard vLLM on its defaults, 2026-12-04
     python3 -P scripts/gpu/vllm/profile_prefill.py --model-dir /tmp/gemma-270m --length 32000 --out $OUT/std.json
     python3 -P scripts/gpu/vllm/profile_prefill.py --model-dir /tmp/gemma-270m --length 32000 \\
         --uniprefill '{"p": 0.95, "vllm_drop": true}' --out $OUT/p095.json
-    UNIPREFILL_DEBUG_TILED_WINDOW=1 python3 -P scripts/gpu/vllm/profile_prefill.py ... --out $OUT/p095-tiled.json
+    python3 -P scripts/gpu/vllm/profile_prefill.py ... --uniprefill '{...}' --tiled-too --out $OUT/p095.json
     python3 -P scripts/gpu/vllm/profile_prefill.py --compare $OUT/std.json $OUT/p095.json
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so torch.profiler sees the model runner's
@@ -84,22 +84,28 @@ def profile(args) -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    for i in range(3):
-        run(f"warm{i}", decode)
-    walls = [run(f"timed{i}", prefill) for i in range(args.repeats)]
-    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "prefill_wall_ms_median":
-              round(1e3 * statistics.median(walls), 3), "prefill_wall_ms": [round(1e3 * w, 3) for w in walls]}
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    profiles = {}
-    for label, params in (("prefill", prefill), ("prefill+decode", decode)):
-        with torch.profiler.profile(activities=activities) as prof:
-            run(f"profiled-{label}", params)
-        profiles[label] = device_times(prof)
-        result[label] = summary(profiles[label])
-    names = set(profiles["prefill"]) | set(profiles["prefill+decode"])
-    result["decode_part"] = summary({n: profiles["prefill+decode"].get(n, 0.0) - profiles["prefill"].get(n, 0.0)
-                                     for n in names})
+    def measure(tag: str) -> dict:
+        for i in range(3):
+            run(f"{tag}warm{i}", decode)
+        walls = [run(f"{tag}timed{i}", prefill) for i in range(args.repeats)]
+        out = {"prefill_wall_ms_median": round(1e3 * statistics.median(walls), 3),
+               "prefill_wall_ms": [round(1e3 * w, 3) for w in walls]}
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        profiles = {}
+        for label, params in (("prefill", prefill), ("prefill+decode", decode)):
+            with torch.profiler.profile(activities=activities) as prof:
+                run(f"{tag}profiled-{label}", params)
+            profiles[label] = device_times(prof)
+            out[label] = summary(profiles[label])
+        names = set(profiles["prefill"]) | set(profiles["prefill+decode"])
+        out["decode_part"] = summary({n: profiles["prefill+decode"].get(n, 0.0) - profiles["prefill"].get(n, 0.0)
+                                      for n in names})
+        return out
+
+    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}} | measure("")
+    if args.tiled_too:  # the same engine again with the tiled window kernel: the debugging aid is read at each step
+        os.environ["UNIPREFILL_DEBUG_TILED_WINDOW"] = "1"
+        result["tiled"] = measure("tiled-")
     return result
 
 
@@ -110,6 +116,9 @@ def compare(a: dict, b: dict) -> str:
         for kind in sorted(set(a[part]["by_kind_ms"]) | set(b[part]["by_kind_ms"])):
             lines.append(f"  {kind:16s} {a[part]['by_kind_ms'].get(kind, 0.0):9.3f} -> "
                          f"{b[part]['by_kind_ms'].get(kind, 0.0):9.3f}")
+    if "tiled" in b:
+        lines.append("-- the same engine with the tiled window kernel:")
+        lines.append(compare(a, b["tiled"]))
     return "\n".join(lines)
 
 
@@ -122,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--tiled-too", action="store_true",
+                        help="then time and profile again with the tiled window kernel (UNIPREFILL_DEBUG_TILED_WINDOW)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("STANDARD", "OTHER"))
     args = parser.parse_args(argv)
     if args.compare:
@@ -132,9 +143,11 @@ def main(argv=None) -> int:
     result = profile(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
-    print(json.dumps({k: result[k] for k in ("prefill_wall_ms_median",)} | {
-        part: {"device_ms": result[part]["device_ms"], "by_kind_ms": result[part]["by_kind_ms"]}
-        for part in ("prefill", "decode_part")}))
+    for label, one in (("", result), ("tiled: ", result.get("tiled"))):
+        if one:
+            print(label + json.dumps({"prefill_wall_ms_median": one["prefill_wall_ms_median"]} | {
+                part: {"device_ms": one[part]["device_ms"], "by_kind_ms": one[part]["by_kind_ms"]}
+                for part in ("prefill", "decode_part")}))
     return 0
 
 
