@@ -7,6 +7,7 @@
 #      standard vLLM, uniprefill p = 0.95, and the same uniprefill engine again with the tiled window kernel
 #      (--tiled-too: UNIPREFILL_DEBUG_TILED_WINDOW=1 set in-process, read at each step);
 #   3. the side-by-side device time by kernel kind.
+# HOST=1 adds the host's side (profile_prefill.py --host: cProfile of one prefill, the top host calls).
 #   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS=p095 SKIP_BENCH=1 bash ... OUT_DIR
 set -uo pipefail
 OUT="${1:?usage: gemma_profile.sh OUT_DIR}"
@@ -20,6 +21,7 @@ P095='{"p": 0.95, "vllm_drop": true}'
 for run in ${RUNS:-standard p095}; do
   args=(--model-dir /tmp/gemma-270m --length 32000 --out "$OUT/profile-$run.json")
   [[ "$run" != standard ]] && args+=(--uniprefill "$P095" --tiled-too)
+  [[ "${HOST:-0}" == 1 ]] && args+=(--host)
   start=$(date +%s)
   timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/profile-$run.log" 2>&1
   echo "$run: exit $? in $(( $(date +%s) - start )) s"

@@ -51,6 +51,35 @@ def device_times(prof) -> dict[str, float]:
     return out
 
 
+def host_times(prof, top: int = 30) -> list:
+    """The host's self time per operator or runtime call (cudaStreamSynchronize, cudaMemcpyAsync: where the host
+    waits for the device), top `top`, milliseconds."""
+    rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    return [[name[:120], round(us / 1e3, 3), count] for name, us, count in sorted(rows, key=lambda r: -r[1])[:top]]
+
+
+def python_profile(fn, top: int = 40) -> dict:
+    """cProfile of one call: the Python functions by own time and by cumulative time (milliseconds, calls)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
+
+    def name(key):
+        file, line, func = key
+        return f"{'/'.join(file.split('/')[-3:])}:{line}({func})"
+
+    def ranked(index):
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][index])[:top]
+        return [[name(k), round(1e3 * v[index], 3), v[1]] for k, v in rows]
+    return {"total_ms": round(1e3 * max(v[3] for v in stats.values()), 3), "by_own_time": ranked(2),
+            "by_cumulative_time": ranked(3)}
+
+
 def summary(times: dict[str, float]) -> dict:
     kinds: dict[str, float] = {}
     for name, us in times.items():
@@ -90,6 +119,9 @@ def profile(args) -> dict:
         walls = [run(f"{tag}timed{i}", prefill) for i in range(args.repeats)]
         out = {"prefill_wall_ms_median": round(1e3 * statistics.median(walls), 3),
                "prefill_wall_ms": [round(1e3 * w, 3) for w in walls]}
+        if args.host:  # the host's side before any torch.profiler session (CUPTI can slow later launches)
+            for label, params in (("prefill", prefill), ("prefill+decode", decode)):
+                out[f"host_python_{label}"] = python_profile(lambda: run(f"{tag}cprofiled-{label}", params))
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         profiles = {}
         for label, params in (("prefill", prefill), ("prefill+decode", decode)):
@@ -97,6 +129,7 @@ def profile(args) -> dict:
                 run(f"{tag}profiled-{label}", params)
             profiles[label] = device_times(prof)
             out[label] = summary(profiles[label])
+            out[label]["host_top_ms"] = host_times(prof)
         names = set(profiles["prefill"]) | set(profiles["prefill+decode"])
         out["decode_part"] = summary({n: profiles["prefill+decode"].get(n, 0.0) - profiles["prefill"].get(n, 0.0)
                                       for n in names})
@@ -131,6 +164,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--host", action="store_true",
+                        help="also the host's side: cProfile of one prefill and one prefill+decode, and the top "
+                             "host calls of the torch.profiler sessions")
     parser.add_argument("--tiled-too", action="store_true",
                         help="then time and profile again with the tiled window kernel (UNIPREFILL_DEBUG_TILED_WINDOW)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("STANDARD", "OTHER"))
