@@ -11,7 +11,8 @@ For R rows (the kept tokens of one request after a drop point) it times, with CU
                     uniform window of W rows (what FlashAttention's own sliding window costs on
                     the same rows; it reads each key once per tile, not once per query row),
 
-and checks (a) against (b). Shapes: Gemma-3-270M's sliding layers by default (4 query heads,
+and checks (a) against (b); then decode steps (`--decode-rows`: a row per request at the end of a full window)
+on the per-row kernel with 1, 2, 4 and 8 programs a row (split-KV). Shapes: Gemma-3-270M's sliding layers by default (4 query heads,
 1 KV head, head size 256, window 512, block 16), bf16; `--heads 16 --kv-heads 8 --head-dim 256
 --window 1024` for Gemma-3-12B's. Prints a Markdown table; `--out` writes JSON.
 
@@ -94,9 +95,38 @@ def run_one(rows: int, args) -> dict:
     }
 
 
+def run_decode(rows: int, args) -> dict:
+    """A decode step: `rows` requests, one row each at the end of a full window (entry 4095 of its own 256
+    blocks): the per-row kernel with one program per row and KV head, and split over 2-8 programs a row."""
+    from uniprefill.kernels.paged_window import paged_window_attention_torch, paged_window_attention_triton
+
+    dev, dtype = "cuda", torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(1)
+    per_request = 4096 // args.block
+    packed = torch.randn(rows * per_request + 1, args.kv_heads, args.block, 2 * args.head_dim, device=dev,
+                         dtype=dtype, generator=gen)
+    key_cache, value_cache = packed.transpose(1, 2).split(args.head_dim, dim=-1)
+    table = (torch.randperm(rows * per_request, device=dev, generator=gen) + 1).int().view(rows, per_request)
+    request = torch.arange(rows, device=dev)
+    logical = torch.full((rows,), 4095, device=dev)
+    count = torch.full((rows,), args.window, device=dev)
+    query = torch.randn(rows, args.heads, args.head_dim, device=dev, dtype=dtype, generator=gen)
+    call = (query, key_cache, value_cache, table, request, logical, count)
+    kw = dict(window=args.window, scale=args.head_dim ** -0.5)
+    ref = paged_window_attention_torch(*call, **kw)
+    out = {"rows": rows}
+    for splits in (1, 2, 4, 8):
+        def one(splits=splits):
+            return paged_window_attention_triton(*call, **kw, splits=splits)
+        out[f"splits{splits}"] = {"ms": _time(one, args.repeats),
+                                  "rel_err": ((one().float() - ref.float()).norm() / ref.float().norm()).item()}
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="4096,16384,32768")
+    parser.add_argument("--decode-rows", default="1,4,16,64", help="decode steps of this many requests ('' for none)")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=1)
     parser.add_argument("--head-dim", type=int, default=256)
@@ -113,9 +143,16 @@ def main(argv=None) -> None:
     for r in results:
         print(f"| {r['rows']} | {r['per_row_ms']:.3f} / {r['tiled_ms']:.3f} | {r['reference_ms']:.3f} "
               f"| {r['sdpa_window_ms']:.3f} | {r['rel_err_per_row']:.1e} / {r['rel_err_tiled']:.1e} |")
+    decode = [run_decode(int(r), args) for r in args.decode_rows.split(",") if r]
+    if decode:
+        print("| decode rows | per-row kernel ms: 1 / 2 / 4 / 8 programs a row |")
+        print("|---|---|")
+        for r in decode:
+            print(f"| {r['rows']} | " + " / ".join(f"{r[f'splits{s}']['ms']:.4f}" for s in (1, 2, 4, 8)) + " |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"settings": vars(args), "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+            json.dump({"settings": vars(args), "device": torch.cuda.get_device_name(), "results": results,
+                       "decode": decode}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,12 @@ Read:
     UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK: "1" leaves Inductor's `benchmark_combo_kernel` as vLLM
         set it in a rewritten mode-3 graph (`debug_keep_combo_benchmark()`): a diagnosis aid of
         p = 1 parity (`uniprefill.vllm.piecewise`), which may fail to compile.
-    UNIPREFILL_DEBUG_TILED_WINDOW: "1" runs the tiled paged-window kernel in the prefill steps of vLLM's sliding
-        layers after a drop (`debug_tiled_window()`, `uniprefill.vllm.window`): an A/B aid until that kernel is
-        measured on a GPU, never a setting.
+    UNIPREFILL_DEBUG_PER_ROW_WINDOW: "1" runs the per-row paged-window kernel in the prefill steps of vLLM's
+        sliding layers after a drop too, where the tiled one runs otherwise (`debug_per_row_window()`,
+        `uniprefill.vllm.window`): an A/B aid, never a setting.
+    UNIPREFILL_DEBUG_SPLIT_WINDOW: "1" splits each row of the per-row paged-window kernel over several programs in
+        steps of few rows (decode; `debug_split_window()`, `uniprefill.vllm.window.split_count`): an A/B aid until
+        that is measured on a GPU, never a setting.
     TRITON_INTERPRET: Triton's own switch ("1": run Triton kernels in its CPU interpreter);
         `uniprefill.kernels` reads it (kernels/_common.py) to allow Triton on CPU tensors.
         tests/conftest.py sets it when there is no CUDA device.
@@ -115,9 +118,14 @@ def debug_keep_combo_benchmark() -> bool:
     return os.environ.get("UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK", "") == "1"
 
 
-def debug_tiled_window() -> bool:
-    """UNIPREFILL_DEBUG_TILED_WINDOW == "1" (an A/B aid of the vLLM sliding layers' window kernel, never a setting)."""
-    return os.environ.get("UNIPREFILL_DEBUG_TILED_WINDOW", "") == "1"
+def debug_split_window() -> bool:
+    """UNIPREFILL_DEBUG_SPLIT_WINDOW == "1" (an A/B aid of the vLLM sliding layers' window kernel, never a setting)."""
+    return os.environ.get("UNIPREFILL_DEBUG_SPLIT_WINDOW", "") == "1"
+
+
+def debug_per_row_window() -> bool:
+    """UNIPREFILL_DEBUG_PER_ROW_WINDOW == "1" (an A/B aid of the vLLM sliding layers' window kernel, never a setting)."""
+    return os.environ.get("UNIPREFILL_DEBUG_PER_ROW_WINDOW", "") == "1"
 
 
 def prepare_vllm_channel() -> None:

@@ -42,19 +42,20 @@ def _check(query, key_cache, value_cache, block_table, row_request, row_logical,
 
 def paged_window_attention(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                            *, window: int, scale: float, softcap: float | None = None,
-                           impl: str = "auto", tiled: bool = False) -> torch.Tensor:
+                           impl: str = "auto", tiled: bool = False, splits: int = 1) -> torch.Tensor:
     """[T, Hq, D]: each row's attention over its own run of paged cache entries (module docstring).
 
     query [T, Hq, D]; key_cache, value_cache [num_blocks, B, Hk, D] (any strides: vLLM's
     FlashAttention cache views); block_table [R, max_blocks]; row_request, row_logical,
     row_count [T] ints (1 <= count <= window, count <= logical + 1). `tiled`: Triton's tiled kernel
-    (`kernel.py`) instead of the per-row one."""
+    (`kernel.py`) instead of the per-row one; `splits`: the per-row kernel's programs per row (split-KV)."""
     _check(query, key_cache, value_cache, block_table, row_request, row_logical, row_count, window)
     if resolve_impl(impl, query.device) == "triton":
         from .kernel import paged_window_attention_triton
 
         return paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical,
-                                             row_count, window=window, scale=scale, softcap=softcap, tiled=tiled)
+                                             row_count, window=window, scale=scale, softcap=softcap, tiled=tiled,
+                                             splits=splits)
     return paged_window_attention_torch(query, key_cache, value_cache, block_table, row_request, row_logical,
                                         row_count, window=window, scale=scale, softcap=softcap)
 

@@ -5,9 +5,11 @@ importing it imports triton).
   of BLOCK_N, the GQA query heads of that KV head together. Each key is read once per row: W keys per row.
 - `paged_window_tiled_kernel`: one program per (BLOCK_M consecutive rows, KV head). Per request among its rows,
   one loop over the union of those rows' runs of entries, each row masked to its own run: a key is read once per
-  tile of rows. Meant for prefill steps (a request with many rows). Checked against the reference in Triton's CPU
-  interpreter only: the launcher runs it where asked (`tiled=True`, `benchmarks/bench_paged_window.py`) until it is
-  measured on a GPU, and the runtime keeps the per-row kernel.
+  tile of rows. For prefill steps (a request with many rows): the runtime runs it there (`uniprefill.vllm.window`),
+  the per-row kernel in decode steps. On the H200 (2026-12-04, Gemma-3-270M's sliding layers, 32K rows of one
+  request): 0.61 ms against the per-row kernel's 3.52 (128 query rows x heads per program, 8 warps; 64 rows:
+  0.75-0.93 ms); in a 32K prefill on vLLM it cut the window kernels' device time from 17.5 to 4.7 ms
+  (docs/results/vllm-gemma-profile-h200-2026-12-04).
 
 Both read only entries inside some row's run (blocks behind every window may have been freed and reused)."""
 
@@ -48,16 +50,21 @@ def _online_softmax_step(q, k, v, visible, m, denom, acc, scale, softcap, USE_SO
 
 @triton.jit
 def paged_window_kernel(
-    Q, K, V, O, TABLE, REQ, LOGICAL, COUNT,
+    Q, K, V, O, TABLE, REQ, LOGICAL, COUNT, PART_M, PART_L, PART_ACC,
     sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, sv_b, sv_n, sv_h, sv_d, so_t, so_h, so_d, st_r, st_b,
     scale, softcap,
     CACHE_BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
-    """Program (t, h): query row t, KV head h and its GROUP query heads; online softmax over
-    the entries [logical[t] - count[t] + 1, logical[t]] of request req[t], BLOCK_N at a time."""
+    """Program (t, h, s): query row t, KV head h and its GROUP query heads; online softmax over
+    the entries [logical[t] - count[t] + 1, logical[t]] of request req[t], BLOCK_N at a time. With SPLITS > 1
+    program s takes the s-th of SPLITS runs of whole BLOCK_N tiles of those entries and writes its running max,
+    denominator and unnormalised accumulator to PART_M / PART_L [T, Hk, SPLITS, BLOCK_G] and PART_ACC [T, Hk,
+    SPLITS, BLOCK_G, BLOCK_D] (fp32, contiguous) for `paged_window_combine_kernel`."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2).to(tl.int64)
     req = tl.load(REQ + t).to(tl.int64)
     own = tl.load(LOGICAL + t).to(tl.int64)
     count = tl.load(COUNT + t).to(tl.int64)
@@ -73,9 +80,12 @@ def paged_window_kernel(
     m = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_G,), tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-    for start in range(0, count, BLOCK_N):
+    chunk = tl.cdiv(tl.cdiv(count, SPLITS), BLOCK_N) * BLOCK_N  # this program's entries: [lo, hi) of the run
+    lo = split * chunk
+    hi = tl.minimum(count, lo + chunk)
+    for start in range(lo, hi, BLOCK_N):
         idx = first + start + tl.arange(0, BLOCK_N)
-        n_ok = idx <= own
+        n_ok = start + tl.arange(0, BLOCK_N) < hi
         idx = tl.where(n_ok, idx, own)  # never read outside the window (freed blocks)
         blk = tl.load(TABLE + req * st_r + (idx // CACHE_BLOCK) * st_b).to(tl.int64)
         off = idx % CACHE_BLOCK
@@ -85,9 +95,41 @@ def paged_window_kernel(
                     mask=d_ok[None, :], other=0.0)
         m, denom, acc = _online_softmax_step(q, k, v, n_ok[None, :], m, denom, acc, scale, softcap, USE_SOFTCAP,
                                              FP32_DOT)
+    if SPLITS == 1:
+        out = acc / denom[:, None]
+        tl.store(O + t * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d,
+                 out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        part = (t * tl.num_programs(1) + h) * SPLITS + split
+        tl.store(PART_M + part * BLOCK_G + g, m)
+        tl.store(PART_L + part * BLOCK_G + g, denom)
+        tl.store(PART_ACC + (part * BLOCK_G + g)[:, None] * BLOCK_D + d[None, :], acc)
+
+
+@triton.jit
+def paged_window_combine_kernel(PART_M, PART_L, PART_ACC, O, so_t, so_h, so_d, GROUP: tl.constexpr,
+                                BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                SPLITS: tl.constexpr):
+    """Program (t, h): merge the SPLITS partial softmaxes `paged_window_kernel` wrote for row t, KV head h
+    (a split that saw no entry holds max -inf, denominator 0 and adds nothing)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    base = (t * tl.num_programs(1) + h) * SPLITS
+    m_all = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        m_all = tl.maximum(m_all, tl.load(PART_M + (base + s) * BLOCK_G + g))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    denom = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for s in range(SPLITS):
+        w = tl.exp(tl.load(PART_M + (base + s) * BLOCK_G + g) - m_safe)
+        denom += w * tl.load(PART_L + (base + s) * BLOCK_G + g)
+        acc += w[:, None] * tl.load(PART_ACC + ((base + s) * BLOCK_G + g)[:, None] * BLOCK_D + d[None, :])
     out = acc / denom[:, None]
     tl.store(O + t * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d,
-             out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+             out.to(O.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -151,11 +193,14 @@ def paged_window_tiled_kernel(
 
 def paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                                   *, window: int, scale: float, softcap: float | None = None,
-                                  block_n: int = 64, tiled: bool = False, tile_rows: int = 64,
-                                  num_warps: int | None = None) -> torch.Tensor:
+                                  block_n: int = 64, tiled: bool = False, tile_rows: int | None = None,
+                                  num_warps: int | None = None, splits: int = 1) -> torch.Tensor:
     """The Triton kernels (see the module docstring); same contract as the reference. `tiled`: the tiled kernel
     instead of the per-row one; `tile_rows` (query rows x heads per program) and `num_warps` are its tuning
-    knobs (benchmarks/bench_paged_window.py compares them)."""
+    knobs (benchmarks/bench_paged_window.py compares them). Their defaults: 128 and 8 at head sizes of 256 (the
+    fastest of four on the H200 at Gemma-3's shapes), 64 and 4 below (not timed). `splits` (a power of two; per-row
+    kernel): each row's entries over that many programs, merged by `paged_window_combine_kernel` (split-KV, for
+    steps of few rows: a decode step at batch 1 is otherwise one program per KV head)."""
     tokens, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
@@ -165,8 +210,9 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
     fp32_dot = query.dtype == torch.float32 or interpret_enabled()  # the interpreter's bf16 dot is wrong
     if tiled:
         block_g = next_power_of_2(group)
-        block_m = max(1, tile_rows // block_g)  # 64 query rows per program: 16 x 4 heads for Gemma-3-270M
         block_d = max(16, next_power_of_2(dim))
+        tile_rows = tile_rows or (128 if block_d >= 256 else 64)
+        block_m = max(1, tile_rows // block_g)  # 128 query rows per program: 32 rows x 4 heads for Gemma-3-270M
         paged_window_tiled_kernel[(triton.cdiv(tokens, block_m), kv_heads)](
             query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, tokens,
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),
@@ -176,12 +222,24 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
             FP32_DOT=fp32_dot, num_warps=num_warps or (8 if block_d >= 256 else 4),
         )
         return out
-    paged_window_kernel[(tokens, kv_heads)](
-        query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count,
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits={splits}: expected a power of two")
+    block_g, block_d = max(16, next_power_of_2(group)), max(16, next_power_of_2(dim))
+    part_m = part_l = part_acc = out  # unused with one split
+    if splits > 1:
+        part_m = torch.empty(tokens, kv_heads, splits, block_g, device=query.device, dtype=torch.float32)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(tokens, kv_heads, splits, block_g, block_d, device=query.device, dtype=torch.float32)
+    paged_window_kernel[(tokens, kv_heads, splits)](
+        query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, part_m, part_l, part_acc,
         *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),
         float(scale), float(softcap or 0.0),
-        CACHE_BLOCK=key_cache.shape[1], GROUP=group, BLOCK_G=max(16, next_power_of_2(group)),
-        HEAD_DIM=dim, BLOCK_D=max(16, next_power_of_2(dim)), BLOCK_N=block_n,
-        USE_SOFTCAP=bool(softcap), FP32_DOT=fp32_dot,
+        CACHE_BLOCK=key_cache.shape[1], GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        USE_SOFTCAP=bool(softcap), FP32_DOT=fp32_dot, SPLITS=splits,
     )
+    if splits > 1:
+        paged_window_combine_kernel[(tokens, kv_heads)](
+            part_m, part_l, part_acc, out, *out.stride(), GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim,
+            BLOCK_D=block_d, SPLITS=splits,
+        )
     return out

@@ -566,29 +566,40 @@ def free_blocks_behind_the_window(world, seq_lens: list[int], window: int, group
     return freed
 
 
-@pytest.mark.parametrize("decode_graphs, window, tiled", [(False, 24, False), (True, 24, False), (True, 64, False),
-                                                    (False, 24, True)],
-                         ids=["eager-decode", "decode-graph-path", "decode-graph-path-w64", "tiled-window-kernel"])
-def test_sliding_layers_after_a_drop_window_over_original_positions(model, monkeypatch, decode_graphs, window, tiled):
+@pytest.mark.parametrize("decode_graphs, window, triton", [(False, 24, ""), (True, 24, ""), (True, 64, ""),
+                                                     (False, 24, "tiled"), (False, 24, "per-row"), (True, 24, "split")],
+                         ids=["eager-decode", "decode-graph-path", "decode-graph-path-w64", "triton-window-kernels",
+                              "triton-per-row-aid", "triton-split-aid-decode-graphs"])
+def test_sliding_layers_after_a_drop_window_over_original_positions(model, monkeypatch, decode_graphs, window, triton):
     """Layers 0 and 2 slide (window 24, one KV-cache group), the drop is at layer 1: layer 2
     runs `window_attention` over its right-aligned kept keys. Prefill, then vLLM frees the
     blocks behind each window, then two decode steps: every request's hidden state equals the
     reference whose sliding layers see the keys at original positions p - 24 < pos <= p. With
     `decode_graphs` the decode steps run as vLLM captures full decode graphs (vLLM's default
     FULL_AND_PIECEWISE): the window rows come from the device tables `before_step` refills (at window 64
-    dropped prompt positions lie inside a decode token's window: fewer entries than the window). `tiled`: the
-    Triton kernels (CPU interpreter), the prefill step on the tiled one (`UNIPREFILL_DEBUG_TILED_WINDOW`)."""
+    dropped prompt positions lie inside a decode token's window: fewer entries than the window). `triton`: the
+    Triton kernels (CPU interpreter): the prefill step on the tiled one, decode steps on the per-row one; with
+    the A/B aid `UNIPREFILL_DEBUG_PER_ROW_WINDOW` ("per-row") every step on the per-row one; with the A/B aid
+    `UNIPREFILL_DEBUG_SPLIT_WINDOW` ("split", forced to 2 programs a row: one of them sees no entry at window 24)
+    the decode steps split each row."""
     windows = {0: window, 2: window}
     config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64,
-                              impl="triton" if tiled else "auto")
+                              impl="triton" if triton else "auto")
     launches = []
-    if tiled:
+    if triton:
         from uniprefill.kernels.paged_window import kernel as window_kernels
 
         run = window_kernels.paged_window_attention_triton
-        monkeypatch.setenv("UNIPREFILL_DEBUG_TILED_WINDOW", "1")
+        if triton == "per-row":
+            monkeypatch.setenv("UNIPREFILL_DEBUG_PER_ROW_WINDOW", "1")
+        if triton == "split":
+            from uniprefill.vllm import window as vllm_window
+
+            monkeypatch.setenv("UNIPREFILL_DEBUG_SPLIT_WINDOW", "1")
+            monkeypatch.setattr(vllm_window, "split_count", lambda programs, window: 2)
         monkeypatch.setattr(window_kernels, "paged_window_attention_triton",
-                            lambda *a, **kw: launches.append((a[0].shape[0], kw["tiled"])) or run(*a, **kw))
+                            lambda *a, **kw: launches.append((a[0].shape[0], kw["tiled"], kw["splits"]))
+                            or run(*a, **kw))
     compiled, state = compile_with_drops(model, config, (1,), windows, graph_decode_max_reqs=4 if decode_graphs else 0)
     query_lens = [300, 40, 170]
     torch.manual_seed(5)
@@ -629,8 +640,9 @@ def test_sliding_layers_after_a_drop_window_over_original_positions(model, monke
         if window == 64:
             assert int(runtime.step.window_rows[world.names[2]].count[0]) < window
     assert runtime.totals.decode_graph_captures == (2 if decode_graphs else 0)
-    if tiled:  # the prefill step on the tiled kernel, the decode steps (a row per request) on the per-row one
-        assert [t for _, t in launches] == [True, False, False] and launches[0][0] > 3
+    if triton:  # the prefill step on the tiled kernel, the decode steps (a row per request) on the per-row one
+        assert [t for _, t, _ in launches] == [triton in ("tiled", "split"), False, False] and launches[0][0] > 3
+        assert [s for _, _, s in launches] == [1, 2, 2] if triton == "split" else [1, 1, 1]
     torch._dynamo.reset()
 
 

@@ -87,12 +87,13 @@ def test_window_counts_match_the_position_rule(window):
     assert max(got) <= window
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton-per-row", "triton-tiled"])
+@pytest.mark.parametrize("impl", ["torch", "triton-per-row", "triton-tiled", "triton-tiled-128", "triton-split"])
 def test_paged_window_attention_matches_a_dense_reference(impl):
     """The reference (one chunk and chunks of 3 rows) and both Triton kernels (CPU interpreter
     here) against a per-row loop; softcap on and off; strided caches as vLLM's views are. Rows of
-    three requests in random order, so a tile of the tiled kernel holds several requests and gaps
-    between its rows' runs; every cache entry outside all runs is NaN (freed blocks hold anything):
+    three requests in random order, so a tile of the tiled kernel (64 or 128 query rows x heads, the latter
+    its default at head size 256) holds several requests and gaps between its rows' runs; the per-row kernel
+    also split over 4 programs a row (tiles of 16 entries: two splits see entries, two none); every cache entry outside all runs is NaN (freed blocks hold anything):
     reading one would show."""
     from uniprefill.kernels.paged_window import paged_window_attention_torch, paged_window_attention_triton
 
@@ -121,8 +122,11 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
             else:  # the CPU interpreter here, the GPU where there is one (fp32 either way)
                 dev = "cuda" if torch.cuda.is_available() else "cpu"
                 moved = [t.to(dev) for t in (query, key_cache, value_cache, table, request, logical, count)]
+                split = {"splits": 4, "block_n": 16} if impl == "triton-split" else {}  # 2 of 4 splits see entries
                 out = paged_window_attention_triton(*moved, window=window, scale=scale, softcap=cap,
-                                                    tiled=impl == "triton-tiled").cpu()
+                                                    tiled=impl.startswith("triton-tiled"),
+                                                    tile_rows=128 if impl == "triton-tiled-128" else None,
+                                                    **split).cpu()
             for t in range(rows):
                 idx = torch.arange(int(logical[t]) - int(count[t]) + 1, int(logical[t]) + 1)
                 blocks = table[request[t], idx // block].long()
@@ -145,7 +149,8 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_paged_window_kernel_on_gemma_shapes(dtype):
     """Gemma-3-270M's sliding layers (4 query heads, 1 KV head, head size 256, window 512),
-    vLLM's cache layout, 8K rows after a drop: both Triton kernels against the reference."""
+    vLLM's cache layout, 8K rows after a drop: the Triton kernels (per row, tiled, per row split 8 ways) against the
+    reference."""
     from uniprefill.kernels.paged_window import paged_window_attention_torch, paged_window_attention_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -159,7 +164,16 @@ def test_gpu_paged_window_kernel_on_gemma_shapes(dtype):
     query = torch.randn(rows, heads, dim, device="cuda", dtype=dtype, generator=gen)
     args = (query, key_cache, value_cache, table, request, logical, count)
     ref = paged_window_attention_torch(*args, window=window, scale=dim ** -0.5)
-    for tiled in (False, True):
-        out = paged_window_attention_triton(*args, window=window, scale=dim ** -0.5, tiled=tiled)
+    for kernel in ({"tiled": False}, {"tiled": True}, {"splits": 8}):
+        out = paged_window_attention_triton(*args, window=window, scale=dim ** -0.5, **kernel)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), (tiled, err)
+        assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), (kernel, err)
+
+
+def test_the_window_kernel_splits_rows_only_in_steps_of_few_programs():
+    """Split-KV (the A/B aid UNIPREFILL_DEBUG_SPLIT_WINDOW) only where a step has fewer than 64 rows x KV heads:
+    a power of two up to 8, one program per 64 entries of the window."""
+    from uniprefill.vllm.window import split_count
+
+    assert [split_count(1, w) for w in (24, 64, 128, 200, 256, 512, 4096)] == [1, 1, 2, 2, 4, 8, 8]
+    assert split_count(63, 512) == 8 and split_count(64, 512) == 1

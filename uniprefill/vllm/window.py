@@ -178,11 +178,24 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
 
     tokens = rows.request.numel()
     dim = cache.key_cache.shape[-1]
-    tiled = env.debug_tiled_window() and tokens > rows.block_table.shape[0]  # a prefill step, the A/B aid asked
+    # a prefill step (more rows than requests): the tiled kernel, unless the A/B aid asks for the per-row one
+    tiled = tokens > rows.block_table.shape[0] and not env.debug_per_row_window()
+    splits = 1 if tiled or not env.debug_split_window() else split_count(tokens * cache.key_cache.shape[2], window)
     result = paged_window_attention(query[:tokens].reshape(tokens, -1, dim), cache.key_cache, cache.value_cache,
-                                    rows.block_table, rows.request, rows.logical, rows.count,
-                                    window=window, scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled)
+                                    rows.block_table, rows.request, rows.logical, rows.count, window=window,
+                                    scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled, splits=splits)
     output[:tokens].copy_(result.reshape(output[:tokens].shape))
+
+
+def split_count(programs: int, window: int) -> int:
+    """Programs per row of the per-row window kernel (split-KV) for a step of `programs` rows x KV heads: up to 8,
+    one per 64 entries of the window, where the step has fewer than 64 (a decode step of a few requests: one
+    program per row and KV head leaves the GPU idle; Gemma-3-270M's decode at batch 1 is 1 program reading 512
+    entries, 27 us a sliding layer on the H200, 2026-12-04). The A/B aid `UNIPREFILL_DEBUG_SPLIT_WINDOW` asks for it
+    until it is measured on a GPU."""
+    if programs >= 64:
+        return 1
+    return 1 << (min(8, max(1, window // 64)).bit_length() - 1)  # a power of two
 
 
 def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_fn, window: int, impl: str) -> bool:

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # On the GPU box (vLLM from box_install.sh, Gemma-3-270M from box_install_models.sh cuda); each engine takes 2.5-3.5
-# minutes to start, so two calls: RUNS=standard first (with the kernel bench), then RUNS=p095 SKIP_BENCH=1:
+# minutes to start, so one or two engines a call: RUNS=standard (with the kernel bench), then RUNS="p095 p095split" SKIP_BENCH=1:
 # why Gemma-3-270M on vLLM's defaults at p = 0.95 was 0.68-0.91x standard (docs/results/vllm-gemma-defaults-h200-2026-12-04).
 #   1. both paged-window kernels (per row, tiled) at Gemma's sliding-layer shapes (benchmarks/bench_paged_window.py);
 #   2. one 32000-token prefill and 16 decode tokens under torch.profiler (scripts/gpu/vllm/profile_prefill.py):
-#      standard vLLM, uniprefill p = 0.95, and the same uniprefill engine again with the tiled window kernel
-#      (--tiled-too: UNIPREFILL_DEBUG_TILED_WINDOW=1 set in-process, read at each step);
+#      standard vLLM, uniprefill p = 0.95 (the tiled window kernel in prefill steps), and the same uniprefill engine
+#      again with the per-row kernel there (--per-row-too: UNIPREFILL_DEBUG_PER_ROW_WINDOW=1 set in-process);
+#      RUNS=p095split: uniprefill with the split-KV decode aid (UNIPREFILL_DEBUG_SPLIT_WINDOW=1, a fresh engine:
+#      decode graphs keep the kernel they captured);
 #   3. the side-by-side device time by kernel kind.
 # HOST=1 adds the host's side (profile_prefill.py --host: cProfile of one prefill, the top host calls).
-#   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS=p095 SKIP_BENCH=1 bash ... OUT_DIR
+#   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS="p095 p095split" SKIP_BENCH=1 bash ... OUT_DIR
 set -uo pipefail
 OUT="${1:?usage: gemma_profile.sh OUT_DIR}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -20,14 +22,16 @@ bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
 P095='{"p": 0.95, "vllm_drop": true}'
 for run in ${RUNS:-standard p095}; do
   args=(--model-dir /tmp/gemma-270m --length 32000 --out "$OUT/profile-$run.json")
-  [[ "$run" != standard ]] && args+=(--uniprefill "$P095" --tiled-too)
+  envs=()
+  [[ "$run" == p095 ]] && args+=(--uniprefill "$P095" --per-row-too)
+  [[ "$run" == p095split ]] && { args+=(--uniprefill "$P095"); envs=(UNIPREFILL_DEBUG_SPLIT_WINDOW=1); }
   [[ "${HOST:-0}" == 1 ]] && args+=(--host)
   start=$(date +%s)
-  timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/profile-$run.log" 2>&1
+  env "${envs[@]}" timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/profile-$run.log" 2>&1
   echo "$run: exit $? in $(( $(date +%s) - start )) s"
   grep -E "Traceback|Error" "$OUT/profile-$run.log" | head -3 | cut -c1-300
 done
-for run in p095; do
+for run in p095 p095split; do
   [[ -f "$OUT/profile-standard.json" && -f "$OUT/profile-$run.json" ]] || continue
   echo "== standard -> $run"
   python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" --compare "$OUT/profile-standard.json" "$OUT/profile-$run.json"

@@ -4,7 +4,7 @@ Gemma-3-270M came out at 0.69-0.91x of standard vLLM on its defaults, 2026-12-04
     python3 -P scripts/gpu/vllm/profile_prefill.py --model-dir /tmp/gemma-270m --length 32000 --out $OUT/std.json
     python3 -P scripts/gpu/vllm/profile_prefill.py --model-dir /tmp/gemma-270m --length 32000 \\
         --uniprefill '{"p": 0.95, "vllm_drop": true}' --out $OUT/p095.json
-    python3 -P scripts/gpu/vllm/profile_prefill.py ... --uniprefill '{...}' --tiled-too --out $OUT/p095.json
+    python3 -P scripts/gpu/vllm/profile_prefill.py ... --uniprefill '{...}' --per-row-too --out $OUT/p095.json
     python3 -P scripts/gpu/vllm/profile_prefill.py --compare $OUT/std.json $OUT/p095.json
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so torch.profiler sees the model runner's
@@ -106,7 +106,7 @@ def profile(args) -> dict:
     decode = SamplingParams(max_tokens=1 + args.decode_tokens, temperature=0.0, ignore_eos=True)
 
     def run(tag: str, params) -> float:
-        prompt = [{"prompt_token_ids": token_prompts(args.length, 1, tag, vocab)[0]}]
+        prompt = [{"prompt_token_ids": token_prompts(args.length, 1, tag, vocab)[0]}]  # built before the clock starts
         torch.cuda.synchronize()
         start = time.perf_counter()
         llm.generate(prompt, params, use_tqdm=False)
@@ -136,9 +136,9 @@ def profile(args) -> dict:
         return out
 
     result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}} | measure("")
-    if args.tiled_too:  # the same engine again with the tiled window kernel: the debugging aid is read at each step
-        os.environ["UNIPREFILL_DEBUG_TILED_WINDOW"] = "1"
-        result["tiled"] = measure("tiled-")
+    if args.per_row_too:  # the same engine again with the per-row window kernel in prefill steps (the A/B aid is
+        os.environ["UNIPREFILL_DEBUG_PER_ROW_WINDOW"] = "1"  # read at each step; decode graphs keep what they captured)
+        result["per_row"] = measure("per-row-")
     return result
 
 
@@ -149,9 +149,10 @@ def compare(a: dict, b: dict) -> str:
         for kind in sorted(set(a[part]["by_kind_ms"]) | set(b[part]["by_kind_ms"])):
             lines.append(f"  {kind:16s} {a[part]['by_kind_ms'].get(kind, 0.0):9.3f} -> "
                          f"{b[part]['by_kind_ms'].get(kind, 0.0):9.3f}")
-    if "tiled" in b:
-        lines.append("-- the same engine with the tiled window kernel:")
-        lines.append(compare(a, b["tiled"]))
+    for key in ("tiled", "per_row"):  # "tiled": results of 2026-12-04, when the per-row kernel ran by default
+        if key in b:
+            lines.append(f"-- the same engine with the {key.replace('_', '-')} window kernel in prefill steps:")
+            lines.append(compare(a, b[key]))
     return "\n".join(lines)
 
 
@@ -167,8 +168,9 @@ def main(argv=None) -> int:
     parser.add_argument("--host", action="store_true",
                         help="also the host's side: cProfile of one prefill and one prefill+decode, and the top "
                              "host calls of the torch.profiler sessions")
-    parser.add_argument("--tiled-too", action="store_true",
-                        help="then time and profile again with the tiled window kernel (UNIPREFILL_DEBUG_TILED_WINDOW)")
+    parser.add_argument("--per-row-too", action="store_true",
+                        help="then time and profile again with the per-row window kernel in prefill steps "
+                             "(UNIPREFILL_DEBUG_PER_ROW_WINDOW)")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("STANDARD", "OTHER"))
     args = parser.parse_args(argv)
     if args.compare:
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     result = profile(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
-    for label, one in (("", result), ("tiled: ", result.get("tiled"))):
+    for label, one in (("", result), ("per-row: ", result.get("per_row"))):
         if one:
             print(label + json.dumps({"prefill_wall_ms_median": one["prefill_wall_ms_median"]} | {
                 part: {"device_ms": one[part]["device_ms"], "by_kind_ms": one[part]["by_kind_ms"]}
