@@ -340,6 +340,29 @@ def test_capture_path_counts_the_host_paths_window_rows(decoded):
     assert counts[0] < min(QUERY_LENS[0] + decoded + 1, 64) or decoded >= 63  # a dropped prompt: fewer
 
 
+def test_the_capture_path_counts_each_window_once_per_drop_point_for_all_kv_cache_groups(monkeypatch):
+    """vLLM gives every KV-cache group one seq_lens tensor (Gemma-3-270M: 15 sliding layers in 5 groups): the
+    capture path counts the rows of each window once per drop point, not once per group (on the H200 the repeated
+    counts were a few hundred tiny kernels a decode step), and each layer still reads its own group's block table.
+    Layers 2 (group 0) and 5 (group 1) share window 64, layer 4 (group 0) has 16: two counts at drop point 1
+    (layers 2, 4, 5) and two at drop point 3 (layers 4, 5), not three and two; all equal to the eager host path's."""
+    from uniprefill.vllm import graph_decode
+
+    windows = {2: 64, 4: 16, 5: 64}
+    world, runtime = dropped_world((1, 3), windows=windows)
+    eager = window_rows_of_step(world, runtime, capture=False, decoded=3)
+    calls = []
+    counted = graph_decode.window_rows
+    monkeypatch.setattr(graph_decode, "window_rows", lambda *a, **kw: calls.append(a[-1]) or counted(*a, **kw))
+    captured = window_rows_of_step(world, runtime, capture=True, decoded=3)
+    assert sorted(calls) == [16, 16, 64, 64]  # drop point 1: windows 64 and 16; drop point 3: 16 and 64
+    for name in eager:
+        for want, got in zip(eager[name], captured[name]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+        group = world.names.index(name) % world.groups
+        assert runtime.step.window_rows[name].block_table.data_ptr() == world.tables[group].data_ptr()
+
+
 def test_a_replayed_capture_counts_the_windows_of_later_steps():
     """The capture path with sliding layers recorded once (`graph_replay.Capture`: no host read while
     capturing), replayed for later decode steps after vLLM's seq_lens are refilled in place and the

@@ -176,7 +176,9 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
         raise RuntimeError("uniprefill: a decode CUDA graph is being captured before any eager forward allocated "
                            "the removed-KV table (vLLM runs a profiling forward first; this one did not)")
     installed = {}  # id(vLLM's metadata object): one per KV-cache group
-    windowed = {}  # (id(vLLM's metadata object), window): a sliding layer's rows
+    # (vLLM's seq_lens tensor, window): the rows' requests, positions and counts, shared by the KV-cache groups (vLLM
+    # hands every group one seq_lens; Gemma-3-270M's 15 sliding layers are 5 groups): per group only its block table
+    windowed = {}
     buffer = runtime.graph_decode
     for name in runtime.layer_names[layer + 1:]:
         if name not in runtime.step.graph_base:
@@ -187,11 +189,12 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
                                f"{meta.seq_lens.shape[0]} requests; decoding under CUDA graphs after a drop "
                                "needs one token per request (no speculative decoding)")
         if name in runtime.windows:  # right-aligned: vLLM's seq_lens and slots stay; the window's rows
-            key = (id(meta), runtime.windows[name])
+            key = (meta.seq_lens.data_ptr(), meta.seq_lens.shape[0], runtime.windows[name])
             if key not in windowed:
                 windowed[key] = window_rows(meta.seq_lens, meta.block_table, buffer.tail[column - 1], buffer.prompt_end,
                                             buffer.has, runtime.windows[name])
-            runtime.step.window_rows[name] = windowed[key]
+            rows = windowed[key]
+            runtime.step.window_rows[name] = dataclasses.replace(rows, block_table=meta.block_table[:rows.count.shape[0]])
             continue
         if id(meta) not in installed:
             if getattr(meta, "use_cascade", False):
