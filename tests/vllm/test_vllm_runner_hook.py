@@ -1,0 +1,186 @@
+"""vLLM's model-runner hook on CPU (`uniprefill/vllm/runner_hook.py`): request ids, finished requests, requests that
+must keep every row, runner V2's prepared batch, and the per-request settings read from `SamplingParams`; split from
+`test_vllm_rewrite.py`, whose fake vLLM they share."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+
+def test_runner_hook_supplies_request_ids_and_frees_finished_requests():
+    from uniprefill.vllm import runner_hook as hook
+
+    class Runner:  # the two methods and the batch fields of vLLM 0.26's GPUModelRunner it wraps
+        def __init__(self):
+            self.input_batch = types.SimpleNamespace(req_ids=["a", "b"],
+                                                     num_prompt_tokens_cpu_tensor=torch.tensor([5, 7, 0, 0], dtype=torch.int32))
+
+        def _update_states(self, scheduler_output):
+            return "updated"
+
+        def _model_forward(self, input_ids=None, positions=None):
+            return hook.request_ids(), hook.num_prompt_tokens().tolist()
+
+    listeners = hook.FinishedListeners()
+    freed = []
+
+    class Listener:  # held weakly by the listeners, like a runtime
+        free = staticmethod(freed.append)
+
+    listener = Listener()
+    listeners.add(listener)
+    assert hook.install(Runner, listeners) and not hook.install(Runner, listeners)  # idempotent
+    runner = Runner()
+    assert runner._model_forward(input_ids=None) == (("a", "b"), [5, 7])
+    assert hook.current_step() is None  # only while the forward runs
+    with pytest.raises(RuntimeError, match="not wrapped"):
+        hook.request_ids()
+    assert runner._update_states(types.SimpleNamespace(finished_req_ids={"a"})) == "updated"
+    assert freed == ["a"]
+    assert hook.uninstall(Runner) and not hook.uninstall(Runner)  # reversible, once
+    with pytest.raises(RuntimeError, match="not wrapped"):
+        Runner()._model_forward()  # vLLM's own method again: no step around it
+    assert not hasattr(Runner._update_states, "__wrapped__") and hook.install(Runner, listeners)
+
+
+def test_runner_hook_marks_requests_that_must_keep_every_row():
+    """Opt-outs: prompt logprobs (vLLM's `input_batch.num_prompt_logprobs`) and
+    `extra_args={"uniprefill": False}` seen when the request arrives; none -> None."""
+    from uniprefill.vllm import runner_hook as hook
+
+    seen = []
+
+    class Runner:
+        def __init__(self):
+            self.input_batch = types.SimpleNamespace(req_ids=["b", "c", "d"], num_prompt_logprobs={},
+                                                     num_prompt_tokens_cpu_tensor=torch.tensor([5, 7, 9], dtype=torch.int32))
+
+        def _update_states(self, scheduler_output):
+            return None
+
+        def _model_forward(self, input_ids=None, positions=None):
+            seen.append(hook.opted_out())
+
+    assert hook.install(Runner, hook.FinishedListeners())
+    runner = Runner()
+    runner._model_forward()
+    runner.input_batch.num_prompt_logprobs = {"c": 5}
+    arriving = [types.SimpleNamespace(req_id="d", sampling_params=types.SimpleNamespace(extra_args={"uniprefill": False})),
+                types.SimpleNamespace(req_id="e", sampling_params=types.SimpleNamespace(extra_args=None))]
+    runner._update_states(types.SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=arriving))
+    runner._model_forward()
+    runner.input_batch.num_prompt_logprobs = {}
+    runner._update_states(types.SimpleNamespace(finished_req_ids={"d"}, scheduled_new_reqs=[]))
+    runner._model_forward()
+    assert seen[0] is None and seen[1].tolist() == [False, True, True] and seen[2] is None
+
+
+def test_runner_hook_v2_supplies_requests_from_the_prepared_batch():
+    """vLLM 0.26's model runner V2 (its default for Llama and Gemma-3): the forward inside
+    `execute_model` sees the batch `prepare_inputs` built (ids, prefill lengths); a dummy run
+    sees no step; finished and preempted requests are freed; opt-outs come from the
+    arriving requests' sampling params (extra_args, prompt logprobs)."""
+    import numpy as np
+
+    from uniprefill.vllm import runner_hook as hook
+
+    seen = []
+
+    class RunnerV2:  # the two methods of vllm.v1.worker.gpu.model_runner.GPUModelRunner it wraps
+        def __init__(self):
+            self.batch = types.SimpleNamespace(req_ids=["a", "b", "c"], prefill_len_np=np.array([300, 40, 171, 0]))
+
+        def prepare_inputs(self, scheduler_output, batch_desc):
+            return self.batch
+
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, **kwargs):
+            seen.append(hook.current_step())  # before the batch is prepared
+            if not dummy_run:
+                self.prepare_inputs(scheduler_output, None)
+            step = hook.current_step()
+            seen.append(None if step is None else (step.request_ids, step.num_prompt_tokens.tolist(),
+                                                   None if step.opted_out is None else step.opted_out.tolist()))
+            return "output"
+
+    listeners = hook.FinishedListeners()
+    freed = []
+
+    class Listener:
+        free = staticmethod(freed.append)
+
+    listener = Listener()
+    listeners.add(listener)
+    assert hook.install_v2(RunnerV2, listeners) and not hook.install_v2(RunnerV2, listeners)
+    runner = RunnerV2()
+    plain = types.SimpleNamespace(finished_req_ids=set(), preempted_req_ids=None, scheduled_new_reqs=[])
+    assert runner.execute_model(plain) == "output"
+    assert seen == [None, (("a", "b", "c"), [300, 40, 171], None)] and hook.current_step() is None
+    seen.clear()
+    runner.execute_model(plain, dummy_run=True)
+    runner.execute_model(plain, None, True)
+    assert seen == [None, None, None, None]  # dummy runs: no requests, nothing drops
+    seen.clear()
+    arriving = [types.SimpleNamespace(req_id="b", sampling_params=types.SimpleNamespace(extra_args=None, prompt_logprobs=3)),
+                types.SimpleNamespace(req_id="c", sampling_params=types.SimpleNamespace(extra_args={"uniprefill": False},
+                                                                                        prompt_logprobs=None)),
+                types.SimpleNamespace(req_id="a", sampling_params=types.SimpleNamespace(extra_args={}, prompt_logprobs=None))]
+    runner.execute_model(types.SimpleNamespace(finished_req_ids={"x"}, preempted_req_ids={"y"},
+                                               scheduled_new_reqs=arriving))
+    assert seen[1][2] == [False, True, True] and sorted(freed) == ["x", "y"]
+    seen.clear()
+    runner.execute_model(types.SimpleNamespace(finished_req_ids={"b", "c"}, preempted_req_ids=None, scheduled_new_reqs=[]))
+    assert seen[1][2] is None  # the opted-out requests finished: no mask again
+
+
+def test_request_settings_from_sampling_params(caplog):
+    """extra_args["uniprefill"]: {"p": x} gives the request its own p until it finishes; False
+    or a bad setting (logged) keep every row; prompt logprobs opt out where read from params."""
+    from uniprefill.vllm import runner_hook as hook
+
+    def arriving(req_id, setting=None, logprobs=None):
+        extra = None if setting is None else {"uniprefill": setting}
+        return types.SimpleNamespace(req_id=req_id, sampling_params=types.SimpleNamespace(extra_args=extra,
+                                                                                          prompt_logprobs=logprobs))
+
+    settings = hook.RequestSettings()
+    ids = ("a", "b", "c", "d", "e", "f")
+    assert settings.of_step(ids) == (None, None)  # nothing live: nothing computed
+    with caplog.at_level("WARNING", logger=hook.__name__):
+        settings.arrive([arriving("a", {"p": 0.8}), arriving("b", False), arriving("c", {"p": 1.5}),
+                         arriving("d", {"p": 0.9, "x": 1}), arriving("e", logprobs=2), arriving("f", True)],
+                        logprobs_in_params=True)
+    mask, p = settings.of_step(ids)
+    assert mask.tolist() == [False, True, True, True, True, False]
+    assert p[0].item() == pytest.approx(0.8) and torch.isnan(p[1:]).all()
+    assert sum("keeps every row" in r.getMessage() for r in caplog.records) == 2  # c and d
+    settings.finish({"a", "b", "c", "d", "e"})
+    assert settings.of_step(ids) == (None, None)
+    v1 = hook.RequestSettings()
+    v1.arrive([arriving("e", logprobs=2)], logprobs_in_params=False)  # V1 reads logprobs from its batch
+    assert v1.of_step(("e",)) == (None, None) and v1.of_step(("e",), {"e": 2})[0].tolist() == [True]
+
+
+def test_request_settings_in_the_servers_flat_form(caplog):
+    """`vllm serve` hands `vllm_xargs` over as flat scalars (JSON false / true arrive as 0 / 1): "off" and 0
+    opt out, 1 changes nothing, "uniprefill_p" sets p, and a p given both ways, or out of range, or a float
+    0.0, keeps every row with a warning."""
+    from uniprefill.vllm import runner_hook as hook
+
+    def arriving(req_id, extra):
+        return types.SimpleNamespace(req_id=req_id, sampling_params=types.SimpleNamespace(extra_args=extra,
+                                                                                          prompt_logprobs=None))
+
+    settings = hook.RequestSettings()
+    with caplog.at_level("WARNING", logger=hook.__name__):
+        settings.arrive([arriving("a", {"uniprefill": "off"}), arriving("b", {"uniprefill": 0}),
+                         arriving("c", {"uniprefill_p": 0.7}), arriving("d", {"uniprefill_p": 0}),
+                         arriving("e", {"uniprefill": {"p": 0.5}, "uniprefill_p": 0.6}),
+                         arriving("f", {"uniprefill": 1}), arriving("g", {"uniprefill": 0.0})],
+                        logprobs_in_params=True)
+    mask, p = settings.of_step(("a", "b", "c", "d", "e", "f", "g", "h"))
+    assert mask.tolist() == [True, True, False, True, True, False, True, False]
+    assert p[2].item() == pytest.approx(0.7) and torch.isnan(p[[0, 1, 3, 4, 5, 6, 7]]).all()
+    assert sum("keeps every row" in r.getMessage() for r in caplog.records) == 3  # d, e, g
