@@ -15,7 +15,8 @@
 #   MODEL gemma: Gemma-3-270M (real weights, 32K; box_install_models.sh cuda): 120 parity prompts (32..~32K
 #          tokens) generated twice (the second pass hits the prefix cache), 80 needle prompts (4096/16384) and,
 #          unless SKIP_THROUGHPUT=1, prefill throughput at 8192/16384/32000 x batch 1/4/16 (median of 5 calls)
-#   VARIANT standard | again (a second standard engine) | nocombo (standard with Inductor's
+#   VARIANT standard | again (a second standard engine) | onestep (standard with max_num_batched_tokens 33791, the
+#          budget uniprefill's one-step prefill gives a 32K model: the same step composition, for p = 1 parity) | nocombo (standard with Inductor's
 #          benchmark_combo_kernel off, as uniprefill's hook sets it) | p1 | p095 | p099 | keep03 (the option:
 #          {"p": 1.0} / {"p": 0.95} / {"p": 0.99} / {"keep_ratio": 0.3, "drop_layers": [7]}, each with
 #          "vllm_drop": true) | p099chunk2k (p099 with max_num_batched_tokens 2048: prompts chunked, the last
@@ -30,9 +31,10 @@
 #          steps split each row of the window kernel)
 # DUMP_CODE=1 gives each engine a fresh vLLM cache (VLLM_CACHE_ROOT=OUT_DIR/cache-RUN) and keeps the Python
 # Inductor generated there (the Triton kernels of every piece) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
-# SKIP_NEEDLES=1 leaves the SmolLM2 needle prompts out; LOGPROBS=1 records the parity tokens' logprobs
+# SKIP_NEEDLES=1 leaves the needle prompts out; LOGPROBS=1 records the parity tokens' logprobs
 # (compare_engines.py then says where two runs' numbers first part: the prefill or a decode step);
-# SEQUENTIAL=1 generates the parity prompts one at a time (no batch composition in the comparison).
+# SEQUENTIAL=1 generates the parity prompts one at a time (no batch composition in the comparison). Both for
+# smollm2 and gemma.
 set -uo pipefail
 OUT="${1:?usage: defaults_grid.sh OUT_DIR RUN...}"; shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -47,6 +49,8 @@ SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120)
 [[ "${SEQUENTIAL:-0}" == 1 ]] && SMOLLM2+=(--parity-sequential)
 [[ "${SKIP_THROUGHPUT:-0}" == 1 ]] || SMOLLM2+=(--throughput-lengths 2048,7000 --throughput-batches 1,4,16)
 GEMMA=(--model-dir /tmp/gemma-270m --max-model-len 32768 --parity 120 --parity-repeat)
+[[ "${LOGPROBS:-0}" == 1 ]] && GEMMA+=(--parity-logprobs)
+[[ "${SEQUENTIAL:-0}" == 1 ]] && GEMMA+=(--parity-sequential)
 [[ "${SKIP_NEEDLES:-0}" == 1 ]] || GEMMA+=(--needles 4096,16384)
 [[ "${SKIP_THROUGHPUT:-0}" == 1 ]] || GEMMA+=(--throughput-lengths 8192,16384,32000 --throughput-batches 1,4,16 --throughput-repeats 5 --decode-tokens 8)
 LLAMA=(--layers 32 --throughput-lengths 8192,16384 --throughput-batches 1,4 --decode-tokens 8)
@@ -68,6 +72,7 @@ for name in "$@"; do
   envs=()
   case "$variant" in
     again) ;;
+    onestep) args+=(--max-num-batched-tokens 33791) ;;  # standard with the step budget uniprefill's one-step prefill sets
     p1keepplan) args+=(--uniprefill "${SETTINGS[p1]}"); envs=(UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1) ;;
     p1last) args+=(--uniprefill '{"p": 1.0, "vllm_drop": true, "drop_layers": [28]}') ;;
     p1nohint) args+=(--uniprefill "${SETTINGS[p1]}" --inductor '{"unbacked_symint_fallback": 8192}') ;;
