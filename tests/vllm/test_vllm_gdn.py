@@ -373,3 +373,17 @@ def test_random_multi_step_cases_equal_each_request_alone_on_its_kept_rows(model
             torch.testing.assert_close(out[qsl[r + 1] - 1], ref, atol=2e-5, rtol=2e-5,
                                        msg=lambda m: f"case {case}, step {number}, request {r}: {m}")
     torch._dynamo.reset()
+
+
+def test_the_qwen3_next_80b_shaped_folder_has_its_layer_order_and_sizes(tmp_path):
+    """The dummy-weight engine runs of the Qwen3-Next shape (`defaults_engine.py --qwen3next-layers`) get the real
+    model's layer sizes and order: three Gated DeltaNet layers, then full attention."""
+    from transformers import AutoConfig
+
+    from uniprefill.testing import word_llama
+
+    word_llama.write_qwen3_next_folder(tmp_path, word_llama.qwen3_next_layer_types(12), word_llama.QWEN3_NEXT_80B_A3B)
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert [i for i, t in enumerate(config.layer_types) if t == "full_attention"] == [3, 7, 11]
+    assert (config.hidden_size, config.num_experts, config.num_experts_per_tok, config.linear_num_value_heads) == \
+        (2048, 512, 10, 32)

@@ -44,18 +44,32 @@ def write_model_folder(folder: Path, layers: int) -> None:
     _write_tokenizer(folder)
 
 
-def write_qwen3_next_folder(folder: Path, layer_types: list[str]) -> None:
-    """A small Qwen3-Next (Gated DeltaNet and full attention in the order of `layer_types`, 16 experts, hidden
-    1024, Qwen3-Next's head sizes) with the same word-level tokenizer: for vLLM engine runs on dummy weights."""
+QWEN3_NEXT_SMALL = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=256, linear_num_key_heads=8, linear_num_value_heads=16,
+                        linear_key_head_dim=128, linear_value_head_dim=128, num_experts=16, num_experts_per_tok=4,
+                        moe_intermediate_size=512, shared_expert_intermediate_size=512)
+# Qwen3-Next-80B-A3B's layer shapes (its config.json; 48 layers there, a full-attention layer every 4th)
+QWEN3_NEXT_80B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_attention_heads=16,
+                          num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                          linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
+                          moe_intermediate_size=512, shared_expert_intermediate_size=512, partial_rotary_factor=0.25)
+
+
+def qwen3_next_layer_types(layers: int) -> list[str]:
+    """Qwen3-Next's order: three Gated DeltaNet layers, then a full-attention one (full_attention_interval 4)."""
+    return ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+
+
+def write_qwen3_next_folder(folder: Path, layer_types: list[str], shape: dict | None = None) -> None:
+    """A Qwen3-Next (Gated DeltaNet and full attention in the order of `layer_types`) of `shape`'s sizes (default
+    `QWEN3_NEXT_SMALL`: 16 experts, hidden 1024, Qwen3-Next's head sizes; `QWEN3_NEXT_80B_A3B`: the real model's)
+    with the same word-level tokenizer: for vLLM engine runs on dummy weights."""
     from transformers import Qwen3NextConfig
 
     folder.mkdir(parents=True, exist_ok=True)
-    config = Qwen3NextConfig(
-        vocab_size=4096, hidden_size=1024, intermediate_size=2048, num_hidden_layers=len(layer_types),
-        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8, linear_num_value_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, num_experts=16, num_experts_per_tok=4,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, layer_types=list(layer_types),
-        max_position_embeddings=32768, bos_token_id=1, eos_token_id=2).to_dict()
+    config = Qwen3NextConfig(**(shape or QWEN3_NEXT_SMALL), num_hidden_layers=len(layer_types),
+                             layer_types=list(layer_types), max_position_embeddings=32768, bos_token_id=1,
+                             eos_token_id=2).to_dict()
     config.update(architectures=["Qwen3NextForCausalLM"], torch_dtype="bfloat16")
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     _write_tokenizer(folder)

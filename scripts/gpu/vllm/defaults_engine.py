@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=None, help="a real HF model folder")
     parser.add_argument("--layers", type=int, default=32, help="without --model-dir: a dummy Llama-3.1-8B shape")
+    parser.add_argument("--qwen3next-layers", type=int, default=0,
+                        help="a dummy Qwen3-Next-80B-A3B shape of this many layers (a full-attention layer every 4th)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's (8192 dummy)")
     parser.add_argument("--uniprefill", default=None, help="JSON of the uniprefill settings (the one option)")
     parser.add_argument("--inductor", default=None,
@@ -148,7 +150,15 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(summary, indent=1, default=str))
 
     kwargs: dict = {"seed": 0, "disable_log_stats": False}  # engine timestamps (TTFT, decode): observability only
-    if args.model_dir is None:
+    if args.qwen3next_layers:
+        from uniprefill.testing import word_llama
+
+        folder = Path(f"/tmp/qwen3-next-80b-shaped-{args.qwen3next_layers}")
+        word_llama.write_qwen3_next_folder(folder, word_llama.qwen3_next_layer_types(args.qwen3next_layers),
+                                           word_llama.QWEN3_NEXT_80B_A3B)
+        kwargs["load_format"] = "dummy"
+        kwargs["max_model_len"] = args.max_model_len or 32768
+    elif args.model_dir is None:
         from uniprefill.testing.word_llama import write_model_folder
 
         folder = Path(f"/tmp/llama8b-shaped-{args.layers}")
