@@ -388,24 +388,29 @@ def test_a_replayed_capture_counts_the_windows_of_later_steps():
     assert runtime.step.window_rows[world.names[2]].count[2] == 64  # request 2's history was freed
 
 
-def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(monkeypatch):
+@pytest.mark.parametrize("split_aid", [False, True], ids=["default", "split-kv-aid"])
+def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(monkeypatch, split_aid):
     """vLLM captures decode graphs after dummy forwards that carry metadata but no requests, in which sliding
-    layers run vLLM's own attention: the window kernel must run once per layer there (Triton compiles at a
-    first launch, which inside a capture would be captured), with the layer's real block table; not before
-    the KV cache exists, and not again. (A capture's drop point takes the capture path, never this one.)"""
-    from uniprefill.vllm import window as vllm_window
+    layers run vLLM's own attention: the window kernels must run once per layer there (Triton compiles at a
+    first launch, which inside a capture would be captured), with the layer's real block table, in every variant
+    a step may pick: the per-row kernel on one row (and split 8 ways at window 512 under the split-KV aid), the
+    tiled kernel on 16 and 17 rows; not before the KV cache exists, and not again. (A capture's drop point takes
+    the capture path, never this one.)"""
+    from uniprefill.kernels import paged_window
     from uniprefill.vllm.drop_records import WindowLayer
 
     world = make_world([40], layers=4, groups=2, block=BLOCK, kv_heads=HEADS, head_size=HEAD)
     caches = {}  # none allocated yet: vLLM's profiling run
     runtime = VllmDropRuntime(UniPrefillConfig(drop_layers=(1,), impl="torch"), world.names, (1,), lambda: world,
                               lambda n: BLOCK, request_ids_fn=lambda: None, graph_decode_max_reqs=4,
-                              windows={world.names[2]: 32, world.names[3]: 32}, window_layer_fn=caches.get)
+                              windows={world.names[2]: 512, world.names[3]: 512}, window_layer_fn=caches.get)
     runtime.vllm_attention = {2: lambda *a, **k: None, 3: lambda *a, **k: None}
+    if split_aid:
+        monkeypatch.setenv("UNIPREFILL_DEBUG_SPLIT_WINDOW", "1")
     launched = []
-    real_step = vllm_window.paged_window_step
-    monkeypatch.setattr(vllm_window, "paged_window_step",
-                        lambda q, out, rows, *a: (launched.append(rows.block_table), real_step(q, out, rows, *a))[1])
+    real = paged_window.paged_window_attention
+    monkeypatch.setattr(paged_window, "paged_window_attention", lambda q, k, v, table, *a, **kw: (
+        launched.append((q.shape[0], kw["tiled"], kw["splits"], table.data_ptr())), real(q, k, v, table, *a, **kw))[1])
     q = torch.randn(1, HEADS * HEAD)
 
     def dummy_forward():
@@ -421,10 +426,11 @@ def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(mon
         cache = world.kv_caches[name]
         caches[name] = WindowLayer(cache[0].view(-1, BLOCK, HEADS, HEAD), cache[1].view(-1, BLOCK, HEADS, HEAD), 0.25)
     dummy_forward()
-    assert len(launched) == 2 and runtime.windows_warmed == set(world.names[2:])
-    assert [id(t) for t in launched] == [id(world.attn_metadata[n].block_table) for n in world.names[2:]]
+    variants = [(1, False, 1)] + ([(1, False, 8)] if split_aid else []) + [(16, True, 1), (17, True, 1)]
+    assert runtime.windows_warmed == set(world.names[2:])
+    assert launched == [v + (world.attn_metadata[n].block_table.data_ptr(),) for n in world.names[2:] for v in variants]
     dummy_forward()
-    assert len(launched) == 2  # once per layer
+    assert len(launched) == 2 * len(variants)  # once per layer
 
 
 def test_window_rows_of_padding_rows_and_stale_tables_keep_the_kernels_contract():

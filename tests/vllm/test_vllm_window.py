@@ -87,13 +87,15 @@ def test_window_counts_match_the_position_rule(window):
     assert max(got) <= window
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton-per-row", "triton-tiled", "triton-tiled-128", "triton-split"])
+@pytest.mark.parametrize("impl", ["torch", "triton-per-row", "triton-tiled", "triton-tiled-128", "triton-split",
+                                  "triton-split-tiles"])
 def test_paged_window_attention_matches_a_dense_reference(impl):
     """The reference (one chunk and chunks of 3 rows) and both Triton kernels (CPU interpreter
     here) against a per-row loop; softcap on and off; strided caches as vLLM's views are. Rows of
     three requests in random order, so a tile of the tiled kernel (64 or 128 query rows x heads, the latter
     its default at head size 256) holds several requests and gaps between its rows' runs; the per-row kernel
-    also split over 4 programs a row (tiles of 16 entries: two splits see entries, two none); every cache entry outside all runs is NaN (freed blocks hold anything):
+    also split over 4 programs a row (tiles of 16 entries: two splits see entries, two none) and over 2 (tiles of 4
+    entries: up to 3 tiles a split); every cache entry outside all runs is NaN (freed blocks hold anything):
     reading one would show."""
     from uniprefill.kernels.paged_window import paged_window_attention_torch, paged_window_attention_triton
 
@@ -122,7 +124,8 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
             else:  # the CPU interpreter here, the GPU where there is one (fp32 either way)
                 dev = "cuda" if torch.cuda.is_available() else "cpu"
                 moved = [t.to(dev) for t in (query, key_cache, value_cache, table, request, logical, count)]
-                split = {"splits": 4, "block_n": 16} if impl == "triton-split" else {}  # 2 of 4 splits see entries
+                split = {"triton-split": {"splits": 4, "block_n": 16},  # two of four splits see entries
+                         "triton-split-tiles": {"splits": 2, "block_n": 4}}.get(impl, {})  # several tiles a split
                 out = paged_window_attention_triton(*moved, window=window, scale=scale, softcap=cap,
                                                     tiled=impl.startswith("triton-tiled"),
                                                     tile_rows=128 if impl == "triton-tiled-128" else None,
@@ -177,3 +180,42 @@ def test_the_window_kernel_splits_rows_only_in_steps_of_few_programs():
 
     assert [split_count(1, w) for w in (24, 64, 128, 200, 256, 512, 4096)] == [1, 1, 2, 2, 4, 8, 8]
     assert split_count(63, 512) == 8 and split_count(64, 512) == 1
+
+
+def test_a_step_mixing_long_and_short_requests_runs_each_on_its_kernel(monkeypatch):
+    """`kernel_plan`: requests of at least TILED_MIN_ROWS rows on the tiled kernel, decode rows and short prompts on
+    the per-row one (a tile of decode rows of many requests would walk their windows one after another); all
+    long: tiled, all short: per-row. `paged_window_step` then runs both kernels (Triton's interpreter here) and
+    writes each row where it belongs: equal to the reference on every row."""
+    from uniprefill.kernels.paged_window import kernel as window_kernels
+    from uniprefill.vllm.drop_records import WindowLayer, WindowRows
+    from uniprefill.vllm.window import TILED_MIN_ROWS, kernel_plan, paged_window_step
+
+    assert kernel_plan(torch.tensor([1, 1, 3]), torch.tensor([0, 1, 2, 2, 2]))[0] == "per_row"
+    assert kernel_plan(torch.tensor([TILED_MIN_ROWS, 40]), torch.zeros(0, dtype=torch.long))[0] == "tiled"
+    lens = [1, 20, 1, 3, 17]  # decode, a long prompt, decode, a short prompt, a long prompt
+    request = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    kernel, tiled_rows, per_row_rows = kernel_plan(torch.tensor(lens), request)
+    assert kernel == "mixed" and set(request[tiled_rows].tolist()) == {1, 4}
+    assert set(request[per_row_rows].tolist()) == {0, 2, 3} and tiled_rows.numel() + per_row_rows.numel() == 42
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block, window = 4, 2, 8, 16, 24
+    packed = torch.randn(48, kv_heads, block, 2 * dim)
+    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
+    table = torch.randperm(47)[:40].view(5, 8).int() + 1  # logical indices up to 116: 8 blocks a request
+    logical = torch.cat([torch.tensor([90]), torch.arange(60, 80), torch.tensor([33]), torch.arange(5, 8),
+                         torch.arange(100, 117)])
+    count = torch.minimum(torch.full_like(logical, window), logical + 1)
+    query = torch.randn(logical.numel(), heads * dim)
+    rows = WindowRows(table, request, logical, count, kernel, tiled_rows, per_row_rows)
+    cache = WindowLayer(key_cache, value_cache, dim ** -0.5)
+    launches = []
+    run = window_kernels.paged_window_attention_triton
+    monkeypatch.setattr(window_kernels, "paged_window_attention_triton",
+                        lambda *a, **kw: launches.append((a[0].shape[0], kw["tiled"])) or run(*a, **kw))
+    out = torch.full_like(query, float("nan"))
+    paged_window_step(query, out, rows, cache, window, "triton")
+    assert launches == [(37, True), (5, False)]
+    ref = paged_window_attention(query.view(-1, heads, dim), key_cache, value_cache, table, request, logical, count,
+                                 window=window, scale=dim ** -0.5, impl="torch")
+    torch.testing.assert_close(out.view(-1, heads, dim), ref, atol=1e-5, rtol=1e-5)

@@ -113,7 +113,7 @@ def test_sliding_layers_after_a_drop_window_over_original_positions(model, monke
     assert runtime.totals.decode_graph_captures == (2 if decode_graphs else 0)
     if triton:  # the prefill step on the tiled kernel, the decode steps (a row per request) on the per-row one
         assert [t for _, t, _ in launches] == [triton in ("tiled", "split"), False, False] and launches[0][0] > 3
-        assert [s for _, _, s in launches] == [1, 2, 2] if triton == "split" else [1, 1, 1]
+        assert [s for _, _, s in launches] == ([1, 2, 2] if triton == "split" else [1, 1, 1])
     torch._dynamo.reset()
 
 

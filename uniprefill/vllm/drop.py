@@ -46,8 +46,8 @@ from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
 from .graph_decode import DecodeTables, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
 
-from .window import (copy_context_tail, keep_whole_where_the_tail_does_not_fit, paged_window_step, row_logical,
-                     warm_up_window_layer, window_counts)
+from .window import (copy_context_tail, keep_whole_where_the_tail_does_not_fit, kernel_plan, paged_window_step,
+                     row_logical, warm_up_window_layer, window_counts)
 from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
     DropPointRecord, DropTotals, StepDrops, WindowLayer, WindowRows,
 )
@@ -309,6 +309,7 @@ class VllmDropRuntime:
                 if self.layer_names.index(name) < following:
                     self.step.pending_copies[name] = (right, groups[name], with_context, plans)
         request, logical = row_logical(right)
+        plan = kernel_plan(right.query_lens_cpu, request)  # which window kernel runs which rows, all sliding layers
         by_window = {}
         for name in names:
             window = self.windows[name]
@@ -316,7 +317,7 @@ class VllmDropRuntime:
                 by_window[window] = window_counts(right, window, eligible, self.store, self.step.history_rows, layer + 1,
                                                   request)
             self.step.window_rows[name] = WindowRows(right.block_tables[groups[name]], request, logical,
-                                                     by_window[window])
+                                                     by_window[window], *plan)
 
     def window_attention(self, args: tuple, kwargs: dict, layer: int) -> None:
         """What the rewritten graph runs instead of vLLM's attention op (`vllm_attention[layer]`,

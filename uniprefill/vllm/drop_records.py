@@ -24,12 +24,17 @@ class WindowLayer:
 
 @dataclass(frozen=True)
 class WindowRows:
-    """A sliding layer's rows after a drop: request, own logical KV index and visible count."""
+    """A sliding layer's rows after a drop: request, own logical KV index and visible count; `kernel` says which
+    window kernel runs them (`window.kernel_plan`): "per_row" (decode steps), "tiled" (requests of many rows), or
+    "mixed": the rows `tiled_rows` on the tiled kernel, `per_row_rows` on the per-row one."""
 
     block_table: torch.Tensor
     request: torch.Tensor
     logical: torch.Tensor
     count: torch.Tensor
+    kernel: str = "per_row"
+    tiled_rows: torch.Tensor | None = None
+    per_row_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

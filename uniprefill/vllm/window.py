@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 
-from .drop_records import WindowRows
 from .layout import TokenLayout, _ranges, _request_of_rows
 from .metadata import DropHistoryStore
 
@@ -169,22 +168,52 @@ def context_tail_slots(right: TokenLayout, group: int, requests: list[int], wind
     return table[rows, src // block].long(), src % block, table[rows, dst // block].long(), dst % block
 
 
+TILED_MIN_ROWS = 16  # a request with fewer rows in a step runs on the per-row kernel (one program per row)
+
+
+def kernel_plan(query_lens_cpu: torch.Tensor, request: torch.Tensor) -> tuple[str, torch.Tensor | None,
+                                                                             torch.Tensor | None]:
+    """Which window kernel runs which rows of a step after a drop (`drop_records.WindowRows.kernel`): requests of at
+    least TILED_MIN_ROWS rows on the tiled kernel, which reads each key once per tile of rows but walks the requests
+    of a tile one after another (a tile of decode rows of 32 requests would be 32 windows in one program), the
+    others (decode rows, short prompts) on the per-row kernel. query_lens_cpu: the step's rows per request (host);
+    request [T]: each row's request (device)."""
+    long = query_lens_cpu >= TILED_MIN_ROWS
+    if not bool(long.any()):
+        return "per_row", None, None
+    if bool(long.all()):
+        return "tiled", None, None
+    row_long = long.to(request.device, non_blocking=True)[request]
+    return "mixed", torch.nonzero(row_long).flatten(), torch.nonzero(~row_long).flatten()
+
+
 def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, window: int, impl: str) -> None:
     """One sliding layer's attention after a drop: the window over original positions, read from
     the paged cache (`rows`: a `drop_records.WindowRows`, `cache`: a `drop_records.WindowLayer`);
-    writes the first rows of `output`, as vLLM's attention op would."""
+    writes the first rows of `output`, as vLLM's attention op would. The rows run on the kernels
+    `rows.kernel` names (the A/B aid `UNIPREFILL_DEBUG_PER_ROW_WINDOW` puts them all on the per-row one)."""
     from uniprefill import env
     from uniprefill.kernels.paged_window import paged_window_attention
 
     tokens = rows.request.numel()
     dim = cache.key_cache.shape[-1]
-    # a prefill step (more rows than requests): the tiled kernel, unless the A/B aid asks for the per-row one
-    tiled = tokens > rows.block_table.shape[0] and not env.debug_per_row_window()
-    splits = 1 if tiled or not env.debug_split_window() else split_count(tokens * cache.key_cache.shape[2], window)
-    result = paged_window_attention(query[:tokens].reshape(tokens, -1, dim), cache.key_cache, cache.value_cache,
-                                    rows.block_table, rows.request, rows.logical, rows.count, window=window,
-                                    scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled, splits=splits)
-    output[:tokens].copy_(result.reshape(output[:tokens].shape))
+    q = query[:tokens].reshape(tokens, -1, dim)
+    out = output[:tokens].view(q.shape)
+    kernel = "per_row" if env.debug_per_row_window() else rows.kernel
+
+    def run(which: torch.Tensor | None, tiled: bool) -> torch.Tensor:
+        picked = (lambda t: t) if which is None else (lambda t: t.index_select(0, which))
+        n = tokens if which is None else which.numel()
+        splits = 1 if tiled or not env.debug_split_window() else split_count(n * cache.key_cache.shape[2], window)
+        return paged_window_attention(picked(q), cache.key_cache, cache.value_cache, rows.block_table,
+                                      picked(rows.request), picked(rows.logical), picked(rows.count), window=window,
+                                      scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled, splits=splits)
+
+    if kernel == "mixed":
+        out.index_copy_(0, rows.tiled_rows, run(rows.tiled_rows, True))
+        out.index_copy_(0, rows.per_row_rows, run(rows.per_row_rows, False))
+    else:
+        out.copy_(run(None, kernel == "tiled"))
 
 
 def split_count(programs: int, window: int) -> int:
@@ -199,12 +228,15 @@ def split_count(programs: int, window: int) -> int:
 
 
 def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_fn, window: int, impl: str) -> bool:
-    """Run the window kernel once for sliding layer `name` in one of vLLM's dummy forwards, so that Triton
-    compiles it there and not at its first launch inside a CUDA-graph capture (vLLM captures its decode graphs
-    after dummy forwards that run vLLM's own attention: the kernel's first launch would otherwise be captured).
-    One row, request 0 at entry 0, with the layer's query, cache and block table (the strides Triton
-    specialises on are the real ones); only a scratch output is written. False when the forward has no
-    metadata or the layer no cache yet (vLLM's profiling run, before it allocates the KV cache): try again."""
+    """Run the window kernels once for sliding layer `name` in one of vLLM's dummy forwards, so that Triton
+    compiles them there and not at a first launch inside a CUDA-graph capture (vLLM captures its decode graphs
+    after dummy forwards that run vLLM's own attention: a kernel's first launch would otherwise be captured) or
+    in a first request's prefill. Every variant a step may pick: the per-row kernel on one row (and split over
+    programs where the A/B aid asks: both split counts a decode step may get) and the tiled kernel on 16 and 17
+    rows (Triton specialises on a row count divisible by 16), all request 0 at entry 0, with the layer's query,
+    cache and block table (the strides Triton specialises on are the real ones); only scratch outputs are
+    written. False when the forward has no metadata or the layer no cache yet (vLLM's profiling run, before it
+    allocates the KV cache): try again."""
     metadata = getattr(context, "attn_metadata", None)
     if not isinstance(metadata, dict) or name not in metadata or query.shape[0] == 0:
         return False
@@ -212,7 +244,18 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     if cache is None or cache.key_cache.numel() == 0:
         return False
     block_table = metadata[name].block_table
-    one = torch.ones(1, dtype=torch.long, device=query.device)
-    rows = WindowRows(block_table, one - 1, one - 1, one)
-    paged_window_step(query, torch.empty_like(query[:1]), rows, cache, window, impl)
+    from uniprefill import env
+    from uniprefill.kernels.paged_window import paged_window_attention
+
+    dim = cache.key_cache.shape[-1]
+    q = query[:1].reshape(1, -1, dim)
+    variants = [(1, False, 1)]
+    if env.debug_split_window():
+        variants.append((1, False, split_count(1, window)))  # a decode step of few rows x KV heads (else 1)
+    variants += [(16, True, 1), (17, True, 1)]
+    for rows, tiled, splits in variants:
+        zero = torch.zeros(rows, dtype=torch.long, device=query.device)
+        paged_window_attention(q.expand(rows, -1, -1).contiguous(), cache.key_cache, cache.value_cache, block_table[:1], zero, zero,
+                               zero + 1, window=window, scale=cache.scale, softcap=cache.softcap, impl=impl,
+                               tiled=tiled, splits=splits)
     return True

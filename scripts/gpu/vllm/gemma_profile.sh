@@ -23,8 +23,12 @@ P095='{"p": 0.95, "vllm_drop": true}'
 for run in ${RUNS:-standard p095}; do
   args=(--model-dir /tmp/gemma-270m --length 32000 --out "$OUT/profile-$run.json")
   envs=()
-  [[ "$run" == p095 ]] && args+=(--uniprefill "$P095" --per-row-too)
-  [[ "$run" == p095split ]] && { args+=(--uniprefill "$P095"); envs=(UNIPREFILL_DEBUG_SPLIT_WINDOW=1); }
+  case "$run" in
+    standard) ;;
+    p095) args+=(--uniprefill "$P095" --per-row-too) ;;
+    p095split) args+=(--uniprefill "$P095"); envs=(UNIPREFILL_DEBUG_SPLIT_WINDOW=1) ;;
+    *) echo "unknown run $run (standard | p095 | p095split)" >&2; exit 2 ;;
+  esac
   [[ "${HOST:-0}" == 1 ]] && args+=(--host)
   start=$(date +%s)
   env "${envs[@]}" timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/profile-$run.log" 2>&1
