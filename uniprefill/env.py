@@ -25,8 +25,8 @@ Read:
     UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK: "1" leaves Inductor's `benchmark_combo_kernel` as vLLM
         set it in a rewritten mode-3 graph (`debug_keep_combo_benchmark()`): a diagnosis aid of
         p = 1 parity (`uniprefill.vllm.piecewise`), which may fail to compile.
-    UNIPREFILL_DEBUG_PER_ROW_WINDOW: "1" runs the per-row paged-window kernel in the prefill steps of vLLM's
-        sliding layers after a drop too, where the tiled one runs otherwise (`debug_per_row_window()`,
+    UNIPREFILL_DEBUG_PER_ROW_WINDOW: "1" runs the per-row paged-window kernel for every row of vLLM's sliding
+        layers after a drop, also where the tiled one runs otherwise (requests of many rows) (`debug_per_row_window()`,
         `uniprefill.vllm.window`): an A/B aid, never a setting.
     UNIPREFILL_DEBUG_SPLIT_WINDOW: "1" splits each row of the per-row paged-window kernel over several programs in
         steps of few rows (decode; `debug_split_window()`, `uniprefill.vllm.window.split_count`): an A/B aid until

@@ -5,8 +5,8 @@ importing it imports triton).
   of BLOCK_N, the GQA query heads of that KV head together. Each key is read once per row: W keys per row.
 - `paged_window_tiled_kernel`: one program per (BLOCK_M consecutive rows, KV head). Per request among its rows,
   one loop over the union of those rows' runs of entries, each row masked to its own run: a key is read once per
-  tile of rows. For prefill steps (a request with many rows): the runtime runs it there (`uniprefill.vllm.window`),
-  the per-row kernel in decode steps. On the H200 (2026-12-04, Gemma-3-270M's sliding layers, 32K rows of one
+  tile of rows. For requests with many rows in a step (prefill): the runtime runs it there, the per-row kernel for
+  decode rows and short prompts (`uniprefill.vllm.window.kernel_plan`). On the H200 (2026-12-04, Gemma-3-270M's sliding layers, 32K rows of one
   request): 0.61 ms against the per-row kernel's 3.52 (128 query rows x heads per program, 8 warps; 64 rows:
   0.75-0.93 ms); in a 32K prefill on vLLM it cut the window kernels' device time from 17.5 to 4.7 ms
   (docs/results/vllm-gemma-profile-h200-2026-12-04).
