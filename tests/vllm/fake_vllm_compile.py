@@ -90,9 +90,10 @@ class FakeVllmBackend:
 
 
 def fake_mode3_config(settings, *, layers: int, block: int, splitting_ops=(), cudagraph_mode: str = "NONE",
-                      inductor_options=None, **compilation):
+                      inductor_options=None, sliding: tuple[tuple[int, ...], int] | None = None, **compilation):
     """A vLLM config in mode 3 with these uniprefill settings (None: none), splitting ops and further
-    Inductor options."""
+    Inductor options; `sliding` (layers, window): those layers slide (the model config's `layer_types` and
+    `sliding_window`, as Gemma-3's)."""
     ns = types.SimpleNamespace
     inductor = dict(inductor_options or {}) | ({} if settings is None else {"uniprefill": dict(settings)})
     compilation_config = ns(mode=3, backend="inductor", inductor_compile_config=inductor,
@@ -101,7 +102,9 @@ def fake_mode3_config(settings, *, layers: int, block: int, splitting_ops=(), cu
     for key, value in compilation.items():
         setattr(compilation_config, key, value)
     return ns(compilation_config=compilation_config,
-              model_config=ns(hf_text_config=ns(num_hidden_layers=layers), max_model_len=4096, runner_type="generate"),
+              model_config=ns(hf_text_config=ns(num_hidden_layers=layers, **({} if sliding is None else {
+                  "layer_types": ["sliding_attention" if i in sliding[0] else "full_attention" for i in range(layers)],
+                  "sliding_window": sliding[1]})), max_model_len=4096, runner_type="generate"),
               cache_config=ns(block_size=block, enable_prefix_caching=False),
               parallel_config=ns(tensor_parallel_size=1, pipeline_parallel_size=1),
               scheduler_config=ns(enable_chunked_prefill=False, max_num_seqs=8), speculative_config=None)

@@ -64,10 +64,13 @@ def random_step(seed: int):
     return world, ids, positions, requests
 
 
-def run(compiled, seed: int, piecewise_graphs: bool = False):
+def run(compiled, seed: int, piecewise_graphs: bool = False, sliding: tuple[tuple[int, ...], int] | None = None):
     """The step of `seed` through `compiled`; with `piecewise_graphs` every third step runs as a replay
-    of vLLM's piecewise CUDA graphs (the forward context says PIECEWISE: the drop point keeps every row)."""
+    of vLLM's piecewise CUDA graphs (the forward context says PIECEWISE: the drop point keeps every row);
+    `sliding` (layers, window): those layers' attention slides (the fake vLLM's FlashAttention windows them)."""
     world, ids, positions, requests = random_step(seed)
+    if sliding is not None:
+        world.windows = {world.names[i]: sliding[1] for i in sliding[0]}
     if piecewise_graphs and seed % 3 == 0:
         world.cudagraph_runtime_mode = types.SimpleNamespace(name="PIECEWISE")
         requests = [*requests, "piecewise graphs"]
@@ -80,18 +83,32 @@ def drop_layers_of(group: int) -> list[int]:
     return sorted(random.Random(1000 + group).sample(range(LAYERS - 1), random.randint(1, 2)))
 
 
-@pytest.mark.parametrize("group", [0, 1, 2])
-def test_p1_equals_standard_bit_for_bit_on_random_steps(runtimes, group):  # noqa: F811
+def sliding_layers_of(group: int, drops: list[int]) -> tuple[tuple[int, ...], int]:
+    """Sliding layers (at least one after the first drop point, none a drop layer) and their window."""
+    rng = random.Random(2000 + group)
+    after = [i for i in range(drops[0] + 1, LAYERS) if i not in drops]
+    layers = {rng.choice(after)} | {i for i in range(LAYERS) if i not in drops and rng.random() < 0.4}
+    return tuple(sorted(layers)), rng.choice([8, 24, 64])
+
+
+@pytest.mark.parametrize("group, sliding", [(0, False), (1, False), (2, False), (3, True)],
+                         ids=["group0", "group1", "group2", "group3-sliding"])
+def test_p1_equals_standard_bit_for_bit_on_random_steps(runtimes, group, sliding):  # noqa: F811
+    """With `sliding`, some layers slide (Gemma-3's kind), at least one after a drop point: at p = 1 they run vLLM's
+    own attention there (`StepDrops.vllm_windows`), so every bit stays standard's."""
     model = TinyBackbone().eval()
     drops = drop_layers_of(group)
+    windows = sliding_layers_of(group, drops) if sliding else None
     seeds = [group * CASES + i for i in range(CASES)]
     outputs = {}
     for name, settings in (("standard", None), ("p1", {**SETTINGS, "keep_ratio": None, "p": 1.0,
                                                          "drop_layers": drops})):
         torch._dynamo.reset()
-        compiled, _ = compile_mode3(model, settings)
-        outputs[name] = [run(compiled, seed, piecewise_graphs=True) for seed in seeds]
+        compiled, _ = compile_mode3(model, settings, sliding=windows)
+        outputs[name] = [run(compiled, seed, piecewise_graphs=True, sliding=windows) for seed in seeds]
     assert [p.layer for p in runtimes[-1].step.points] == drops  # the p = 1 engine ran its drop points
+    if sliding:  # a sliding layer after a drop point took vLLM's attention
+        assert runtimes[-1].windows and runtimes[-1].step.vllm_windows
     for seed, (standard, requests), (p1, _) in zip(seeds, outputs["standard"], outputs["p1"]):
         assert torch.equal(standard, p1), f"case {seed} {requests}: max |diff| {(standard - p1).abs().max()}"
 

@@ -353,7 +353,7 @@ def test_the_capture_path_counts_each_window_once_per_drop_point_for_all_kv_cach
     eager = window_rows_of_step(world, runtime, capture=False, decoded=3)
     calls = []
     counted = graph_decode.window_rows
-    monkeypatch.setattr(graph_decode, "window_rows", lambda *a, **kw: calls.append(a[-1]) or counted(*a, **kw))
+    monkeypatch.setattr(graph_decode, "window_rows", lambda *a, **kw: calls.append(a[5]) or counted(*a, **kw))
     captured = window_rows_of_step(world, runtime, capture=True, decoded=3)
     assert sorted(calls) == [16, 16, 64, 64]  # drop point 1: windows 64 and 16; drop point 3: 16 and 64
     for name in eager:

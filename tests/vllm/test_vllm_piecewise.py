@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from fake_vllm_compile import FakeVllmBackend, fake_mode3_config
-from fake_vllm_model import BLOCK, LAYERS, VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context
+from fake_vllm_model import (BLOCK, LAYERS, VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context,
+                             fake_window_layer)
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm import piecewise
 from uniprefill.vllm.graph_ops import SPLITTING_OPS
@@ -38,7 +39,7 @@ def runtimes(monkeypatch):
     listeners = types.SimpleNamespace(add=made.append)
     hooks = VllmHooks(context_fn=lambda: WORLD.context, request_ids_fn=lambda: WORLD.context.request_ids,
                       num_prompt_tokens_fn=lambda: getattr(WORLD.context, "num_prompt_tokens", None),
-                      listeners=listeners)
+                      listeners=listeners, window_layer_fn=fake_window_layer)
     monkeypatch.setattr(VllmHooks, "from_vllm", classmethod(lambda cls: hooks))
     assert piecewise.install(FakeVllmBackend) and not piecewise.install(FakeVllmBackend)
     yield made

@@ -231,3 +231,50 @@ def test_vllm_window_layer_reads_flash_attentions_cache_layout(monkeypatch):
     impl.sliding_window, impl.kv_cache_dtype = (511, 0), "fp8"
     with pytest.raises(NotImplementedError, match="quantised"):
         vllm_window_layer("model.layers.2.self_attn.attn")
+
+
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager-decode", "decode-graph-path"])
+def test_at_p1_the_sliding_layers_after_a_drop_give_vllms_own_bits(model, monkeypatch, decode_graphs):
+    """At p = 1 nothing is removed, so the sliding layers after the drop point run vLLM's own attention on vLLM's
+    own metadata (`StepDrops.vllm_windows`; in decode graphs, rows of requests that removed nothing take vLLM's
+    result, `WindowRows.vllm_rows`, whatever the window kernel wrote: here NaN, since on CPU its numbers may
+    equal vLLM's): prefill and two decode steps equal the plain model's bit for bit. With the window kernel in
+    their place, Gemma-3-270M at p = 1 parted from standard vLLM on 19 of 120 prompts on the H200 (2026-12-04),
+    some at their first token."""
+    from uniprefill.vllm import drop as vllm_drop
+
+    monkeypatch.setattr(vllm_drop, "paged_window_step", lambda query, output, *a: output.fill_(float("nan")))
+    windows = {0: 24, 2: 24}
+    config = UniPrefillConfig(p=1.0, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, (1,), windows, graph_decode_max_reqs=4 if decode_graphs else 0)
+    query_lens = [300, 40, 170]
+    torch.manual_seed(7)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    worlds = []
+    for run in (compiled, model):  # uniprefill at p = 1, then the plain model, each in a fresh fake vLLM
+        world = WORLD.context = fake_context(query_lens)
+        world.windows = {world.names[i]: w for i, w in windows.items()}
+        with torch.no_grad():
+            worlds.append((world, run, run(ids, positions)))
+    (ours, _, got), (plain, _, want) = worlds
+    runtime = state["runtime"]
+    assert torch.equal(got, want)
+    assert runtime.totals.requests_dropped == 2 and runtime.totals.rows_in == runtime.totals.rows_kept
+    assert runtime.step.vllm_windows == {ours.names[2]} and not runtime.step.window_rows
+    for decoded in range(2):
+        new = torch.randint(0, VOCAB, (3,))
+        computed = [q + decoded for q in query_lens]
+        outs = []
+        for world, run, _ in worlds:
+            WORLD.context = step_context(world, computed, [1, 1, 1])
+            if decode_graphs and run is compiled:
+                world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+                runtime.before_step(tuple(world.request_ids))
+            with torch.no_grad():
+                outs.append(run(new, torch.tensor(computed)))
+        assert torch.equal(outs[0], outs[1]), f"decode step {decoded}"
+        if decode_graphs:
+            assert bool(runtime.step.window_rows[ours.names[2]].vllm_rows.all())
+    assert runtime.totals.decode_graph_captures == (2 if decode_graphs else 0)
+    torch._dynamo.reset()

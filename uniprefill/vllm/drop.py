@@ -224,8 +224,11 @@ class VllmDropRuntime:
             gdn_metadata.install_rows(context.attn_metadata, linear, out.query_start_loc, out.query_start_loc_cpu,
                                       out.max_query_len)
         sliding = [n for n in later if n in self.windows]
-        if sliding:
+        if sliding and self.step.changed:
             self._install_windows(context, kept, counts, eligible, layer, sliding)
+            self.step.vllm_windows.difference_update(sliding)
+        elif sliding:  # nothing removed so far: vLLM's layout, metadata and attention are exact (p = 1: its bits)
+            self.step.vllm_windows.update(sliding)
         self.step.points.append(DropPointRecord(layer, layout.query_lens_cpu.tolist(), counts.tolist(),
                                                 out.source_index))
         self.step.layouts.append(out)
@@ -337,6 +340,9 @@ class VllmDropRuntime:
                         context, name, query, self.window_layer_fn, self.windows[name], self.config.impl):
                     self.windows_warmed.add(name)
             return
+        if name in self.step.vllm_windows:
+            self.vllm_attention[layer](*args, **kwargs)
+            return
         rows = self.step.window_rows.get(name)
         if rows is None:
             raise RuntimeError(f"{name}: no window rows for this step (is it after a drop point?)")
@@ -350,7 +356,16 @@ class VllmDropRuntime:
         if pending is not None:  # this layer's KV update has run: every context entry of the step is current
             right, group, requests, plans = pending
             copy_context_tail(right, group, requests, self.windows[name], cache, plans)
+        if rows.vllm_rows is None:
+            paged_window_step(query, output, rows, cache, self.windows[name], self.config.impl)
+            return
+        # a decode graph: every row through both, then each row's own (a graph cannot branch per request)
+        tokens = rows.request.numel()
+        self.vllm_attention[layer](*args, **kwargs)
+        theirs = output[:tokens].clone()
         paged_window_step(query, output, rows, cache, self.windows[name], self.config.impl)
+        mine = output[:tokens]
+        mine.copy_(torch.where(rows.vllm_rows.view(-1, *[1] * (mine.dim() - 1)), theirs, mine))
 
     def free(self, request_id: str) -> bool:
         """Forget a finished request's drop history (False if it had none)."""

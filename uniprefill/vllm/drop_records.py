@@ -35,6 +35,8 @@ class WindowRows:
     kernel: str = "per_row"
     tiled_rows: torch.Tensor | None = None
     per_row_rows: torch.Tensor | None = None
+    vllm_rows: torch.Tensor | None = None  # device bool [R] (decode graphs): rows whose request removed no KV entry
+    # before this layer take vLLM's own attention, whose window over entries is then the window over positions
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ class StepDrops:
     layouts: list[TokenLayout] = field(default_factory=list)  # after each drop point
     right_layout: TokenLayout | None = None  # after the last drop point, right-aligned (sliding layers)
     window_rows: dict[str, WindowRows] = field(default_factory=dict)  # sliding layer name -> its rows
+    vllm_windows: set[str] = field(default_factory=set)  # sliding layers after a drop point that removed nothing
+    # (nor did any before it, nor does any request hold fewer KV entries): vLLM's own attention, on its metadata
     pending_copies: dict = field(default_factory=dict)  # sliding layer -> (right layout, group, requests, the drop
     # point's plans): context tails `window_attention` copies after the layer's KV update (`window.copy_context_tail`)
     profiling: bool = False  # a forward without attention metadata (vLLM's dummy runs)

@@ -112,7 +112,7 @@ def segment_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_map
 
 
 def window_rows(seq_lens: torch.Tensor, block_table: torch.Tensor, tail: torch.Tensor, prompt_end: torch.Tensor,
-                has: torch.Tensor, window: int) -> WindowRows:
+                has: torch.Tensor, window: int, removed: torch.Tensor | None = None) -> WindowRows:
     """A sliding layer's rows for a decode step of R requests after drops, on the device.
 
     seq_lens [R] (vLLM's, the new token included: it sits at logical index seq_lens - 1, its
@@ -120,7 +120,9 @@ def window_rows(seq_lens: torch.Tensor, block_table: torch.Tensor, tail: torch.T
     (kept prompt positions of this layer's drop column), prompt_end / has [>= R]. Each row sees the
     cached keys at positions > pos - window: its kept prompt keys there plus its decoded tokens, or
     min(pos + 1, window) for a request without a history (`DropHistoryStore.window_first_visible`).
-    Padding rows (seq_lens 0) read their request's first entry. Device ops only: capturable."""
+    Padding rows (seq_lens 0) read their request's first entry. `removed` [>= R] (the drop column's KV
+    entries removed per request): rows of requests that removed none are marked `vllm_rows` (vLLM's own attention
+    is exact there). Device ops only: capturable."""
     num_reqs = seq_lens.shape[0]
     pos = seq_lens.long() - 1
     in_prompt = (tail[:num_reqs] > (pos - window)[:, None]).sum(1)
@@ -129,7 +131,8 @@ def window_rows(seq_lens: torch.Tensor, block_table: torch.Tensor, tail: torch.T
     count = torch.where(has[:num_reqs], in_prompt + decoded, torch.clamp(pos + 1, max=window))
     logical = pos.clamp(min=0)
     count = torch.minimum(count.clamp(1, window), logical + 1)  # the kernel's contract, also for stale tables
-    return WindowRows(block_table[:num_reqs], torch.arange(num_reqs, device=seq_lens.device), logical, count)
+    return WindowRows(block_table[:num_reqs], torch.arange(num_reqs, device=seq_lens.device), logical, count,
+                      vllm_rows=None if removed is None else removed[:num_reqs] == 0)
 
 
 _VLLM_BASE = "_uniprefill_vllm_base"  # on metadata a capture installed: (vLLM's metadata, slot mapping) it came from
@@ -192,7 +195,7 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
             key = (meta.seq_lens.data_ptr(), meta.seq_lens.shape[0], runtime.windows[name])
             if key not in windowed:
                 windowed[key] = window_rows(meta.seq_lens, meta.block_table, buffer.tail[column - 1], buffer.prompt_end,
-                                            buffer.has, runtime.windows[name])
+                                            buffer.has, runtime.windows[name], table[column - 1])
             rows = windowed[key]
             runtime.step.window_rows[name] = dataclasses.replace(rows, block_table=meta.block_table[:rows.count.shape[0]])
             continue
