@@ -236,8 +236,8 @@ def test_vllm_window_layer_reads_flash_attentions_cache_layout(monkeypatch):
 @pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager-decode", "decode-graph-path"])
 def test_at_p1_the_sliding_layers_after_a_drop_give_vllms_own_bits(model, monkeypatch, decode_graphs):
     """At p = 1 nothing is removed, so the sliding layers after the drop point run vLLM's own attention on vLLM's
-    own metadata (`StepDrops.vllm_windows`; in decode graphs, rows of requests that removed nothing take vLLM's
-    result, `WindowRows.vllm_rows`, whatever the window kernel wrote: here NaN, since on CPU its numbers may
+    own metadata (`StepDrops.vllm_windows`; in the decode graphs of an engine at p = 1, rows of requests that removed
+    nothing take vLLM's result, `WindowRows.vllm_rows`, whatever the window kernel wrote: here NaN, since on CPU its numbers may
     equal vLLM's): prefill and two decode steps equal the plain model's bit for bit. With the window kernel in
     their place, Gemma-3-270M at p = 1 parted from standard vLLM on 19 of 120 prompts on the H200 (2026-12-04),
     some at their first token."""

@@ -35,8 +35,9 @@ class WindowRows:
     kernel: str = "per_row"
     tiled_rows: torch.Tensor | None = None
     per_row_rows: torch.Tensor | None = None
-    vllm_rows: torch.Tensor | None = None  # device bool [R] (decode graphs): rows whose request removed no KV entry
-    # before this layer take vLLM's own attention, whose window over entries is then the window over positions
+    vllm_rows: torch.Tensor | None = None  # device bool [R] (decode graphs of an engine at p = 1): rows whose request
+    # removed no KV entry before this layer take vLLM's own attention (its window over entries is then the window
+    # over positions, and its bits standard's)
 
 
 @dataclass(frozen=True)

@@ -194,8 +194,12 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
         if name in runtime.windows:  # right-aligned: vLLM's seq_lens and slots stay; the window's rows
             key = (meta.seq_lens.data_ptr(), meta.seq_lens.shape[0], runtime.windows[name])
             if key not in windowed:
+                # an engine that drops only for requests bringing their own p (config p = 1, no keep_ratio) keeps the
+                # others' bits: vLLM's attention too, and each row its own result (twice the attention in these
+                # layers); an engine that drops by default runs the window kernel alone
+                exact = runtime.config.p >= 1.0 and runtime.config.keep_ratio is None
                 windowed[key] = window_rows(meta.seq_lens, meta.block_table, buffer.tail[column - 1], buffer.prompt_end,
-                                            buffer.has, runtime.windows[name], table[column - 1])
+                                            buffer.has, runtime.windows[name], table[column - 1] if exact else None)
             rows = windowed[key]
             runtime.step.window_rows[name] = dataclasses.replace(rows, block_table=meta.block_table[:rows.count.shape[0]])
             continue
