@@ -85,6 +85,7 @@ def test_the_raise_is_capped_and_never_lowers_vllms_budget(installed):
     (EngineArgs(options(vllm_drop=True), max_num_batched_tokens=4096), "the user's budget"),
     (EngineArgs(options(vllm_drop=True, vllm_one_step_prefill=False)), "the option off"),
     (EngineArgs(options(p=0.9)), "an engine that does not drop"),
+    (EngineArgs(options(vllm_drop=True, p=1.0)), "an engine at p = 1: standard's steps (its bits in batched runs)"),
     (EngineArgs({}), "an engine without uniprefill"),
     (EngineArgs(options(vllm_drop=True), max_num_scheduled_tokens=4096), "the user's cap on scheduled tokens"),
     (EngineArgs(options(vllm_drop=True), long_prefill_token_threshold=2048), "the user's cap on a prompt's chunk"),

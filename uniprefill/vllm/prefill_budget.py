@@ -20,7 +20,9 @@ tensor passes 2^31 elements (Llama's 131,072-token default would cross it).
 The budget is left as vLLM sets it when the user gives `max_num_batched_tokens`, `max_num_scheduled_tokens` or
 `long_prefill_token_threshold` (each caps what one step or one prompt gets), when chunked prefill is off (vLLM
 then raises the budget to `max_model_len` itself), under batched data-parallel MoE (vLLM sets 256 there: it
-sizes the all-to-all buffers), when the engine does not drop, and when vLLM's default is already larger.
+sizes the all-to-all buffers), when the engine does not drop, when it drops only for requests that bring their
+own p (p = 1 and no `keep_ratio`: standard's step composition, hence standard's numbers at p = 1; such a request's
+long prompt drops in its last chunk), and when vLLM's default is already larger.
 Chunked prefill stays on: vLLM still chunks where the budget runs out (several long prompts arriving
 together), and those requests drop in their last chunk. The price is decode latency: a step holding a long
 prefill stalls the running decodes for all of it (docs/vllm.md gives the measured TTFT, TPOT and inter-token
@@ -70,6 +72,8 @@ def raised_budget(engine_args: Any, max_model_len: int, user_budget: int | None,
     settings = config_from_compilation_config(_get(engine_args, "compilation_config"))
     if settings is None or not settings.vllm_drop or not settings.vllm_one_step_prefill:
         return None
+    if settings.p >= 1.0 and settings.keep_ratio is None:  # drops only for requests bringing their own p: vLLM's
+        return None  # steps stay standard's, so that p = 1 keeps standard vLLM's bits in batched runs too
     budget = one_step_budget(max_model_len, _get(engine_args, "max_num_seqs"))
     current = _get(engine_args, "max_num_batched_tokens") or 0
     return budget if budget > current else None
