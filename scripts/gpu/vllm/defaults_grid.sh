@@ -19,8 +19,9 @@
 #          tokens) generated twice (the second pass hits the prefix cache), 80 needle prompts (4096/16384) and,
 #          unless SKIP_THROUGHPUT=1, prefill throughput at 8192/16384/32000 x batch 1/4/16 (median of 5 calls)
 #   VARIANT standard | again (a second standard engine) | onestep (standard with max_num_batched_tokens 33791, the
-#          budget uniprefill's one-step prefill gives a model of 32K context at max_num_seqs 1024: gemma, llama32k;
-#          the same step composition, for p = 1 parity) | nocombo (standard with Inductor's
+#          budget uniprefill's one-step prefill gives a dropping engine of 32K context at max_num_seqs 1024: gemma,
+#          llama32k; the same step composition as p095 / keep03, to tell the budget's effect from the drop's; an
+#          engine at p = 1 keeps vLLM's budget) | nocombo (standard with Inductor's
 #          benchmark_combo_kernel off, as uniprefill's hook sets it) | p1 | p095 | p099 | keep03 (the option:
 #          {"p": 1.0} / {"p": 0.95} / {"p": 0.99} / {"keep_ratio": 0.3, "drop_layers": [7]}, each with
 #          "vllm_drop": true) | p099chunk2k (p099 with max_num_batched_tokens 2048: prompts chunked, the last
