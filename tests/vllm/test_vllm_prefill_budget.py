@@ -95,6 +95,11 @@ def test_vllms_budget_is_left_alone(installed, args, why):
     assert budget_of(args) == (given or 8192), why
 
 
+def test_an_engine_at_p1_with_a_keep_ratio_drops_and_gets_the_budget(installed):
+    """p = 1 keeps vLLM's budget only without a forced keep_ratio (which drops whatever p says)."""
+    assert budget_of(EngineArgs(options(vllm_drop=True, p=1.0, keep_ratio=0.3))) == 32768 + 1023
+
+
 def test_chunked_prefill_off_keeps_vllms_own_raise(installed):
     assert budget_of(EngineArgs(options(vllm_drop=True), enable_chunked_prefill=False)) == 32768
 

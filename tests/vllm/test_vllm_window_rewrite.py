@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fake_vllm_model import (BLOCK, DIM, VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context,
-                             fake_window_layer, step_context)
+                             fake_window_layer, kept_per_request, step_context)
 from uniprefill.config import UniPrefillConfig
 from uniprefill.vllm.graph import analyze_vllm_graph
 from uniprefill.vllm.rewrite import rewrite_vllm_graph
@@ -277,4 +277,82 @@ def test_at_p1_the_sliding_layers_after_a_drop_give_vllms_own_bits(model, monkey
         if decode_graphs:
             assert bool(runtime.step.window_rows[ours.names[2]].vllm_rows.all())
     assert runtime.totals.decode_graph_captures == (2 if decode_graphs else 0)
+    torch._dynamo.reset()
+
+
+def decode_two_steps_against_the_reference(model, compiled, runtime, world, ids, query_lens, kept, drops, windows,
+                                           decode_graphs):
+    """Two decode steps after the prefill in `world`: every request's hidden state equals the reference's with
+    the rows `kept` [point][request] kept (`TinyBackbone.decode_reference`)."""
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    tokens = [ids[qsl[r]:qsl[r + 1]] for r in range(len(query_lens))]
+    for decoded in range(2):
+        new = torch.randint(0, VOCAB, (len(query_lens),))
+        computed = [q + decoded for q in query_lens]
+        WORLD.context = step_context(world, computed, [1] * len(query_lens))
+        world.request_p = None
+        if decode_graphs:
+            world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
+            runtime.before_step(tuple(world.request_ids))
+        with torch.no_grad():
+            out = compiled(new, torch.tensor(computed))
+        for r in range(len(query_lens)):
+            tokens[r] = torch.cat([tokens[r], new[r:r + 1]])
+            with torch.no_grad():
+                ref = model.decode_reference(tokens[r], query_lens[r], [k[r] for k in kept], drops, windows)
+            torch.testing.assert_close(out[r], ref, atol=1e-5, rtol=1e-5, msg=f"request {r}, decode step {decoded}")
+
+
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager-decode", "decode-graph-path"])
+def test_a_first_drop_point_that_removes_nothing_then_a_second_that_drops(model, decode_graphs):
+    """Drop points 0 and 2, keeping everything at the first (keep_ratio 1.0) and 0.4 at the second; layers 1 and 3
+    slide (window 100, wide enough that a wrong layout shows): layer 1 runs vLLM's own attention, layer 3 the
+    window over original positions; prefill and decode equal the reference."""
+    windows, drops = {1: 100, 3: 100}, (0, 2)
+    config = UniPrefillConfig(keep_ratio=(1.0, 0.4), block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, drops, windows, graph_decode_max_reqs=4 if decode_graphs else 0)
+    query_lens = [300, 40, 170]
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    world = WORLD.context = fake_context(query_lens)
+    world.windows = {world.names[i]: w for i, w in windows.items()}
+    with torch.no_grad():
+        hidden = compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
+    runtime = state["runtime"]
+    assert runtime.step.vllm_windows == {world.names[1]} and set(runtime.step.window_rows) == {world.names[3]}
+    kept = [kept_per_request(p, query_lens) for p in runtime.step.points]
+    assert [len(k) for k in kept[0]] == query_lens and len(kept[1][0]) < 0.5 * 300
+    qsl = [0] + torch.tensor(query_lens).cumsum(0).tolist()
+    with torch.no_grad():
+        for r in range(3):
+            ref = model.decode_reference(ids[qsl[r]:qsl[r + 1]], query_lens[r], [kept[0][r], kept[1][r]], drops, windows)
+            torch.testing.assert_close(hidden[qsl[r + 1] - 1], ref, atol=1e-5, rtol=1e-5)
+    decode_two_steps_against_the_reference(model, compiled, runtime, world, ids, query_lens, kept, drops, windows,
+                                           decode_graphs)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager-decode", "decode-graph-path"])
+def test_an_engine_at_p1_with_a_request_at_its_own_p(model, decode_graphs):
+    """An engine at p = 1 drops for a request that brings its own p (0.5): in its decode steps that request's rows
+    take the window over original positions, the others' vLLM's attention (under decode graphs row by row,
+    `WindowRows.vllm_rows`); all equal the reference (window 100)."""
+    windows, drops = {0: 100, 2: 100}, (1,)
+    config = UniPrefillConfig(p=1.0, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    compiled, state = compile_with_drops(model, config, drops, windows, graph_decode_max_reqs=4 if decode_graphs else 0)
+    query_lens = [300, 200, 170]
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    world = WORLD.context = fake_context(query_lens)
+    world.windows = {world.names[i]: w for i, w in windows.items()}
+    world.request_p = torch.tensor([0.5, float("nan"), float("nan")])
+    with torch.no_grad():
+        compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
+    runtime = state["runtime"]
+    kept = [kept_per_request(p, query_lens) for p in runtime.step.points]
+    assert len(kept[0][0]) < 300 and [len(k) for k in kept[0][1:]] == query_lens[1:]
+    decode_two_steps_against_the_reference(model, compiled, runtime, world, ids, query_lens, kept, drops, windows,
+                                           decode_graphs)
+    if decode_graphs:
+        assert runtime.step.window_rows[world.names[2]].vllm_rows.tolist() == [False, True, True]
     torch._dynamo.reset()

@@ -22,7 +22,8 @@ The budget is left as vLLM sets it when the user gives `max_num_batched_tokens`,
 then raises the budget to `max_model_len` itself), under batched data-parallel MoE (vLLM sets 256 there: it
 sizes the all-to-all buffers), when the engine does not drop, when it drops only for requests that bring their
 own p (p = 1 and no `keep_ratio`: standard's step composition, hence standard's numbers at p = 1; such a request's
-long prompt drops in its last chunk), and when vLLM's default is already larger.
+long prompt drops in its last chunk with `vllm_context_drops`, else not), and when vLLM's default is already
+larger.
 Chunked prefill stays on: vLLM still chunks where the budget runs out (several long prompts arriving
 together), and those requests drop in their last chunk. The price is decode latency: a step holding a long
 prefill stalls the running decodes for all of it (docs/vllm.md gives the measured TTFT, TPOT and inter-token
