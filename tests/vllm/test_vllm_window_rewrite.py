@@ -280,6 +280,21 @@ def test_at_p1_the_sliding_layers_after_a_drop_give_vllms_own_bits(model, monkey
     torch._dynamo.reset()
 
 
+def prefill_with_windows(model, config, drops, windows, query_lens, decode_graphs, request_p=None):
+    """(compiled, runtime, world, ids, hidden) after a prefill of random prompts of `query_lens` in a fresh fake
+    vLLM whose layers `windows` slide; `request_p`: the requests' own p (NaN: the config's)."""
+    compiled, state = compile_with_drops(model, config, drops, windows, graph_decode_max_reqs=4 if decode_graphs else 0)
+    torch.manual_seed(5)
+    ids = torch.randint(0, VOCAB, (sum(query_lens),))
+    world = WORLD.context = fake_context(query_lens)
+    world.windows = {world.names[i]: w for i, w in windows.items()}
+    if request_p is not None:
+        world.request_p = torch.tensor(request_p)
+    with torch.no_grad():
+        hidden = compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
+    return compiled, state["runtime"], world, ids, hidden
+
+
 def decode_two_steps_against_the_reference(model, compiled, runtime, world, ids, query_lens, kept, drops, windows,
                                            decode_graphs):
     """Two decode steps after the prefill in `world`: every request's hidden state equals the reference's with
@@ -308,17 +323,10 @@ def test_a_first_drop_point_that_removes_nothing_then_a_second_that_drops(model,
     """Drop points 0 and 2, keeping everything at the first (keep_ratio 1.0) and 0.4 at the second; layers 1 and 3
     slide (window 100, wide enough that a wrong layout shows): layer 1 runs vLLM's own attention, layer 3 the
     window over original positions; prefill and decode equal the reference."""
-    windows, drops = {1: 100, 3: 100}, (0, 2)
+    windows, drops, query_lens = {1: 100, 3: 100}, (0, 2), [300, 40, 170]
     config = UniPrefillConfig(keep_ratio=(1.0, 0.4), block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
-    compiled, state = compile_with_drops(model, config, drops, windows, graph_decode_max_reqs=4 if decode_graphs else 0)
-    query_lens = [300, 40, 170]
-    torch.manual_seed(5)
-    ids = torch.randint(0, VOCAB, (sum(query_lens),))
-    world = WORLD.context = fake_context(query_lens)
-    world.windows = {world.names[i]: w for i, w in windows.items()}
-    with torch.no_grad():
-        hidden = compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
-    runtime = state["runtime"]
+    compiled, runtime, world, ids, hidden = prefill_with_windows(model, config, drops, windows, query_lens,
+                                                                 decode_graphs)
     assert runtime.step.vllm_windows == {world.names[1]} and set(runtime.step.window_rows) == {world.names[3]}
     kept = [kept_per_request(p, query_lens) for p in runtime.step.points]
     assert [len(k) for k in kept[0]] == query_lens and len(kept[1][0]) < 0.5 * 300
@@ -337,18 +345,10 @@ def test_an_engine_at_p1_with_a_request_at_its_own_p(model, decode_graphs):
     """An engine at p = 1 drops for a request that brings its own p (0.5): in its decode steps that request's rows
     take the window over original positions, the others' vLLM's attention (under decode graphs row by row,
     `WindowRows.vllm_rows`); all equal the reference (window 100)."""
-    windows, drops = {0: 100, 2: 100}, (1,)
+    windows, drops, query_lens = {0: 100, 2: 100}, (1,), [300, 200, 170]
     config = UniPrefillConfig(p=1.0, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
-    compiled, state = compile_with_drops(model, config, drops, windows, graph_decode_max_reqs=4 if decode_graphs else 0)
-    query_lens = [300, 200, 170]
-    torch.manual_seed(5)
-    ids = torch.randint(0, VOCAB, (sum(query_lens),))
-    world = WORLD.context = fake_context(query_lens)
-    world.windows = {world.names[i]: w for i, w in windows.items()}
-    world.request_p = torch.tensor([0.5, float("nan"), float("nan")])
-    with torch.no_grad():
-        compiled(ids, torch.cat([torch.arange(q) for q in query_lens]))
-    runtime = state["runtime"]
+    compiled, runtime, world, ids, _ = prefill_with_windows(model, config, drops, windows, query_lens, decode_graphs,
+                                                            request_p=[0.5, float("nan"), float("nan")])
     kept = [kept_per_request(p, query_lens) for p in runtime.step.points]
     assert len(kept[0][0]) < 300 and [len(k) for k in kept[0][1:]] == query_lens[1:]
     decode_two_steps_against_the_reference(model, compiled, runtime, world, ids, query_lens, kept, drops, windows,
