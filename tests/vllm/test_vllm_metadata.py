@@ -860,3 +860,20 @@ def test_the_former_environment_switches_are_config_fields_now(monkeypatch):
         UniPrefillConfig(vllm_drop="yes")
     assert UniPrefillConfig().stable_hash() == UniPrefillConfig(vllm_drop=False).stable_hash()
     assert UniPrefillConfig().stable_hash() != UniPrefillConfig(vllm_drop=True).stable_hash()
+
+
+def test_the_slots_of_many_kv_cache_groups_in_one_gather_equal_each_groups_own():
+    """`_group_slots` gathers the groups of one block size and table shape together (Gemma-3-270M: 6 groups); a
+    group of another block size or table shape on its own; each equals `_slots` of that group."""
+    from uniprefill.vllm.layout import _group_slots, _slots
+
+    gen = torch.Generator().manual_seed(0)
+    tables = tuple(torch.randint(0, 100, (4, 10), generator=gen, dtype=torch.int32) for _ in range(4))
+    tables += (torch.randint(0, 100, (4, 5), generator=gen, dtype=torch.int32),
+               torch.randint(0, 100, (4, 12), generator=gen, dtype=torch.int32))
+    blocks = (16, 16, 16, 16, 32, 16)
+    request, logical = torch.tensor([0, 0, 1, 2, 3, 3]), torch.tensor([0, 17, 40, 100, 150, 159])
+    got = _group_slots(tables, blocks, request, logical)
+    assert len(got) == len(tables)
+    for g, (table, block) in enumerate(zip(tables, blocks)):
+        assert torch.equal(got[g], _slots(table, block, request, logical)), g

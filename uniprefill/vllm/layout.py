@@ -294,7 +294,7 @@ def compact(
     qsl = qsl_cpu.to(device, layout.query_start_loc.dtype, non_blocking=True)
     request = _request_of_rows(counts, tokens, device)
     logical = kv_base.to(device, non_blocking=True)[request] + (torch.arange(tokens, device=device) - qsl.long()[request])
-    slots = tuple(_slots(table, block, request, logical) for table, block in zip(layout.block_tables, layout.block_sizes))
+    slots = _group_slots(layout.block_tables, layout.block_sizes, request, logical)
     if kept is None:
         positions, source = layout.positions, layout.source_index
     else:
@@ -344,3 +344,22 @@ def _request_of_rows(counts_cpu: torch.Tensor, tokens: int, device) -> torch.Ten
 
 def _slots(table: torch.Tensor, block: int, request: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
     return table[request, logical // block].long() * block + logical % block
+
+
+def _group_slots(tables: tuple[torch.Tensor, ...], blocks: tuple[int, ...], request: torch.Tensor,
+                 logical: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`_slots` of every KV-cache group, the groups of one block size and table shape in one gather: a hybrid model
+    has many groups (Gemma-3-270M: 6), and each op is a kernel launch on the host's critical path."""
+    together: dict[tuple, list[int]] = {}
+    for g, (table, block) in enumerate(zip(tables, blocks)):
+        together.setdefault((block, tuple(table.shape), table.dtype), []).append(g)
+    slots: list[torch.Tensor | None] = [None] * len(tables)
+    for (block, _, _), groups in together.items():
+        if len(groups) == 1:
+            slots[groups[0]] = _slots(tables[groups[0]], block, request, logical)
+            continue
+        stacked = torch.stack([tables[g] for g in groups])  # [G, R, max_blocks]
+        rows = stacked[:, request, logical // block].long() * block + logical % block  # [G, T]
+        for i, g in enumerate(groups):
+            slots[g] = rows[i]
+    return tuple(slots)
