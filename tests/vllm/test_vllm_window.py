@@ -4,6 +4,8 @@ paged attention, each against a brute force written from the rule 0 <= pos_q - p
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -191,11 +193,15 @@ def test_a_step_mixing_long_and_short_requests_runs_each_on_its_kernel(monkeypat
     from uniprefill.vllm.drop_records import WindowLayer, WindowRows
     from uniprefill.vllm.window import TILED_MIN_ROWS, kernel_plan, paged_window_step
 
-    assert kernel_plan(torch.tensor([1, 1, 3]), torch.tensor([0, 1, 2, 2, 2]))[0] == "per_row"
-    assert kernel_plan(torch.tensor([TILED_MIN_ROWS, 40]), torch.zeros(0, dtype=torch.long))[0] == "tiled"
+    def layout(lens):  # only what `kernel_plan` reads
+        qsl = torch.tensor([0] + lens).cumsum(0)
+        return types.SimpleNamespace(query_lens_cpu=torch.tensor(lens), query_start_loc_cpu=qsl, query_start_loc=qsl)
+
+    assert kernel_plan(layout([1, 1, 3]))[0] == "per_row"
+    assert kernel_plan(layout([TILED_MIN_ROWS, 40]))[0] == "tiled"
     lens = [1, 20, 1, 3, 17]  # decode, a long prompt, decode, a short prompt, a long prompt
     request = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    kernel, tiled_rows, per_row_rows = kernel_plan(torch.tensor(lens), request)
+    kernel, tiled_rows, per_row_rows = kernel_plan(layout(lens))
     assert kernel == "mixed" and set(request[tiled_rows].tolist()) == {1, 4}
     assert set(request[per_row_rows].tolist()) == {0, 2, 3} and tiled_rows.numel() + per_row_rows.numel() == 42
     torch.manual_seed(0)

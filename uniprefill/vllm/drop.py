@@ -312,7 +312,7 @@ class VllmDropRuntime:
                 if self.layer_names.index(name) < following:
                     self.step.pending_copies[name] = (right, groups[name], with_context, plans)
         request, logical = row_logical(right)
-        plan = kernel_plan(right.query_lens_cpu, request)  # which window kernel runs which rows, all sliding layers
+        plan = kernel_plan(right)  # which window kernel runs which rows, for all the sliding layers
         by_window = {}
         for name in names:
             window = self.windows[name]

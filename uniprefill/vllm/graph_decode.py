@@ -182,6 +182,11 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
     # (vLLM's seq_lens tensor, window): the rows' requests, positions and counts, shared by the KV-cache groups (vLLM
     # hands every group one seq_lens; Gemma-3-270M's 15 sliding layers are 5 groups): per group only its block table
     windowed = {}
+    # an engine that drops only for requests bringing their own p (config p = 1, no keep_ratio): vLLM's attention
+    # too, and each row its own result (twice the attention in these layers), so that the other requests' decode
+    # keeps standard's bits there (eager steps decide for the whole step: a step holding a request that dropped runs
+    # the window kernel for all); an engine that drops by default runs the window kernel alone
+    exact = runtime.config.p >= 1.0 and runtime.config.keep_ratio is None
     buffer = runtime.graph_decode
     for name in runtime.layer_names[layer + 1:]:
         if name not in runtime.step.graph_base:
@@ -194,12 +199,6 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
         if name in runtime.windows:  # right-aligned: vLLM's seq_lens and slots stay; the window's rows
             key = (meta.seq_lens.data_ptr(), meta.seq_lens.shape[0], runtime.windows[name])
             if key not in windowed:
-                # an engine that drops only for requests bringing their own p (config p = 1, no keep_ratio): vLLM's
-                # attention too, and each row its own result (twice the attention in these layers), so that the
-                # other requests' decode keeps standard's bits in these layers (eager steps decide for the whole
-                # step: a step holding a request that dropped runs the window kernel for all); an engine that drops
-                # by default runs the window kernel alone
-                exact = runtime.config.p >= 1.0 and runtime.config.keep_ratio is None
                 windowed[key] = window_rows(meta.seq_lens, meta.block_table, buffer.tail[column - 1], buffer.prompt_end,
                                             buffer.has, runtime.windows[name], table[column - 1] if exact else None)
             rows = windowed[key]

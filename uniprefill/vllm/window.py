@@ -171,20 +171,21 @@ def context_tail_slots(right: TokenLayout, group: int, requests: list[int], wind
 TILED_MIN_ROWS = 16  # a request with fewer rows in a step runs on the per-row kernel (one program per row)
 
 
-def kernel_plan(query_lens_cpu: torch.Tensor, request: torch.Tensor) -> tuple[str, torch.Tensor | None,
-                                                                             torch.Tensor | None]:
-    """Which window kernel runs which rows of a step after a drop (`drop_records.WindowRows.kernel`): requests of at
-    least TILED_MIN_ROWS rows on the tiled kernel, which reads each key once per tile of rows but walks the requests
-    of a tile one after another (a tile of decode rows of 32 requests would be 32 windows in one program), the
-    others (decode rows, short prompts) on the per-row kernel. query_lens_cpu: the step's rows per request (host);
-    request [T]: each row's request (device)."""
-    long = query_lens_cpu >= TILED_MIN_ROWS
+def kernel_plan(layout: TokenLayout) -> tuple[str, torch.Tensor | None, torch.Tensor | None]:
+    """Which window kernel runs which rows of `layout` (a step after a drop; `drop_records.WindowRows.kernel`):
+    requests of at least TILED_MIN_ROWS rows on the tiled kernel, which reads each key once per tile of rows but
+    walks the requests of a tile one after another (a tile of decode rows of 32 requests would be 32 windows in one
+    program), the others (decode rows, short prompts) on the per-row kernel. The row indices of a "mixed" step are
+    built on the host (a request's rows are one run) and copied without a sync."""
+    lens = layout.query_lens_cpu
+    long = lens >= TILED_MIN_ROWS
     if not bool(long.any()):
         return "per_row", None, None
     if bool(long.all()):
         return "tiled", None, None
-    row_long = long.to(request.device, non_blocking=True)[request]
-    return "mixed", torch.nonzero(row_long).flatten(), torch.nonzero(~row_long).flatten()
+    starts = layout.query_start_loc_cpu[:-1].long()
+    device = layout.query_start_loc.device
+    return "mixed", *(_ranges(starts[m], lens[m]).to(device, non_blocking=True) for m in (long, ~long))
 
 
 def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, window: int, impl: str) -> None:
@@ -237,6 +238,9 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     cache and block table (the strides Triton specialises on are the real ones); only scratch outputs are
     written. False when the forward has no metadata or the layer no cache yet (vLLM's profiling run, before it
     allocates the KV cache): try again."""
+    from uniprefill import env
+    from uniprefill.kernels.paged_window import paged_window_attention
+
     metadata = getattr(context, "attn_metadata", None)
     if not isinstance(metadata, dict) or name not in metadata or query.shape[0] == 0:
         return False
@@ -244,9 +248,6 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     if cache is None or cache.key_cache.numel() == 0:
         return False
     block_table = metadata[name].block_table
-    from uniprefill import env
-    from uniprefill.kernels.paged_window import paged_window_attention
-
     dim = cache.key_cache.shape[-1]
     q = query[:1].reshape(1, -1, dim)
     variants = [(1, False, 1)]
