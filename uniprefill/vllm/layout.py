@@ -29,6 +29,7 @@ reads device tensors: for tests and debugging.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -77,8 +78,9 @@ class TokenLayout:
     def num_reqs(self) -> int:
         return self.seq_lens_cpu.numel()
 
-    @property
+    @functools.cached_property
     def query_lens_cpu(self) -> torch.Tensor:
+        """Host [R] (computed once: a layout is read by many steps of the drop path; do not write into it)."""
         return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
 
     @property
@@ -92,9 +94,9 @@ class TokenLayout:
         inverse[self.source_index] = torch.arange(self.num_actual_tokens, device=inverse.device)
         return inverse[source_rows.long()]
 
-    @property
+    @functools.cached_property
     def kv_base_cpu(self) -> torch.Tensor:
-        """Host [R]: KV entries these layers hold for each request before this step's tokens."""
+        """Host [R]: KV entries these layers hold for each request before this step's tokens (computed once)."""
         return self.num_computed_tokens_cpu - self.kv_removed_cpu
 
     def metadata_fields(self, group: int = 0) -> dict:
@@ -288,8 +290,7 @@ def compact(
     tokens = int(qsl_cpu[-1])
     kv_base = ctx - removed  # KV entries before this step's first kept token
     seq_lens_cpu = kv_base + counts
-    for g, (table, block) in enumerate(zip(layout.block_tables, layout.block_sizes)):
-        _check_blocks(g, table, block, kv_base, counts)
+    _check_blocks(layout.block_tables, layout.block_sizes, kv_base, counts)
 
     qsl = qsl_cpu.to(device, layout.query_start_loc.dtype, non_blocking=True)
     request = _request_of_rows(counts, tokens, device)

@@ -48,10 +48,15 @@ def _check_counts(counts: torch.Tensor, query_lens: torch.Tensor) -> None:
                          f"at least its last token and at most its {int(query_lens[r])} tokens)")
 
 
-def _check_blocks(g: int, table: torch.Tensor, block: int, kv_base: torch.Tensor, counts: torch.Tensor) -> None:
+def _check_blocks(tables: tuple[torch.Tensor, ...], blocks: tuple[int, ...], kv_base: torch.Tensor,
+                  counts: torch.Tensor) -> None:
+    """Every group's block table reaches the last KV index a request writes (one host reduction for all groups)."""
     live = counts > 0
-    if live.any():
-        need = int(((kv_base + counts - 1)[live] // block).max()) + 1
+    if not live.any():
+        return
+    last = int((kv_base + counts - 1)[live].max())
+    for g, (table, block) in enumerate(zip(tables, blocks)):
+        need = last // block + 1
         if need > table.shape[1]:
             raise ValueError(f"group {g}: block_table has {table.shape[1]} columns, expected at least {need} "
                              f"for the longest request")

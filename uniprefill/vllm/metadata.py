@@ -241,7 +241,7 @@ class DropHistoryStore:
             if len(tail_candidates) != len(history.drops):
                 raise ValueError(f"tail_candidates: expected {len(history.drops)} tensors (one per drop), "
                                  f"got {len(tail_candidates)}")
-            prompt = [torch.arange(history.context_len, end)] + [t.long() for t in tail_candidates]
+            prompt = [torch.arange(max(history.context_len, low), end)] + [t.long() for t in tail_candidates]
             for c, keys in enumerate(prompt):
                 keys = torch.cat([context, keys[keys >= low]])
                 self._tail[row, c] = _ABSENT
@@ -294,12 +294,15 @@ class DropHistoryStore:
                              f"{len(request_ids)} / {tuple(dropped.shape)}")
         droppers = torch.nonzero(dropped.cpu()).flatten()
         tails = [self._last_kept_positions(lay, droppers) for lay in drop_layouts] if self.max_window else None
+        # one copy of each layout's positions (one launch per drop point, not one per request); the requests'
+        # records are views of it
+        positions = [lay.positions.clone() for lay in drop_layouts]
+        starts = [lay.query_start_loc_cpu.tolist() for lay in drop_layouts]
         rows = []
         for i, r in enumerate(droppers.tolist()):
             drops = []
-            for layer, lay in zip(self.drop_layers, drop_layouts):
-                start, end = int(lay.query_start_loc_cpu[r]), int(lay.query_start_loc_cpu[r + 1])
-                drops.append(DropRecord(layer, end - start, lay.positions[start:end].clone()))
+            for layer, kept, qsl in zip(self.drop_layers, positions, starts):
+                drops.append(DropRecord(layer, qsl[r + 1] - qsl[r], kept[qsl[r]:qsl[r + 1]]))
             history = RequestDropHistory(request_ids[r], int(base.num_computed_tokens_cpu[r]),
                                          int(base.query_lens_cpu[r]), tuple(drops), self.policy)
             rows.append(self.add(history, [values[offsets[i]:offsets[i + 1]] for values, offsets in tails]

@@ -1,0 +1,157 @@
+"""Host work of the vLLM runtime's drop points in one prefill step, on Gemma-3-270M's layout (CPU).
+
+On Gemma-3-270M the GPU work of a 32K prefill is 23-27 ms and the drop points' host work 3-4 ms
+each (`docs/results/vllm-gemma-profile-h200-2026-12-04`): a small model's step is bound by host
+work as much as by the GPU, so every op the drop points launch counts. This runs both drop points
+of one step (`VllmDropRuntime.drop` at layers 5 and 11) on the fake vLLM forward context of the
+tests with Gemma-3-270M's layout: 18 attention layers in 6 KV-cache groups of 3 (the full layers
+5, 11, 17 one group, the sliding ones five), window 512, blocks of 16, p = 0.95. It counts what
+would cost host time on a GPU, per step:
+
+* aten ops dispatched (each a kernel launch or a host op on the GPU),
+* ops that read a value back to the host (`item`, `tolist`, `bool` of a tensor, `nonzero`: a
+  device sync on the GPU; here every tensor is on the CPU, so this counts the calls that WOULD
+  sync if their input lived on the device, host-side `_cpu` tensors included: an upper bound),
+* Python function calls (cProfile) and the median CPU time (tiny head size, one thread: the
+  tensors' arithmetic is small beside the dispatch).
+
+    python3 benchmarks/bench_vllm_drop_host.py --lengths 8192,32000 --batches 1,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+from fake_vllm import make_world, step  # noqa: E402  (the tests' fake vLLM context)
+
+from uniprefill.config import UniPrefillConfig  # noqa: E402
+from uniprefill.vllm.drop import VllmDropRuntime  # noqa: E402
+from uniprefill.vllm.drop_records import WindowLayer  # noqa: E402
+
+LAYERS, GROUPS, DROPS, WINDOW, BLOCK, Q_HEADS, KV_HEADS, HEAD_SIZE = 18, 6, (5, 11), 512, 16, 4, 1, 8
+REPO = str(Path(__file__).resolve().parents[1]) + "/"
+READ_BACK = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.equal.default"}
+
+
+class OpCounter(TorchDispatchMode):
+    """aten ops by name, and by the innermost frame of this repository that called them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.sites: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        frame = sys._getframe(1)
+        while frame is not None and not frame.f_code.co_filename.startswith(REPO):
+            frame = frame.f_back
+        site = "?" if frame is None else f"{frame.f_code.co_filename[len(REPO):]}:{frame.f_code.co_name}"
+        self.sites[site] += 1
+        return func(*args, **(kwargs or {}))
+
+    def runtime_ops(self) -> int:
+        """Ops of uniprefill's own code: not the PyTorch references of the score kernels (Triton on a GPU)."""
+        return sum(n for site, n in self.sites.items() if site.startswith("uniprefill/"))
+
+
+def one_step(length: int, batch: int, seed: int = 0):
+    """(runtime, run): `run()` is one prefill step's two drop points on fresh requests."""
+    world = make_world([length] * batch, layers=LAYERS, groups=GROUPS, block=BLOCK, kv_heads=KV_HEADS,
+                       head_size=HEAD_SIZE, room=1)
+    full = {d for d in range(LAYERS) if d % GROUPS == GROUPS - 1}
+    assert set(DROPS) <= full
+    windows = {n: WINDOW for i, n in enumerate(world.names) if i not in full}
+
+    def window_layer(name):
+        cache = world.kv_caches[name]
+        return WindowLayer(cache[0].view(-1, BLOCK, KV_HEADS, HEAD_SIZE), cache[1].view(-1, BLOCK, KV_HEADS, HEAD_SIZE),
+                           HEAD_SIZE ** -0.5, window=WINDOW)
+
+    config = UniPrefillConfig(p=0.95, drop_layers=DROPS, impl="torch")
+    runtime = VllmDropRuntime(config, world.names, DROPS, lambda: world, lambda name: BLOCK,
+                              request_ids_fn=lambda: world.request_ids, windows=windows,
+                              window_layer_fn=window_layer)
+    gen = torch.Generator().manual_seed(seed)
+    rows = length * batch
+    q0 = torch.randn(rows, Q_HEADS, HEAD_SIZE, generator=gen)
+    k0 = torch.randn(rows, KV_HEADS, HEAD_SIZE, generator=gen)
+    count = 0
+
+    def prepare():
+        """A new step of fresh requests (each drops anew), its metadata built as vLLM builds it: not measured."""
+        nonlocal count
+        for r in list(world.request_ids):
+            runtime.free(r)
+        world.request_ids = [f"s{count}-{r}" for r in range(batch)]
+        count += 1
+        step(world, [0] * batch, [length] * batch)
+
+    def run():
+        runtime.begin_step()
+        kept = runtime.drop(q0, k0, DROPS[0])
+        kept = runtime.drop(q0[kept], k0[kept], DROPS[1])
+        return kept.numel()
+
+    return runtime, prepare, run
+
+
+def measure(length: int, batch: int, repeats: int) -> dict:
+    runtime, prepare, run = one_step(length, batch)
+    prepare()
+    run()  # first use: lazy imports, caches
+    prepare()
+    counter = OpCounter()
+    with counter:
+        kept = run()
+    prepare()
+    profile = cProfile.Profile()
+    profile.enable()
+    run()
+    profile.disable()
+    calls = pstats.Stats(profile).total_calls
+    times = []
+    for _ in range(repeats):
+        prepare()
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    ops = counter.ops
+    return {"length": length, "batch": batch, "kept": kept, "ops": sum(ops.values()),
+            "runtime_ops": counter.runtime_ops(), "read_back": sum(n for f, n in ops.items() if f in READ_BACK),
+            "python_calls": calls, "ms": 1e3 * statistics.median(times), "top": counter.sites.most_common(15)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="8192,32000")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--top", action="store_true", help="also print where the ops come from")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}; Gemma-3-270M layout: {LAYERS} layers, {GROUPS} KV-cache groups, drops at "
+          f"{DROPS}, window {WINDOW}, p = 0.95; per prefill step (both drop points)")
+    print("length  batch  rows kept  aten ops  of uniprefill's code  read-backs  python calls  CPU ms (median)")
+    for length in (int(x) for x in args.lengths.split(",")):
+        for batch in (int(x) for x in args.batches.split(",")):
+            r = measure(length, batch, args.repeats)
+            print(f"{length:6d}  {batch:5d}  {r['kept']:9d}  {r['ops']:8d}  {r['runtime_ops']:20d}  {r['read_back']:10d}  "
+                  f"{r['python_calls']:12d}  {r['ms']:8.2f}")
+            if args.top:
+                print("    " + ", ".join(f"{f} {n}" for f, n in r["top"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The host work of the drop points, counted in aten ops (`benchmarks/bench_vllm_drop_host.py`).
+
+On a small model a prefill step's GPU work is a few tens of milliseconds, and each op the drop
+points dispatch costs host time between the step's syncs (docs/results/vllm-gemma-profile-h200-2026-12-04).
+The count is deterministic on CPU: it must not grow with the prompt's length, and it stays under a
+budget a change has to argue for raising.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_drop_host.py"
+# uniprefill's own ops for both drop points of one step of one request, Gemma-3-270M's layout (703 on
+# torch 2.13 at the time of writing, 935 before the checks and layout fields were computed once)
+RUNTIME_OPS_BUDGET = 800
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_vllm_drop_host", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_drop_points_host_ops_do_not_grow_with_the_prompt_and_stay_in_budget():
+    bench = _bench()
+    short, long = (bench.measure(length, 1, repeats=1) for length in (2048, 8192))
+    assert 0 < short["kept"] < 2048 and 0 < long["kept"] < 8192  # both steps dropped
+    # a few branches depend on the data (which requests' tails fit, ...), none on the length
+    assert abs(short["runtime_ops"] - long["runtime_ops"]) <= 16, (short["top"], long["top"])
+    assert long["runtime_ops"] <= RUNTIME_OPS_BUDGET, long["top"]
