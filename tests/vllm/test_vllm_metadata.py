@@ -877,3 +877,23 @@ def test_the_slots_of_many_kv_cache_groups_in_one_gather_equal_each_groups_own()
     assert len(got) == len(tables)
     for g, (table, block) in enumerate(zip(tables, blocks)):
         assert torch.equal(got[g], _slots(table, block, request, logical)), g
+
+
+def test_compact_computes_the_slot_mappings_of_the_groups_asked_for_only():
+    """`slot_groups`: the drop point computes the slots of the groups whose layers run on a layout (Gemma-3-270M:
+    the full layers' group on the left layout, the sliding ones' on the right); those equal what compacting every
+    group gives, and asking for a group left out raises instead of handing vLLM a wrong or missing mapping."""
+    batch = make_batch([40, 25, 1], [0, 10, 30], block_sizes=(16, 16, 32))
+    layout = batch.layout()
+    kept, counts = random_drop(batch, {0, 1}, seed=3)
+    kept, counts = torch.tensor(kept), torch.tensor(counts)
+    for align in ("left", "right"):
+        every = compact(layout, kept, counts, align=align, validate="full")
+        some = compact(layout, kept, counts, align=align, validate="full", slot_groups={0, 2})
+        assert some.slot_mappings[1] is None
+        for g in (0, 2):
+            assert torch.equal(some.slot_mapping(g), every.slot_mappings[g]), (align, g)
+            assert some.flash_attention_fields(g)["slot_mapping"] is some.slot_mappings[g]
+        with pytest.raises(ValueError, match="group 1: this layout's slot mapping was not computed"):
+            some.flash_attention_fields(1)
+        assert torch.equal(some.query_start_loc, every.query_start_loc) and torch.equal(some.seq_lens, every.seq_lens)

@@ -211,9 +211,10 @@ class VllmDropRuntime:
         removed = None  # KV entries the layers after this drop point hold fewer than vLLM counts
         if self.step.history_rows is not None:
             removed = self.store.kv_removed(self.step.history_rows, drop_index + 1)
-        out = compact(layout, kept, counts, kv_removed_cpu=removed)
         groups = self.step.groups
         later = [n for n in self.layer_names[layer + 1:] if n in groups]
+        out = compact(layout, kept, counts, kv_removed_cpu=removed,  # slots of the full layers' groups only
+                      slot_groups={groups[n] for n in later if n not in self.windows})
         self.step.changed = (self.step.changed or bool((counts != layout.query_lens_cpu).any())
                              or (removed is not None and bool(removed.any())))
         if self.step.changed:  # else the later layers see vLLM's own batch: its metadata (FA3's plan included) stays
@@ -299,8 +300,9 @@ class VllmDropRuntime:
                          layer: int, names: list[str]) -> None:
         """Right-aligned layout, slot mappings and visible counts of the sliding layers after `layer`."""
         entering = self.step.right_layout or self.step.base
-        right = self.step.right_layout = compact(entering, kept, counts, align="right")
         groups = self.step.groups
+        right = self.step.right_layout = compact(entering, kept, counts, align="right",
+                                                 slot_groups={groups[n] for n in names})
         install_layer_metadata(context.attn_metadata, context.slot_mapping, {n: groups[n] for n in names}, right)
         with_context = torch.nonzero(eligible & (right.num_computed_tokens_cpu > 0)).flatten().tolist()
         if with_context:  # close the gap below their kept rows in the layers up to the next drop point, each in

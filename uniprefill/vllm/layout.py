@@ -30,7 +30,7 @@ reads device tensors: for tests and debugging.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -66,7 +66,7 @@ class TokenLayout:
     kv_removed_cpu: torch.Tensor  # [R] int64, host: see the module docstring (negative: a right-aligned gap)
     block_tables: tuple[torch.Tensor, ...]  # per KV-cache group, [R, max_blocks]
     block_sizes: tuple[int, ...]
-    slot_mappings: tuple[torch.Tensor, ...]  # per KV-cache group, [T] int64
+    slot_mappings: tuple[torch.Tensor | None, ...]  # per KV-cache group, [T] int64; None: not computed (`compact`)
     positions: torch.Tensor  # [T] int64, device: ORIGINAL position of each row
     source_index: torch.Tensor  # [T] int64, device: row in the step's original batch
     source_size: int  # rows of the step's original batch
@@ -99,6 +99,14 @@ class TokenLayout:
         """Host [R]: KV entries these layers hold for each request before this step's tokens (computed once)."""
         return self.num_computed_tokens_cpu - self.kv_removed_cpu
 
+    def slot_mapping(self, group: int) -> torch.Tensor:
+        """KV-cache group `group`'s slot mapping; raises where `compact` was told no layer of the group reads it."""
+        slots = self.slot_mappings[group]
+        if slots is None:
+            raise ValueError(f"group {group}: this layout's slot mapping was not computed (compact's slot_groups "
+                             f"named {[g for g, s in enumerate(self.slot_mappings) if s is not None]})")
+        return slots
+
     def metadata_fields(self, group: int = 0) -> dict:
         """The fields of vLLM 0.26's `CommonAttentionMetadata` this layout changes, for `.replace(**...)`.
 
@@ -112,7 +120,7 @@ class TokenLayout:
             "num_actual_tokens": self.num_actual_tokens,
             "max_query_len": self.max_query_len,
             "max_seq_len": self.max_seq_len,
-            "slot_mapping": self.slot_mappings[group],
+            "slot_mapping": self.slot_mapping(group),
             "positions": self.positions,
             "seq_lens_cpu_upper_bound": self.seq_lens_cpu.to(torch.int32),
             "_seq_lens_cpu": self.seq_lens_cpu.to(torch.int32),
@@ -131,7 +139,7 @@ class TokenLayout:
             "query_start_loc": self.query_start_loc,
             "max_seq_len": self.max_seq_len,
             "seq_lens": self.seq_lens,
-            "slot_mapping": self.slot_mappings[group],
+            "slot_mapping": self.slot_mapping(group),
         }
 
 
@@ -235,6 +243,7 @@ def compact(
     kv_removed_cpu: torch.Tensor | None = None,
     align: Literal["left", "right"] = "left",
     validate: Validate = "shapes",
+    slot_groups: Collection[int] | None = None,
 ) -> TokenLayout:
     """The layout of the layers after a drop point that keeps rows `kept` of `layout`.
 
@@ -250,6 +259,9 @@ def compact(
         and records the gap as a negative `kv_removed` (kv_base grows by it): the last kept row
         keeps its logical index, and later decode tokens need no shift. `kv_removed_cpu` must
         be None with "right".
+    slot_groups: the KV-cache groups whose slot mappings to compute (the groups of the layers that will run
+        on this layout; each group is a gather over every row, a kernel on the host's path); None: all.
+        The others are None (`TokenLayout.slot_mapping` raises for them).
     Requests whose rows are all kept (decode tokens, requests not eligible to drop) pass
     through: their rows, positions and, with kv_removed 0, slots are unchanged.
     """
@@ -295,7 +307,7 @@ def compact(
     qsl = qsl_cpu.to(device, layout.query_start_loc.dtype, non_blocking=True)
     request = _request_of_rows(counts, tokens, device)
     logical = kv_base.to(device, non_blocking=True)[request] + (torch.arange(tokens, device=device) - qsl.long()[request])
-    slots = _group_slots(layout.block_tables, layout.block_sizes, request, logical)
+    slots = _group_slots(layout.block_tables, layout.block_sizes, request, logical, slot_groups)
     if kept is None:
         positions, source = layout.positions, layout.source_index
     else:
@@ -348,11 +360,14 @@ def _slots(table: torch.Tensor, block: int, request: torch.Tensor, logical: torc
 
 
 def _group_slots(tables: tuple[torch.Tensor, ...], blocks: tuple[int, ...], request: torch.Tensor,
-                 logical: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """`_slots` of every KV-cache group, the groups of one block size and table shape in one gather: a hybrid model
-    has many groups (Gemma-3-270M: 6), and each op is a kernel launch on the host's critical path."""
+                 logical: torch.Tensor, wanted: Collection[int] | None = None) -> tuple[torch.Tensor | None, ...]:
+    """`_slots` of the KV-cache groups `wanted` (None: all; the others None), the groups of one block size and table
+    shape in one gather: a hybrid model has many groups (Gemma-3-270M: 6), and each op is a kernel launch on the
+    host's critical path."""
     together: dict[tuple, list[int]] = {}
     for g, (table, block) in enumerate(zip(tables, blocks)):
+        if wanted is not None and g not in wanted:
+            continue
         together.setdefault((block, tuple(table.shape), table.dtype), []).append(g)
     slots: list[torch.Tensor | None] = [None] * len(tables)
     for (block, _, _), groups in together.items():

@@ -96,6 +96,8 @@ def _check_batch_contents(layout: TokenLayout) -> None:
         raise ValueError(f"positions[{i}] = {int(positions[i])}, expected num_computed_tokens + index in request "
                          f"= {int(logical[i])}")
     for g, (table, block, slots) in enumerate(zip(layout.block_tables, layout.block_sizes, layout.slot_mappings)):
+        if slots is None:  # not computed (`compact`'s slot_groups)
+            continue
         expected = _slots(table.cpu(), block, request, logical)
         actual = slots.cpu()
         if not torch.equal(expected, actual):
