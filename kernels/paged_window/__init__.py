@@ -42,22 +42,36 @@ def _check(query, key_cache, value_cache, block_table, row_request, row_logical,
 
 def paged_window_attention(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                            *, window: int, scale: float, softcap: float | None = None,
-                           impl: str = "auto", tiled: bool = False, splits: int = 1) -> torch.Tensor:
+                           impl: str = "auto", tiled: bool = False, splits: int = 1,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """[T, Hq, D]: each row's attention over its own run of paged cache entries (module docstring).
 
     query [T, Hq, D]; key_cache, value_cache [num_blocks, B, Hk, D] (any strides: vLLM's
     FlashAttention cache views); block_table [R, max_blocks]; row_request, row_logical,
     row_count [T] ints (1 <= count <= window, count <= logical + 1). `tiled`: Triton's tiled kernel
-    (`kernel.py`) instead of the per-row one; `splits`: the per-row kernel's programs per row (split-KV)."""
+    (`kernel.py`) instead of the per-row one; `splits`: the per-row kernel's programs per row (split-KV).
+    `out`: where to write (query's shape and dtype, any strides, not the query's memory; vLLM's output
+    buffer: no copy after the kernel); returned."""
     _check(query, key_cache, value_cache, block_table, row_request, row_logical, row_count, window)
+    if out is not None:
+        _check_out(query, out)
     if resolve_impl(impl, query.device) == "triton":
         from .kernel import paged_window_attention_triton
 
         return paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical,
                                              row_count, window=window, scale=scale, softcap=softcap, tiled=tiled,
-                                             splits=splits)
-    return paged_window_attention_torch(query, key_cache, value_cache, block_table, row_request, row_logical,
-                                        row_count, window=window, scale=scale, softcap=softcap)
+                                             splits=splits, out=out)
+    result = paged_window_attention_torch(query, key_cache, value_cache, block_table, row_request, row_logical,
+                                          row_count, window=window, scale=scale, softcap=softcap)
+    return result if out is None else out.copy_(result)
+
+
+def _check_out(query: torch.Tensor, out: torch.Tensor) -> None:
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out: expected {tuple(query.shape)} {query.dtype} on {query.device} (the query's), got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if out.numel() and out.untyped_storage().data_ptr() == query.untyped_storage().data_ptr():
+        raise ValueError("out: shares the query's memory (a kernel reads rows of the query another program writes)")
 
 
 def paged_window_attention_triton(*args, **kwargs) -> torch.Tensor:

@@ -194,17 +194,19 @@ def paged_window_tiled_kernel(
 def paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                                   *, window: int, scale: float, softcap: float | None = None,
                                   block_n: int = 64, tiled: bool = False, tile_rows: int | None = None,
-                                  num_warps: int | None = None, splits: int = 1) -> torch.Tensor:
+                                  num_warps: int | None = None, splits: int = 1,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernels (see the module docstring); same contract as the reference. `tiled`: the tiled kernel
     instead of the per-row one; `tile_rows` (query rows x heads per program) and `num_warps` are its tuning
     knobs (benchmarks/bench_paged_window.py compares them). Their defaults: 128 and 8 at head sizes of 256 (the
     fastest of four on the H200 at Gemma-3's shapes), 64 and 4 below (not timed). `splits` (a power of two; per-row
     kernel): each row's entries over that many programs, merged by `paged_window_combine_kernel` (split-KV, for
-    steps of few rows: a decode step at batch 1 is otherwise one program per KV head)."""
+    steps of few rows: a decode step at batch 1 is otherwise one program per KV head). `out`: written in place of
+    a new tensor (its own strides)."""
     tokens, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out  # `out`: checked by `paged_window_attention`
     if tokens == 0:
         return out
     fp32_dot = query.dtype == torch.float32 or interpret_enabled()  # the interpreter's bf16 dot is wrong

@@ -150,6 +150,34 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
                                window=window, scale=scale)
 
 
+@pytest.mark.parametrize("impl,tiled,splits", [("torch", False, 1), ("triton", False, 1), ("triton", True, 1),
+                                               ("triton", False, 2)])
+def test_the_window_kernels_write_into_a_given_output_as_they_return_one(impl, tiled, splits):
+    """`out=`: a sliding layer's step writes vLLM's output buffer directly (no copy after the kernel). The rows of
+    a view into a wider buffer (other strides than the query's) get bit for bit what the returned tensor holds, the
+    rest of the buffer stays untouched; an output of another shape or one sharing the query's memory is refused."""
+    torch.manual_seed(1)
+    heads, kv_heads, dim, block, window, rows = 4, 2, 8, 16, 24, 37
+    packed = torch.randn(20, kv_heads, block, 2 * dim)
+    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
+    table = torch.randperm(19)[:16].view(2, 8).int() + 1
+    request = torch.randint(0, 2, (rows,))
+    logical = torch.randint(0, 120, (rows,))
+    count = torch.minimum(torch.randint(1, window + 1, (rows,)), logical + 1)
+    query = torch.randn(rows, heads, dim)
+    args = (query, key_cache, value_cache, table, request, logical, count)
+    kw = dict(window=window, scale=dim ** -0.5, impl=impl, tiled=tiled, splits=splits)
+    expected = paged_window_attention(*args, **kw)
+    buffer = torch.full((rows, heads * dim + 8), float("nan"))
+    out = buffer[:, 8:].view(rows, heads, dim)  # row stride 40, not the query's 32
+    assert paged_window_attention(*args, **kw, out=out) is out
+    assert torch.equal(out, expected) and torch.isnan(buffer[:, :8]).all()
+    with pytest.raises(ValueError, match="out: expected"):
+        paged_window_attention(*args, **kw, out=torch.empty(rows - 1, heads, dim))
+    with pytest.raises(ValueError, match="shares the query's memory"):
+        paged_window_attention(*args, **kw, out=query)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_paged_window_kernel_on_gemma_shapes(dtype):

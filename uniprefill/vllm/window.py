@@ -208,13 +208,14 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
         splits = 1 if tiled or not env.debug_split_window() else split_count(n * cache.key_cache.shape[2], window)
         return paged_window_attention(picked(q), cache.key_cache, cache.value_cache, rows.block_table,
                                       picked(rows.request), picked(rows.logical), picked(rows.count), window=window,
-                                      scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled, splits=splits)
+                                      scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled, splits=splits,
+                                      out=out if which is None else None)  # all rows: straight into vLLM's output
 
     if kernel == "mixed":
         out.index_copy_(0, rows.tiled_rows, run(rows.tiled_rows, True))
         out.index_copy_(0, rows.per_row_rows, run(rows.per_row_rows, False))
     else:
-        out.copy_(run(None, kernel == "tiled"))
+        run(None, kernel == "tiled")
 
 
 def split_count(programs: int, window: int) -> int:
@@ -256,7 +257,8 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     variants += [(16, True, 1), (17, True, 1)]
     for rows, tiled, splits in variants:
         zero = torch.zeros(rows, dtype=torch.long, device=query.device)
-        paged_window_attention(q.expand(rows, -1, -1).contiguous(), cache.key_cache, cache.value_cache, block_table[:1], zero, zero,
-                               zero + 1, window=window, scale=cache.scale, softcap=cache.softcap, impl=impl,
-                               tiled=tiled, splits=splits)
+        out = torch.empty(rows, q.shape[1] * dim, dtype=q.dtype, device=q.device).view(rows, -1, dim)  # as vLLM's
+        paged_window_attention(q.expand(rows, -1, -1).contiguous(), cache.key_cache, cache.value_cache, block_table[:1],
+                               zero, zero, zero + 1, window=window, scale=cache.scale, softcap=cache.softcap, impl=impl,
+                               tiled=tiled, splits=splits, out=out)
     return True
