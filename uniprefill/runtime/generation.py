@@ -33,6 +33,7 @@ from .batched import Row, RowCaches, left_pad_counts, stack_rows
 from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
     _DECODE_STATE, ATTENTION_NAME, _attention_implementation, decode_kernels,
 )
+from .continuation import fixed_size_cache, multi_token_generation, removed_nothing
 from .history import DropHistory
 
 HISTORY_ATTRIBUTE = "uniprefill_drop_history"  # set on a cache filled by a dropped prefill
@@ -84,6 +85,10 @@ class UniPrefillModel(torch.nn.Module):
             return self._decode_rows(cache, ids, kwargs)
         rows = 0 if ids is None or ids.dim() != 2 else ids.shape[0]
         empty_cache = cache is None or _cache_length(cache) == 0
+        fixed = fixed_size_cache(cache) if empty_cache else None
+        if fixed is not None:
+            self._unaccelerated(Unaccelerated(fixed, Kind.CACHE_NOT_DECODABLE))
+            return self._eager(kwargs)
         if rows >= 2 and empty_cache and self._fills_cache(cache, kwargs):
             why = self._rows_unsupported(cache, kwargs, from_generate)
             if why is None:
@@ -101,6 +106,12 @@ class UniPrefillModel(torch.nn.Module):
                 # a cache that no drop compacted (the plain model's, or an undropped prefill's):
                 # every layer holds every token, so the plain model continues it exactly
                 return self._eager(kwargs)
+            if ids is not None and ids.dim() == 2 and ids.shape[1] > 1 and removed_nothing(history):
+                # several tokens on a cache whose drop points kept every token (p = 1): the plain model continues
+                # it exactly; the history counts them, for one-token steps after
+                out = self._eager(kwargs)
+                history.decoded += ids.shape[1]
+                return out
             if ids is None or ids.shape[1] != 1:
                 raise NotImplementedError(
                     f"after a dropped prefill only one-token decode steps are supported (got input_ids of shape "
@@ -268,6 +279,10 @@ class UniPrefillModel(torch.nn.Module):
         """`transformers` generation with prefill through the backend and decode on the compacted caches."""
         model = self.model
         forward = type(model).forward
+        several = multi_token_generation(model, _as_keywords(model, args, kwargs, type(model).generate))
+        if several is not None:  # decided before any prefill drops: the plain model's generate, unrouted
+            self._unaccelerated(Unaccelerated(several, Kind.CACHE_NOT_DECODABLE))
+            return type(model).generate(model, *args, **kwargs)
 
         @functools.wraps(forward)
         def routed(*a, **k):
@@ -292,20 +307,23 @@ _ROW_KWARGS = frozenset({"input_ids", "attention_mask", "cache", "past_key_value
                          "cache_position", "position_ids", "return_dict"})
 
 
-def _as_keywords(model, args: tuple, kwargs: dict) -> dict:
-    """The call's arguments by name (`model(ids, mask)` is `model(input_ids=ids, attention_mask=mask)`)."""
+def _as_keywords(model, args: tuple, kwargs: dict, method=None) -> dict:
+    """The call's arguments by name (`model(ids, mask)` is `model(input_ids=ids, attention_mask=mask)`); `method`:
+    the model class's method called (default `forward`)."""
     if not args:
         return kwargs
-    bound = inspect.signature(type(model).forward).bind_partial(model, *args, **kwargs)
+    signature = inspect.signature(method or type(model).forward)
+    bound = signature.bind_partial(model, *args, **kwargs)
     named = dict(bound.arguments)
-    named.pop(next(iter(inspect.signature(type(model).forward).parameters)), None)  # self
+    named.pop(next(iter(signature.parameters)), None)  # self
     for key, value in list(named.items()):
-        param = inspect.signature(type(model).forward).parameters[key]
+        param = signature.parameters[key]
         if param.kind is inspect.Parameter.VAR_KEYWORD:
             named.pop(key)
             named.update(value)
         elif param.kind is inspect.Parameter.VAR_POSITIONAL:
-            raise TypeError(f"{type(model).__name__}.forward takes extra positional arguments; pass them by name")
+            raise TypeError(f"{type(model).__name__}.{(method or type(model).forward).__name__} takes "
+                            "extra positional arguments; pass them by name")
     return named
 
 

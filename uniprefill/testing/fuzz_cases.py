@@ -164,7 +164,8 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
     from transformers import DynamicCache
 
     model, fast = pool.get(arch, dtype, p=1.0)
-    mode = rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache"])
+    mode = rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache", "static cache",
+                       "prompt lookup"])
     rows = rng.choice([1, 2])
     length = rng.randint(MIN_TOKENS, 160)
     ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(case))
@@ -182,6 +183,10 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
         kwargs.update(num_beams=rng.choice([2, 3]), do_sample=False)
     elif mode == "return_sequences":
         kwargs.update(do_sample=True, num_return_sequences=2, top_k=0)
+    elif mode == "static cache":
+        kwargs.update(do_sample=False, cache_implementation="static")
+    elif mode == "prompt lookup":
+        kwargs.update(do_sample=False, prompt_lookup_num_tokens=rng.choice([2, 3]))
     else:
         kwargs.update(do_sample=False)
     result = CaseResult(case, arch, f"generate {mode}", "equal",

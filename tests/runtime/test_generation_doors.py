@@ -1,0 +1,106 @@
+"""Doors of `generate` the drop-history runtime cannot continue after a drop (`runtime.continuation`): a
+fixed-size cache and assisted generation run the plain model, unaccelerated, saying why; the answer is the
+plain model's, at p = 1 and where the config would drop. Before, they raised mid-generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+import uniprefill
+from uniprefill import UniPrefillConfig
+from uniprefill.runtime.continuation import multi_token_generation
+from uniprefill.unaccelerated import Kind
+
+from ..passes.test_backend import MODELS, SMALL, _ids
+
+SETTINGS = {"p1": dict(p=1.0), "drops": dict(keep_ratio=0.4)}
+
+
+def _compiled(arch: str, setting: str):
+    build, drops = MODELS[arch]
+    model = build()
+    return model, uniprefill.compile(model, UniPrefillConfig(drop_layers=drops, **SETTINGS[setting], **SMALL))
+
+
+def _prompt_with_repeats(length=300):
+    ids = _ids(1, length)
+    ids[0, 200:240] = ids[0, 40:80]  # n-grams the prompt-lookup candidates find
+    return ids
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("door", [dict(cache_implementation="static"), dict(prompt_lookup_num_tokens=3),
+                                  "assistant_model"], ids=["static-cache", "prompt-lookup", "assistant-model"])
+def test_generate_doors_that_cannot_continue_a_drop_run_the_plain_model_and_say_why(door, setting):
+    model, fast = _compiled("llama", setting)
+    door = dict(assistant_model=model) if door == "assistant_model" else door
+    ids = _prompt_with_repeats()
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, **door)
+    with torch.no_grad(), pytest.warns(UserWarning, match="runs unaccelerated"):
+        out = fast.generate(ids, **kwargs)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+    assert torch.equal(out, ref)
+    why = fast.backend.last_unaccelerated
+    assert why is not None and why.kind is Kind.CACHE_NOT_DECODABLE
+    assert ("fixed-size cache" in why) if "cache_implementation" in door else ("assisted generation" in why)
+
+
+def test_a_static_cache_passed_to_forward_is_filled_by_the_plain_model():
+    model, fast = _compiled("gemma3", "drops")
+    ids = _ids(1, 300)
+    mine, theirs = (StaticCache(config=model.config, max_cache_len=320) for _ in range(2))
+    with torch.no_grad(), pytest.warns(UserWarning, match="fixed-size cache"):
+        out = fast(input_ids=ids, past_key_values=mine, use_cache=True).logits
+    with torch.no_grad():
+        ref = model(input_ids=ids, past_key_values=theirs, use_cache=True).logits
+        step = out[:, -1:].argmax(-1)
+        nxt = fast(input_ids=step, past_key_values=mine, use_cache=True).logits  # no history: the plain model's
+        nxt_ref = model(input_ids=step, past_key_values=theirs, use_cache=True).logits
+    assert torch.equal(out, ref) and torch.equal(nxt, nxt_ref)
+    assert fast.history is None  # nothing was dropped, nothing recorded
+
+
+def test_several_tokens_after_a_prefill_that_kept_everything_continue_as_the_plain_model():
+    """At p = 1 the caches are whole: a continuation of several tokens (a user's chunked continuation,
+    a verification step) runs the plain model, and one-token steps after it still decode through the
+    runtime with the right positions (the history counts the tokens)."""
+    model, fast = _compiled("gemma3", "p1")
+    ids = _ids(1, 300)
+    mine, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    chunk, token = _ids(1, 4, seed=7), _ids(1, 1, seed=8)
+    with torch.no_grad():
+        fast(input_ids=ids, cache=mine, use_cache=True)
+        model(input_ids=ids, past_key_values=theirs, use_cache=True)
+        history = fast.history
+        assert history is not None and history.points
+        got = fast(input_ids=chunk, cache=mine, use_cache=True).logits
+        ref = model(input_ids=chunk, past_key_values=theirs, use_cache=True).logits
+        assert torch.equal(got, ref) and history.decoded == 4
+        got = fast(input_ids=token, cache=mine, use_cache=True).logits
+        ref = model(input_ids=token, past_key_values=theirs, use_cache=True).logits
+    assert history.decoded == 5  # this step ran the runtime's decode
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_several_tokens_after_a_drop_still_raise():
+    model, fast = _compiled("llama", "drops")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        fast(input_ids=_ids(1, 300), cache=cache, use_cache=True)
+        assert sum(fast.history.points[0].kept) < 300
+        with pytest.raises(NotImplementedError, match="one-token"):
+            fast(input_ids=_ids(1, 3, seed=4), cache=cache, use_cache=True)
+
+
+def test_which_generate_calls_feed_several_tokens_per_step():
+    model, _ = _compiled("llama", "p1")
+    assert multi_token_generation(model, {"max_new_tokens": 4}) is None
+    assert "prompt_lookup_num_tokens" in multi_token_generation(model, {"prompt_lookup_num_tokens": 2})
+    assert "assistant_model" in multi_token_generation(model, {"assistant_model": model})
+    config = model.generation_config.__class__(prompt_lookup_num_tokens=2)
+    assert "prompt_lookup_num_tokens" in multi_token_generation(model, {"generation_config": config})
+    # transformers runs beam search with an assistant as plain beam search (one token a step): accelerated
+    assert multi_token_generation(model, {"assistant_model": model, "num_beams": 2}) is None

@@ -1,0 +1,70 @@
+"""Which continuations of a prefill the drop-history runtime can serve, decided before the prefill.
+
+A prefill that drops leaves caches holding only the kept tokens; the runtime then continues them
+one token at a time (`UniPrefillModel._decode_step`). Two ordinary doors of transformers need
+more, and the prefill must know before it drops, since a compacted cache cannot be undone:
+
+* fixed-size caches (`StaticCache`, `cache_implementation="static"`, and every cache whose layers
+  are `StaticLayer`s): their layers are preallocated per position, so a layer after a drop point
+  would hold holes where its dropped tokens were, and a decode step would attend to them;
+* generation that feeds several tokens per step (assisted generation: `assistant_model`,
+  `prompt_lookup_num_tokens`, `assistant_early_exit`, multi-token prediction `use_mtp`): the
+  candidates are checked in one forward over the compacted cache, which the runtime's one-token
+  decode does not model.
+
+Such calls run the plain model, unaccelerated, saying why (`Kind.CACHE_NOT_DECODABLE`). A prefill
+that removed nothing (p = 1) leaves every cache whole: a continuation of several tokens on it runs
+the plain model, exactly (`removed_nothing`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from .history import DropHistory
+
+_ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+def fixed_size_cache(cache) -> str | None:
+    """Why `cache` cannot hold a dropped prefill (None: it can, or there is none)."""
+    if cache is None:
+        return None
+    try:
+        from transformers.cache_utils import StaticLayer
+    except ImportError:  # a transformers without layered caches: nothing here is static
+        return None
+    static = [type(layer).__name__ for layer in getattr(cache, "layers", ()) if isinstance(layer, StaticLayer)]
+    if not static:
+        return None
+    return (f"a fixed-size cache ({type(cache).__name__} with {static[0]} layers: cache_implementation='static' or "
+            "a static cache passed in) keeps a slot per position, so the layers after a drop point would hold "
+            "holes where dropped tokens were: the call runs unaccelerated (use a DynamicCache, the default)")
+
+
+def multi_token_generation(model, kwargs: dict) -> str | None:
+    """Why `model.generate(**kwargs)` would feed several tokens per step after the prefill (None: one token per
+    step). Reads the call's generation config as transformers does: `generation_config` or the model's, updated
+    with the call's keyword arguments."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    named = [k for k in _ASSISTED
+             if (kwargs[k] if k in kwargs else getattr(config, k, None) if k != "assistant_model" else None)
+             not in (None, False)]
+    if not named:
+        return None
+    if config is not None:
+        config = copy.deepcopy(config)
+        config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+        try:
+            mode = config.get_generation_mode(kwargs.get("assistant_model"))
+        except Exception:  # noqa: BLE001  (an invalid config: transformers' own generate will say so)
+            mode = None
+        if mode is not None and getattr(mode, "value", mode) != "assisted_generation":
+            return None  # transformers falls back to its base mode (beam search, ...) and warns
+    return (f"assisted generation ({', '.join(named)}) checks several candidate tokens per forward, and "
+            "decode after a drop runs one token per step: the call runs unaccelerated")
+
+
+def removed_nothing(history: DropHistory) -> bool:
+    """Whether every drop point of the prefill kept every token (p = 1): its caches are the plain model's."""
+    return all(p.kept == p.entering for p in history.points)
