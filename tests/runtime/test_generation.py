@@ -181,12 +181,6 @@ def test_an_earlier_dropped_cache_still_decodes_with_its_own_history():
     torch.testing.assert_close(after_other, alone, atol=0, rtol=0)
 
 
-def test_multi_token_continuation_raises():
-    model, fast, cache, tok = _prefill()
-    with pytest.raises(NotImplementedError, match="one-token"), torch.no_grad():
-        fast(input_ids=torch.cat([tok, tok], dim=1), cache=cache, use_cache=True)
-
-
 def test_many_compiled_models_in_one_process_all_drop():
     """Compiled models share dynamo's cache of transformers' code objects; past dynamo's
     recompile limit a model would run eagerly and, worse, leave the previous model's drop

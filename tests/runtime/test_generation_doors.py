@@ -1,8 +1,11 @@
-"""Doors of `generate` the drop-history runtime cannot continue after a drop (`runtime.continuation`): a
-fixed-size cache and assisted generation run the plain model, unaccelerated, saying why; the answer is the
-plain model's, at p = 1 and where the config would drop. Before, they raised mid-generation."""
+"""Doors of `generate` around a drop (`runtime.continuation`): a fixed-size cache and assisted generation run
+the plain model, unaccelerated, saying why (the answer is the plain model's, at p = 1 and where the config would
+drop); several new tokens on a compacted cache (a chat's next turn) run as one-token decode steps. Before, each
+raised mid-generation."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from transformers import DynamicCache, StaticCache
 import uniprefill
 from uniprefill import UniPrefillConfig
 from uniprefill.runtime.continuation import multi_token_generation
+from uniprefill.runtime.generation import HISTORY_ATTRIBUTE
 from uniprefill.unaccelerated import Kind
 
 from ..passes.test_backend import MODELS, SMALL, _ids
@@ -85,14 +89,45 @@ def test_several_tokens_after_a_prefill_that_kept_everything_continue_as_the_pla
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_several_tokens_after_a_drop_still_raise():
-    model, fast = _compiled("llama", "drops")
-    cache = DynamicCache(config=model.config)
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_a_chat_turn_on_a_compacted_cache_equals_feeding_its_tokens_one_at_a_time(arch):
+    """The next turn of a chat reusing the cache a dropping generate returned: the new tokens (several per
+    forward) run as one-token decode steps, so the turn's tokens are those of feeding them one at a time.
+    Before, the first forward of the turn raised NotImplementedError."""
+    model, fast = _compiled(arch, "drops")
+    ids = _ids(1, 300).clamp(min=1)  # no pad token (0) inside: generate masks those
+    turn = _ids(1, 6, seed=3).clamp(min=1)
+    with torch.no_grad():
+        first = fast.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True, pad_token_id=0)
+        assert sum(fast.history.points[0].kept) < 300
+        cache = first.past_key_values
+        twin = copy.deepcopy(cache)
+        prompt = torch.cat([first.sequences, turn], dim=1)
+        second = fast.generate(prompt, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                               eos_token_id=None)  # tiny Gemma-3's eos (1) would end the turn at once
+        # the same tokens one at a time: the last generated token of turn 1 is not in the cache yet
+        pending, tokens = prompt[:, first.sequences.shape[1] - 1:], []
+        for i in range(pending.shape[1]):
+            logits = fast(input_ids=pending[:, i:i + 1], cache=twin, use_cache=True).logits
+        for _ in range(4):
+            tokens.append(logits[:, -1:].argmax(-1))
+            logits = fast(input_ids=tokens[-1], cache=twin, use_cache=True).logits
+    assert torch.equal(second, torch.cat([prompt] + tokens, dim=1))
+
+
+def test_several_tokens_on_a_compacted_cache_give_every_tokens_logits_and_refuse_what_steps_cannot_take():
+    model, fast = _compiled("gemma3", "drops")
+    cache, twin = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    new = _ids(1, 5, seed=4)
     with torch.no_grad():
         fast(input_ids=_ids(1, 300), cache=cache, use_cache=True)
-        assert sum(fast.history.points[0].kept) < 300
-        with pytest.raises(NotImplementedError, match="one-token"):
-            fast(input_ids=_ids(1, 3, seed=4), cache=cache, use_cache=True)
+        fast(input_ids=_ids(1, 300), cache=twin, use_cache=True)
+        together = fast(input_ids=new, cache=cache, use_cache=True).logits
+        alone = torch.cat([fast(input_ids=new[:, i:i + 1], cache=twin, use_cache=True).logits for i in range(5)], 1)
+        assert torch.equal(together, alone)
+        assert getattr(cache, HISTORY_ATTRIBUTE).decoded == getattr(twin, HISTORY_ATTRIBUTE).decoded == 5
+        with pytest.raises(NotImplementedError, match="output_hidden_states"):
+            fast(input_ids=new, cache=cache, use_cache=True, output_hidden_states=True)
 
 
 def test_which_generate_calls_feed_several_tokens_per_step():

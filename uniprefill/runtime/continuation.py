@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import copy
 
+import torch
+
 from .history import DropHistory
 
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
@@ -68,3 +70,42 @@ def multi_token_generation(model, kwargs: dict) -> str | None:
 def removed_nothing(history: DropHistory) -> bool:
     """Whether every drop point of the prefill kept every token (p = 1): its caches are the plain model's."""
     return all(p.kept == p.entering for p in history.points)
+
+
+# what a continuation split into one-token steps passes on, per token (`continue_token_by_token`)
+_STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "cache", "past_key_values",
+                          "use_cache", "logits_to_keep", "return_dict"})
+
+
+def continue_token_by_token(decode_step, ids, kwargs: dict):
+    """Several new tokens (a chat's next turn reusing the cache, a chunked continuation) on a cache a drop
+    compacted: one decode step per token (`decode_step(input_ids=..., **step)`, the runtime's decode), each token
+    attending over the kept prompt keys, the decoded ones and the new ones before it: what the same tokens fed one
+    at a time give. The logits of all of them come back as one call's would (`logits_to_keep` applied after)."""
+    extra = sorted(k for k in set(kwargs) - _STEP_KWARGS if kwargs[k] is not None and kwargs[k] is not False)
+    if extra or kwargs.get("return_dict") is False or ids.dim() != 2 or ids.shape[0] != 1:
+        raise NotImplementedError(
+            f"a continuation of {tuple(ids.shape)} tokens on a cache a drop compacted runs as one-token decode steps, "
+            f"which do not take {extra or ('return_dict=False' if kwargs.get('return_dict') is False else 'several rows')}")
+    count = ids.shape[1]
+    mask, positions, cache_position = (kwargs.get(k) for k in ("attention_mask", "position_ids", "cache_position"))
+    outs = []
+    for i in range(count):
+        step = {k: v for k, v in kwargs.items() if k != "logits_to_keep"}
+        step["input_ids"] = ids[:, i:i + 1]
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # covers the cached tokens and these
+            step["attention_mask"] = mask[:, :mask.shape[1] - (count - 1 - i)]
+        if isinstance(positions, torch.Tensor):
+            step["position_ids"] = positions[..., i:i + 1]
+        if isinstance(cache_position, torch.Tensor):
+            step["cache_position"] = cache_position[i:i + 1]
+        outs.append(decode_step(**step))
+    logits = torch.cat([out.logits for out in outs], dim=1)
+    keep = kwargs.get("logits_to_keep")
+    if isinstance(keep, int) and keep > 0:
+        logits = logits[:, -keep:]
+    elif isinstance(keep, torch.Tensor):
+        logits = logits[:, keep]
+    out = outs[-1]
+    out["logits"] = logits
+    return out

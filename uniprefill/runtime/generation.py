@@ -13,9 +13,9 @@ first layer, a layer no drop point precedes.
 `generate()` routes transformers' generation loop through the same forward (greedy and
 sampling alike). A left-padded batch of several rows that fills a cache is prefilled and
 decoded row by row, each row with its own cache and history (`runtime.batched`;
-`row_histories` holds them). A cache that does not belong to the last dropped prefill, a
-multi-token continuation or a batch that is not left-padded raises instead of decoding
-garbage.
+`row_histories` holds them). Several new tokens on a compacted cache (a chat's next turn) run as
+one-token decode steps (`continuation.continue_token_by_token`). A cache that does not belong to
+the last dropped prefill or a batch that is not left-padded raises instead of decoding garbage.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .batched import Row, RowCaches, left_pad_counts, stack_rows
 from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
     _DECODE_STATE, ATTENTION_NAME, _attention_implementation, decode_kernels,
 )
-from .continuation import fixed_size_cache, multi_token_generation, removed_nothing
+from .continuation import continue_token_by_token, fixed_size_cache, multi_token_generation, removed_nothing
 from .history import DropHistory
 
 HISTORY_ATTRIBUTE = "uniprefill_drop_history"  # set on a cache filled by a dropped prefill
@@ -112,10 +112,12 @@ class UniPrefillModel(torch.nn.Module):
                 out = self._eager(kwargs)
                 history.decoded += ids.shape[1]
                 return out
-            if ids is None or ids.shape[1] != 1:
-                raise NotImplementedError(
-                    f"after a dropped prefill only one-token decode steps are supported (got input_ids of shape "
-                    f"{None if ids is None else tuple(ids.shape)}); the cache holds only the kept tokens")
+            if ids is None:
+                raise NotImplementedError("after a dropped prefill decode steps take input_ids (the cache holds only "
+                                          "the kept tokens)")
+            if ids.dim() == 2 and ids.shape[1] > 1:
+                return continue_token_by_token(lambda **step: self._decode_step(history, step["input_ids"], **step),
+                                               ids, kwargs)
             return self._decode_step(history, ids, **kwargs)
         return self._prefill(ids, **kwargs)
 
