@@ -139,3 +139,42 @@ def test_which_generate_calls_feed_several_tokens_per_step():
     assert "prompt_lookup_num_tokens" in multi_token_generation(model, {"generation_config": config})
     # transformers runs beam search with an assistant as plain beam search (one token a step): accelerated
     assert multi_token_generation(model, {"assistant_model": model, "num_beams": 2}) is None
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_several_tokens_after_a_left_padded_prefill_at_p1_equal_the_plain_model(arch):
+    """At p = 1 a padded prompt's caches are still not the plain model's: the first drop point keeps real tokens
+    only, so the layers after it hold no pad entries. Several tokens then run as decode steps (which hide the
+    history's pads), not as the plain model on that uneven cache (which raised a shape error; found by a review and
+    by the fuzzer's several-token decode steps)."""
+    model, fast = _compiled(arch, "p1")
+    ids, chunk = _ids(1, 300), _ids(1, 4, seed=7)
+    mask = torch.ones_like(ids)
+    mask[0, :20] = 0
+    longer = torch.cat([mask, torch.ones_like(chunk)], dim=1)
+    mine, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        fast(input_ids=ids, attention_mask=mask, cache=mine, use_cache=True)
+        model(input_ids=ids, attention_mask=mask, past_key_values=theirs, use_cache=True)
+        got = fast(input_ids=chunk, attention_mask=longer, cache=mine, use_cache=True).logits
+        ref = model(input_ids=chunk, attention_mask=longer, past_key_values=theirs, use_cache=True).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert getattr(mine, HISTORY_ATTRIBUTE).decoded == 4  # the runtime's decode steps ran
+
+
+def test_a_mask_over_the_new_tokens_of_a_continuation_is_refused_not_ignored():
+    """Decode steps hide the prompt's pads only: a 4-D mask (a tree of candidates) or a zero over a new token would be
+    ignored, so such a continuation of a compacted cache raises (a review's finding: it returned the unmasked
+    logits)."""
+    model, fast = _compiled("llama", "drops")
+    cache = DynamicCache(config=model.config)
+    new = _ids(1, 4, seed=4)
+    tree = torch.ones(1, 1, 4, 304, dtype=torch.bool).tril(300)
+    tree[0, 0, 3, 301:303] = False
+    hole = torch.ones(1, 304, dtype=torch.long)
+    hole[0, 301] = 0
+    with torch.no_grad():
+        fast(input_ids=_ids(1, 300), cache=cache, use_cache=True)
+        for mask in (tree, hole):
+            with pytest.raises(NotImplementedError, match="last 4 columns are ones"):
+                fast(input_ids=new, cache=cache, use_cache=True, attention_mask=mask)

@@ -68,8 +68,11 @@ def multi_token_generation(model, kwargs: dict) -> str | None:
 
 
 def removed_nothing(history: DropHistory) -> bool:
-    """Whether every drop point of the prefill kept every token (p = 1): its caches are the plain model's."""
-    return all(p.kept == p.entering for p in history.points)
+    """Whether the prefill's caches are the plain model's: every drop point kept every token (p = 1) and the prompt
+    had no padding (the first drop point keeps real tokens only, so the layers after it hold no pad entries, which
+    the plain model's do)."""
+    return history.pad_positions is None and all(
+        p.kept == p.entering and all(e == history.seq_len for e in p.entering) for p in history.points)
 
 
 # what a continuation split into one-token steps passes on, per token (`continue_token_by_token`)
@@ -89,6 +92,12 @@ def continue_token_by_token(decode_step, ids, kwargs: dict):
             f"which do not take {extra or ('return_dict=False' if kwargs.get('return_dict') is False else 'several rows')}")
     count = ids.shape[1]
     mask, positions, cache_position = (kwargs.get(k) for k in ("attention_mask", "position_ids", "cache_position"))
+    if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask[:, -count:].bool().all())):
+        # decode steps hide the prompt's pads only (the history's): a mask over the new tokens (a tree of candidates,
+        # a pad among them) is not modelled
+        raise NotImplementedError(
+            f"a continuation of {count} tokens on a cache a drop compacted takes a 2-D attention mask whose last "
+            f"{count} columns are ones (got {mask.dim()}-D{'' if mask.dim() != 2 else ' with zeros over the new tokens'})")
     outs = []
     for i in range(count):
         step = {k: v for k, v in kwargs.items() if k != "logits_to_keep"}

@@ -281,7 +281,11 @@ class UniPrefillModel(torch.nn.Module):
         """`transformers` generation with prefill through the backend and decode on the compacted caches."""
         model = self.model
         forward = type(model).forward
-        several = multi_token_generation(model, _as_keywords(model, args, kwargs, type(model).generate))
+        try:
+            named = _as_keywords(model, args, kwargs, type(model).generate)
+        except TypeError:  # a generate taking *args (GraniteSpeech's): the assisted options are keywords anyway
+            named = kwargs
+        several = multi_token_generation(model, named)
         if several is not None:  # decided before any prefill drops: the plain model's generate, unrouted
             self._unaccelerated(Unaccelerated(several, Kind.CACHE_NOT_DECODABLE))
             return type(model).generate(model, *args, **kwargs)

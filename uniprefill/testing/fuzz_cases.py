@@ -245,7 +245,8 @@ def _tie_at_divergence(model, out, ref, mask, length: int, dtype) -> str | None:
 
 
 def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
-    """A prefill into a cache object passed in, then one-token steps through the same forward."""
+    """A prefill into a cache object passed in, then steps through the same forward: one token, or several (a
+    chat's next turn, a chunked continuation)."""
     from transformers import DynamicCache
 
     model, fast = pool.get(arch, dtype, p=1.0)
@@ -265,6 +266,10 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
             if bad:
                 break
             token = ref[:, -1:].argmax(-1)
+            width = rng.choice([1, 1, 3])
+            if width > 1:
+                token = torch.cat([token, torch.randint(3, model.config.vocab_size, (1, width - 1),
+                                                        generator=torch.Generator().manual_seed(case + step))], dim=1)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
             out = fast(input_ids=token, attention_mask=mask, past_key_values=mine, use_cache=True).logits
             ref = model(input_ids=token, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
