@@ -178,3 +178,5 @@ def test_a_mask_over_the_new_tokens_of_a_continuation_is_refused_not_ignored():
         for mask in (tree, hole):
             with pytest.raises(NotImplementedError, match="last 4 columns are ones"):
                 fast(input_ids=new, cache=cache, use_cache=True, attention_mask=mask)
+        with pytest.raises(NotImplementedError, match="last 1 columns are ones"):  # a one-token step alike
+            fast(input_ids=new[:, :1], cache=cache, use_cache=True, attention_mask=hole[:, :302])

@@ -75,6 +75,15 @@ def removed_nothing(history: DropHistory) -> bool:
         p.kept == p.entering and all(e == history.seq_len for e in p.entering) for p in history.points)
 
 
+def check_step_mask(mask, count: int) -> None:
+    """Decode steps on a compacted cache hide the prompt's pads only (the history's): a mask over the `count` new
+    tokens (a 4-D tree of candidates, a zero among them) is not modelled, so it raises rather than being ignored."""
+    if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask[:, -count:].bool().all())):
+        raise NotImplementedError(
+            f"a continuation of {count} token(s) on a cache a drop compacted takes a 2-D attention mask whose last "
+            f"{count} columns are ones (got {mask.dim()}-D{'' if mask.dim() != 2 else ' with zeros over the new tokens'})")
+
+
 # what a continuation split into one-token steps passes on, per token (`continue_token_by_token`)
 _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "cache", "past_key_values",
                           "use_cache", "logits_to_keep", "return_dict"})
@@ -92,12 +101,7 @@ def continue_token_by_token(decode_step, ids, kwargs: dict):
             f"which do not take {extra or ('return_dict=False' if kwargs.get('return_dict') is False else 'several rows')}")
     count = ids.shape[1]
     mask, positions, cache_position = (kwargs.get(k) for k in ("attention_mask", "position_ids", "cache_position"))
-    if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(mask[:, -count:].bool().all())):
-        # decode steps hide the prompt's pads only (the history's): a mask over the new tokens (a tree of candidates,
-        # a pad among them) is not modelled
-        raise NotImplementedError(
-            f"a continuation of {count} tokens on a cache a drop compacted takes a 2-D attention mask whose last "
-            f"{count} columns are ones (got {mask.dim()}-D{'' if mask.dim() != 2 else ' with zeros over the new tokens'})")
+    check_step_mask(mask, count)
     outs = []
     for i in range(count):
         step = {k: v for k, v in kwargs.items() if k != "logits_to_keep"}

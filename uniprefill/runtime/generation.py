@@ -33,7 +33,9 @@ from .batched import Row, RowCaches, left_pad_counts, stack_rows
 from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
     _DECODE_STATE, ATTENTION_NAME, _attention_implementation, decode_kernels,
 )
-from .continuation import continue_token_by_token, fixed_size_cache, multi_token_generation, removed_nothing
+from .continuation import (
+    check_step_mask, continue_token_by_token, fixed_size_cache, multi_token_generation, removed_nothing,
+)
 from .history import DropHistory
 
 HISTORY_ATTRIBUTE = "uniprefill_drop_history"  # set on a cache filled by a dropped prefill
@@ -118,6 +120,7 @@ class UniPrefillModel(torch.nn.Module):
             if ids.dim() == 2 and ids.shape[1] > 1:
                 return continue_token_by_token(lambda **step: self._decode_step(history, step["input_ids"], **step),
                                                ids, kwargs)
+            check_step_mask(kwargs.get("attention_mask"), 1)
             return self._decode_step(history, ids, **kwargs)
         return self._prefill(ids, **kwargs)
 
