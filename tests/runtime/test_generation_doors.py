@@ -180,3 +180,27 @@ def test_a_mask_over_the_new_tokens_of_a_continuation_is_refused_not_ignored():
                 fast(input_ids=new, cache=cache, use_cache=True, attention_mask=mask)
         with pytest.raises(NotImplementedError, match="last 1 columns are ones"):  # a one-token step alike
             fast(input_ids=new[:, :1], cache=cache, use_cache=True, attention_mask=hole[:, :302])
+
+
+def test_several_tokens_on_a_compacted_cache_of_a_model_with_recurrent_layers_raise():
+    """Tiny Jamba's plain three-token step through its cached Mamba state differs from its three one-token steps by
+    about 1e-3 (the fuzzer's round 6c found it as a mismatch at p = 1 after a padded prompt): one-token decode steps
+    cannot stand in for the plain model's several-token step there, so it raises; one token at a time decodes."""
+    from uniprefill.runtime.continuation import recurrent_layers
+    from uniprefill.testing.fuzz import build_model
+
+    model = build_model("tiny-jamba", torch.float32)
+    assert recurrent_layers(model)
+    fast = uniprefill.compile(model, UniPrefillConfig(p=1.0, **SMALL))
+    ids = _ids(1, 120).clamp(min=3)
+    mask = torch.ones_like(ids)
+    mask[0, :10] = 0  # padded: the layers after a drop point hold no pad entries, the plain model's do
+    cache = DynamicCache(config=model.config)
+    new = _ids(1, 3, seed=2).clamp(min=3)
+    longer = torch.cat([mask, torch.ones_like(new)], dim=1)
+    with torch.no_grad():
+        fast(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        assert getattr(cache, HISTORY_ATTRIBUTE) is not None
+        with pytest.raises(NotImplementedError, match="recurrent or convolutional state"):
+            fast(input_ids=new, attention_mask=longer, cache=cache, use_cache=True)
+        fast(input_ids=new[:, :1], attention_mask=longer[:, :-2], cache=cache, use_cache=True)  # one token: decodes

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.continuation import recurrent_layers
 from ..unaccelerated import Kind, kind_of
 
 SETTINGS = dict(sink=16, last_q=16, block_size=16)
@@ -267,6 +268,8 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
                 break
             token = ref[:, -1:].argmax(-1)
             width = rng.choice([1, 1, 3])
+            if width > 1 and recurrent_layers(model):  # several tokens on such a compacted cache raise (by design)
+                width = 1
             if width > 1:
                 token = torch.cat([token, torch.randint(3, model.config.vocab_size, (1, width - 1),
                                                         generator=torch.Generator().manual_seed(case + step))], dim=1)
