@@ -28,9 +28,9 @@ Read:
     UNIPREFILL_DEBUG_PER_ROW_WINDOW: "1" runs the per-row paged-window kernel for every row of vLLM's sliding
         layers after a drop, also where the tiled one runs otherwise (requests of many rows) (`debug_per_row_window()`,
         `uniprefill.vllm.window`): an A/B aid, never a setting.
-    UNIPREFILL_DEBUG_SPLIT_WINDOW: "1" splits each row of the per-row paged-window kernel over several programs in
-        steps of few rows (decode; `debug_split_window()`, `uniprefill.vllm.window.split_count`): an A/B aid until
-        that is measured on a GPU, never a setting.
+    UNIPREFILL_DEBUG_UNSPLIT_WINDOW: "1" runs each row of the per-row paged-window kernel on one program, also in
+        steps of few rows (decode), where it is split over several programs otherwise (`debug_unsplit_window()`,
+        `uniprefill.vllm.window.split_count`): an A/B aid, never a setting.
     TRITON_INTERPRET: Triton's own switch ("1": run Triton kernels in its CPU interpreter);
         `uniprefill.kernels` reads it (kernels/_common.py) to allow Triton on CPU tensors.
         tests/conftest.py sets it when there is no CUDA device.
@@ -118,9 +118,9 @@ def debug_keep_combo_benchmark() -> bool:
     return os.environ.get("UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK", "") == "1"
 
 
-def debug_split_window() -> bool:
-    """UNIPREFILL_DEBUG_SPLIT_WINDOW == "1" (an A/B aid of the vLLM sliding layers' window kernel, never a setting)."""
-    return os.environ.get("UNIPREFILL_DEBUG_SPLIT_WINDOW", "") == "1"
+def debug_unsplit_window() -> bool:
+    """UNIPREFILL_DEBUG_UNSPLIT_WINDOW == "1" (an A/B aid of the vLLM sliding layers' window kernel, never a setting)."""
+    return os.environ.get("UNIPREFILL_DEBUG_UNSPLIT_WINDOW", "") == "1"
 
 
 def debug_per_row_window() -> bool:

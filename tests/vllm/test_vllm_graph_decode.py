@@ -388,12 +388,13 @@ def test_a_replayed_capture_counts_the_windows_of_later_steps():
     assert runtime.step.window_rows[world.names[2]].count[2] == 64  # request 2's history was freed
 
 
-@pytest.mark.parametrize("split_aid", [False, True], ids=["default", "split-kv-aid"])
-def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(monkeypatch, split_aid):
+@pytest.mark.parametrize("unsplit_aid", [False, True], ids=["default", "unsplit-aid"])
+def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(monkeypatch, unsplit_aid):
     """vLLM captures decode graphs after dummy forwards that carry metadata but no requests, in which sliding
     layers run vLLM's own attention: the window kernels must run once per layer there (Triton compiles at a
     first launch, which inside a capture would be captured), with the layer's real block table, in every variant
-    a step may pick: the per-row kernel on one row (and split 8 ways at window 512 under the split-KV aid), the
+    a step may pick: the per-row kernel on one row on one program and split 8 ways at window 512 (one
+    program only under the A/B aid UNIPREFILL_DEBUG_UNSPLIT_WINDOW), the
     tiled kernel on 16 and 17 rows; not before the KV cache exists, and not again. (A capture's drop point takes
     the capture path, never this one.)"""
     from uniprefill.kernels import paged_window
@@ -405,8 +406,8 @@ def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(mon
                               lambda n: BLOCK, request_ids_fn=lambda: None, graph_decode_max_reqs=4,
                               windows={world.names[2]: 512, world.names[3]: 512}, window_layer_fn=caches.get)
     runtime.vllm_attention = {2: lambda *a, **k: None, 3: lambda *a, **k: None}
-    if split_aid:
-        monkeypatch.setenv("UNIPREFILL_DEBUG_SPLIT_WINDOW", "1")
+    if unsplit_aid:
+        monkeypatch.setenv("UNIPREFILL_DEBUG_UNSPLIT_WINDOW", "1")
     launched = []
     real = paged_window.paged_window_attention
     monkeypatch.setattr(paged_window, "paged_window_attention", lambda q, k, v, table, *a, **kw: (
@@ -426,7 +427,7 @@ def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(mon
         cache = world.kv_caches[name]
         caches[name] = WindowLayer(cache[0].view(-1, BLOCK, HEADS, HEAD), cache[1].view(-1, BLOCK, HEADS, HEAD), 0.25)
     dummy_forward()
-    variants = [(1, False, 1)] + ([(1, False, 8)] if split_aid else []) + [(16, True, 1), (17, True, 1)]
+    variants = [(1, False, 1)] + ([] if unsplit_aid else [(1, False, 8)]) + [(16, True, 1), (17, True, 1)]
     assert runtime.windows_warmed == set(world.names[2:])
     assert launched == [v + (world.attn_metadata[n].block_table.data_ptr(),) for n in world.names[2:] for v in variants]
     dummy_forward()

@@ -123,9 +123,10 @@ def test_smoke_script_times_decode_per_output_token_from_the_engines_timestamps(
     assert measure.decode_metrics([types.SimpleNamespace(metrics=None, outputs=[])], 64) == {"available": False}
 
 
-def test_smoke_script_warms_up_one_and_two_prompt_steps_before_timing_batches(monkeypatch):
-    # Gemma-3-270M's first two-request drop on the H200 took 2.1 s after a one-prompt warm-up
-    # (JIT work for a new specialisation): the warm-up now covers a two-prompt step as well.
+def test_throughput_warms_up_every_batch_of_the_grid_before_timing(monkeypatch):
+    # A step of several prompts may compile what one of fewer does not: Gemma-3-270M's first two-request drop on the
+    # H200 took 2.1 s after a one-prompt warm-up, the Qwen3-Next shape's first 4-prompt step 7.8 s after warm-ups of
+    # 1 and 2 (FlashInfer's GDN prefill switches kernels from 3 sequences on). Each length warms every batch size.
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(SamplingParams=lambda **kw: kw))
     calls = []
 
@@ -136,13 +137,13 @@ def test_smoke_script_warms_up_one_and_two_prompt_steps_before_timing_batches(mo
                     for p in prompts]
 
     points = []
-    measure.run_throughput(FakeLLM(), [64, 128], [1, 4], 32000, points, save=lambda: None)
-    assert calls == [1, 2, 1, 4, 1, 2, 1, 4]  # per length: warm 1, warm 2, then the timed batches
-    assert [(p["length"], p["batch"]) for p in points] == [(64, 1), (64, 4), (128, 1), (128, 4)]
+    measure.run_throughput(FakeLLM(), [64, 128], [1, 4, 16], 32000, points, save=lambda: None)
+    assert calls == [1, 4, 16, 1, 4, 16] * 2  # per length: warm 1, 4, 16, then the timed batches
+    assert [(p["length"], p["batch"]) for p in points] == [(64, 1), (64, 4), (64, 16), (128, 1), (128, 4), (128, 16)]
     assert all(p["prompt_lengths_ok"] for p in points)
     calls.clear()
-    measure.run_throughput(FakeLLM(), [64], [1], 32000, [], save=lambda: None)
-    assert calls == [1, 1]  # batch 1 only: no two-prompt warm-up
+    measure.run_throughput(FakeLLM(), [64], [4], 32000, [], save=lambda: None)
+    assert calls == [1, 4, 4]  # one prompt first, always
 
 
 def test_throughput_repeats_time_fresh_prompts_and_keep_the_median_run(monkeypatch):

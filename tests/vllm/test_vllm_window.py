@@ -204,7 +204,8 @@ def test_gpu_paged_window_kernel_on_gemma_shapes(dtype):
 
 
 def test_the_window_kernel_splits_rows_only_in_steps_of_few_programs():
-    """Split-KV (the A/B aid UNIPREFILL_DEBUG_SPLIT_WINDOW) only where a step has fewer than 64 rows x KV heads:
+    """Split-KV (the default; the A/B aid UNIPREFILL_DEBUG_UNSPLIT_WINDOW keeps one program) only where a step has
+    fewer than 64 rows x KV heads:
     a power of two up to 8, one program per 64 entries of the window."""
     from uniprefill.vllm.window import split_count
 

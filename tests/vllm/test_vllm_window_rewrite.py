@@ -38,9 +38,10 @@ def free_blocks_behind_the_window(world, seq_lens: list[int], window: int, group
 
 
 @pytest.mark.parametrize("decode_graphs, window, triton", [(False, 24, ""), (True, 24, ""), (True, 64, ""),
-                                                     (False, 24, "tiled"), (False, 24, "per-row"), (True, 24, "split")],
+                                                     (False, 24, "tiled"), (False, 24, "per-row"), (True, 24, "split"),
+                                                     (True, 24, "unsplit")],
                          ids=["eager-decode", "decode-graph-path", "decode-graph-path-w64", "triton-window-kernels",
-                              "triton-per-row-aid", "triton-split-aid-decode-graphs"])
+                              "triton-per-row-aid", "triton-split-decode-graphs", "triton-unsplit-aid-decode-graphs"])
 def test_sliding_layers_after_a_drop_window_over_original_positions(model, monkeypatch, decode_graphs, window, triton):
     """Layers 0 and 2 slide (window 24, one KV-cache group), the drop is at layer 1: layer 2
     runs `window_attention` over its right-aligned kept keys. Prefill, then vLLM frees the
@@ -50,9 +51,10 @@ def test_sliding_layers_after_a_drop_window_over_original_positions(model, monke
     FULL_AND_PIECEWISE): the window rows come from the device tables `before_step` refills (at window 64
     dropped prompt positions lie inside a decode token's window: fewer entries than the window). `triton`: the
     Triton kernels (CPU interpreter): the prefill step on the tiled one, decode steps on the per-row one; with
-    the A/B aid `UNIPREFILL_DEBUG_PER_ROW_WINDOW` ("per-row") every step on the per-row one; with the A/B aid
-    `UNIPREFILL_DEBUG_SPLIT_WINDOW` ("split", forced to 2 programs a row: one of them sees no entry at window 24)
-    the decode steps split each row."""
+    the A/B aid `UNIPREFILL_DEBUG_PER_ROW_WINDOW` ("per-row") every step on the per-row one; with split-KV
+    forced to 2 programs a row ("split": one of them sees no entry at window 24; the default splits only from
+    window 128 on) the decode steps split each row, unless the A/B aid `UNIPREFILL_DEBUG_UNSPLIT_WINDOW` keeps one
+    program a row ("unsplit")."""
     windows = {0: window, 2: window}
     config = UniPrefillConfig(keep_ratio=0.4, block_size=BLOCK, last_q=16, sink=16, min_tokens=64,
                               impl="triton" if triton else "auto")
@@ -63,11 +65,12 @@ def test_sliding_layers_after_a_drop_window_over_original_positions(model, monke
         run = window_kernels.paged_window_attention_triton
         if triton == "per-row":
             monkeypatch.setenv("UNIPREFILL_DEBUG_PER_ROW_WINDOW", "1")
-        if triton == "split":
+        if triton in ("split", "unsplit"):
             from uniprefill.vllm import window as vllm_window
 
-            monkeypatch.setenv("UNIPREFILL_DEBUG_SPLIT_WINDOW", "1")
             monkeypatch.setattr(vllm_window, "split_count", lambda programs, window: 2)
+        if triton == "unsplit":
+            monkeypatch.setenv("UNIPREFILL_DEBUG_UNSPLIT_WINDOW", "1")
         monkeypatch.setattr(window_kernels, "paged_window_attention_triton",
                             lambda *a, **kw: launches.append((a[0].shape[0], kw["tiled"], kw["splits"]))
                             or run(*a, **kw))
@@ -112,7 +115,7 @@ def test_sliding_layers_after_a_drop_window_over_original_positions(model, monke
             assert int(runtime.step.window_rows[world.names[2]].count[0]) < window
     assert runtime.totals.decode_graph_captures == (2 if decode_graphs else 0)
     if triton:  # the prefill step on the tiled kernel, the decode steps (a row per request) on the per-row one
-        assert [t for _, t, _ in launches] == [triton in ("tiled", "split"), False, False] and launches[0][0] > 3
+        assert [t for _, t, _ in launches] == [triton in ("tiled", "split", "unsplit"), False, False] and launches[0][0] > 3
         assert [s for _, _, s in launches] == ([1, 2, 2] if triton == "split" else [1, 1, 1])
     torch._dynamo.reset()
 

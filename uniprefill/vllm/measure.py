@@ -82,12 +82,14 @@ def run_throughput(llm, lengths: list[int], batches: list[int], vocab_size: int,
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     decode_params = SamplingParams(max_tokens=1 + decode_tokens, temperature=0.0, ignore_eos=True)
     for length in lengths:
-        # Warm-up per length: one prompt, then two when a batch > 1 follows. Two prompts in one
-        # step may compile what one does not (likely Triton specialising integer arguments equal to 1, a
-        # sequence count): on 2026-12-01 Gemma-3-270M's first multi-request drop (8192 x 4) took
-        # 2.1 s instead of ~0.2 s after a one-prompt warm-up (docs/benchmarks.md).
+        # Warm-up per length, at every batch of the grid: a step of several prompts may compile what one of fewer
+        # does not. On 2026-12-01 Gemma-3-270M's first multi-request drop (8192 x 4) took 2.1 s instead of ~0.2 s
+        # after a one-prompt warm-up (likely Triton specialising integer arguments equal to 1, a sequence count);
+        # on 2026-12-05 the Qwen3-Next shape's 8192 x 4 point took 7.8 s after warm-ups of 1 and 2 prompts:
+        # FlashInfer's GDN prefill takes another kernel (compiled at its first use) from 3 sequences in a step on
+        # (`num_seqs * heads >= SMs / 2`), which only a one-step prefill of 4 prompts reached.
         t0 = time.perf_counter()
-        for warm_batch in (1, 2) if max(batches) > 1 else (1,):
+        for warm_batch in sorted({1, *batches}):
             warm = [{"prompt_token_ids": ids} for ids in token_prompts(length, warm_batch, "warm", vocab_size)]
             llm.generate(warm, params, use_tqdm=False)
         warm_s = time.perf_counter() - t0

@@ -205,7 +205,7 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
     def run(which: torch.Tensor | None, tiled: bool) -> torch.Tensor:
         picked = (lambda t: t) if which is None else (lambda t: t.index_select(0, which))
         n = tokens if which is None else which.numel()
-        splits = 1 if tiled or not env.debug_split_window() else split_count(n * cache.key_cache.shape[2], window)
+        splits = 1 if tiled or env.debug_unsplit_window() else split_count(n * cache.key_cache.shape[2], window)
         return paged_window_attention(picked(q), cache.key_cache, cache.value_cache, rows.block_table,
                                       picked(rows.request), picked(rows.logical), picked(rows.count), window=window,
                                       scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled, splits=splits,
@@ -221,9 +221,11 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
 def split_count(programs: int, window: int) -> int:
     """Programs per row of the per-row window kernel (split-KV) for a step of `programs` rows x KV heads: up to 8,
     one per 64 entries of the window, where the step has fewer than 64 (a decode step of a few requests: one
-    program per row and KV head leaves the GPU idle; Gemma-3-270M's decode at batch 1 is 1 program reading 512
-    entries, 27 us a sliding layer on the H200, 2026-12-04). The A/B aid `UNIPREFILL_DEBUG_SPLIT_WINDOW` asks for it
-    until it is measured on a GPU."""
+    program per row and KV head leaves the GPU idle). Measured in Gemma-3-270M's decode on vLLM (H200, 2026-12-05,
+    `docs/results/vllm-gemma-profile-h200-2026-12-05`): 16 tokens after a 32K prefill at batch 1 spent 3.89 ms of
+    device time in the window kernel on one program a row (1 program reading 512 entries a sliding layer), 1.46 ms
+    split 8 ways (the combine included); the decode's device time 18.74 -> 16.25 ms (standard vLLM 15.35). The A/B
+    aid `UNIPREFILL_DEBUG_UNSPLIT_WINDOW` keeps one program a row."""
     if programs >= 64:
         return 1
     return 1 << (min(8, max(1, window // 64)).bit_length() - 1)  # a power of two
@@ -233,8 +235,8 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     """Run the window kernels once for sliding layer `name` in one of vLLM's dummy forwards, so that Triton
     compiles them there and not at a first launch inside a CUDA-graph capture (vLLM captures its decode graphs
     after dummy forwards that run vLLM's own attention: a kernel's first launch would otherwise be captured) or
-    in a first request's prefill. Every variant a step may pick: the per-row kernel on one row (and split over
-    programs where the A/B aid asks: both split counts a decode step may get) and the tiled kernel on 16 and 17
+    in a first request's prefill. Every variant a step may pick: the per-row kernel on one row, on one program
+    and split over programs (`split_count`: both counts a step may get, unless the A/B aid keeps one), and the tiled kernel on 16 and 17
     rows (Triton specialises on a row count divisible by 16), all request 0 at entry 0, with the layer's query,
     cache and block table (the strides Triton specialises on are the real ones); only scratch outputs are
     written. False when the forward has no metadata or the layer no cache yet (vLLM's profiling run, before it
@@ -252,8 +254,8 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     dim = cache.key_cache.shape[-1]
     q = query[:1].reshape(1, -1, dim)
     variants = [(1, False, 1)]
-    if env.debug_split_window():
-        variants.append((1, False, split_count(1, window)))  # a decode step of few rows x KV heads (else 1)
+    if not env.debug_unsplit_window() and split_count(1, window) > 1:
+        variants.append((1, False, split_count(1, window)))  # a decode step of few rows x KV heads
     variants += [(16, True, 1), (17, True, 1)]
     for rows, tiled, splits in variants:
         zero = torch.zeros(rows, dtype=torch.long, device=query.device)

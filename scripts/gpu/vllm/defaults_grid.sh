@@ -32,8 +32,8 @@
 #          pieces after a drop before it gave them the token count's hint) | p1combo (p1 with the diagnosis
 #          aid UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK=1: Inductor's benchmark_combo_kernel left on) | p095perrow (p095
 #          with the A/B aid UNIPREFILL_DEBUG_PER_ROW_WINDOW=1: the per-row window kernel in prefill steps, as before
-#          2026-12-04's tiled default) | p095split (p095 with the A/B aid UNIPREFILL_DEBUG_SPLIT_WINDOW=1: decode
-#          steps split each row of the window kernel)
+#          2026-12-04's tiled default) | p095unsplit (p095 with the A/B aid UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1: decode
+#          rows on one program each of the window kernel, as before 2026-12-05's split-KV default)
 # DUMP_CODE=1 gives each engine a fresh vLLM cache (VLLM_CACHE_ROOT=OUT_DIR/cache-RUN) and keeps the Python
 # Inductor generated there (the Triton kernels of every piece) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
 # SKIP_NEEDLES=1 leaves the needle prompts out; LOGPROBS=1 records the parity tokens' logprobs
@@ -84,7 +84,7 @@ for name in "$@"; do
     p1nohint) args+=(--uniprefill "${SETTINGS[p1]}" --inductor '{"unbacked_symint_fallback": 8192}') ;;
     p1combo) args+=(--uniprefill "${SETTINGS[p1]}"); envs=(UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK=1) ;;
     p095perrow) args+=(--uniprefill "${SETTINGS[p095]}"); envs=(UNIPREFILL_DEBUG_PER_ROW_WINDOW=1) ;;
-    p095split) args+=(--uniprefill "${SETTINGS[p095]}"); envs=(UNIPREFILL_DEBUG_SPLIT_WINDOW=1) ;;
+    p095unsplit) args+=(--uniprefill "${SETTINGS[p095]}"); envs=(UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1) ;;
     nocombo) args+=(--inductor '{"benchmark_combo_kernel": false}') ;;
     p099chunk2k) args+=(--uniprefill "${SETTINGS[p099]}" --max-num-batched-tokens 2048) ;;
     p095chunk2k) args=($(without_throughput "${args[@]}")); args+=(--uniprefill "${SETTINGS[p095]}" --max-num-batched-tokens 2048) ;;

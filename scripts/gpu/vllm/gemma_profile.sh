@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # On the GPU box (vLLM from box_install.sh, Gemma-3-270M from box_install_models.sh cuda); each engine takes 2.5-3.5
-# minutes to start, so one or two engines a call: RUNS=standard (with the kernel bench), then RUNS="p095 p095split" SKIP_BENCH=1:
+# minutes to start, so one or two engines a call: RUNS=standard (with the kernel bench), then RUNS="p095 p095unsplit" SKIP_BENCH=1:
 # why Gemma-3-270M on vLLM's defaults at p = 0.95 was 0.68-0.91x standard (docs/results/vllm-gemma-defaults-h200-2026-12-04).
 #   1. both paged-window kernels (per row, tiled) at Gemma's sliding-layer shapes (benchmarks/bench_paged_window.py);
 #   2. one 32000-token prefill and 16 decode tokens under torch.profiler (scripts/gpu/vllm/profile_prefill.py):
 #      standard vLLM, uniprefill p = 0.95 (the tiled window kernel in prefill steps), and the same uniprefill engine
 #      again with the per-row kernel there (--per-row-too: UNIPREFILL_DEBUG_PER_ROW_WINDOW=1 set in-process);
-#      RUNS=p095split: uniprefill with the split-KV decode aid (UNIPREFILL_DEBUG_SPLIT_WINDOW=1, a fresh engine:
-#      decode graphs keep the kernel they captured);
+#      RUNS=p095unsplit: uniprefill with the A/B aid UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1 (decode rows on one program
+#      each, as before split-KV became the default on 2026-12-05; a fresh engine: decode graphs keep the kernel
+#      they captured);
 #   3. the side-by-side device time by kernel kind.
 # HOST=1 adds the host's side (profile_prefill.py --host: cProfile of one prefill, the top host calls).
-#   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS="p095 p095split" SKIP_BENCH=1 bash ... OUT_DIR
+#   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS="p095 p095unsplit" SKIP_BENCH=1 bash ... OUT_DIR
 set -uo pipefail
 OUT="${1:?usage: gemma_profile.sh OUT_DIR}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -26,8 +27,8 @@ for run in ${RUNS:-standard p095}; do
   case "$run" in
     standard) ;;
     p095) args+=(--uniprefill "$P095" --per-row-too) ;;
-    p095split) args+=(--uniprefill "$P095"); envs=(UNIPREFILL_DEBUG_SPLIT_WINDOW=1) ;;
-    *) echo "unknown run $run (standard | p095 | p095split)" >&2; exit 2 ;;
+    p095unsplit) args+=(--uniprefill "$P095"); envs=(UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1) ;;
+    *) echo "unknown run $run (standard | p095 | p095unsplit)" >&2; exit 2 ;;
   esac
   [[ "${HOST:-0}" == 1 ]] && args+=(--host)
   start=$(date +%s)
@@ -35,7 +36,7 @@ for run in ${RUNS:-standard p095}; do
   echo "$run: exit $? in $(( $(date +%s) - start )) s"
   grep -E "Traceback|Error" "$OUT/profile-$run.log" | head -3 | cut -c1-300
 done
-for run in p095 p095split; do
+for run in p095 p095unsplit; do
   [[ -f "$OUT/profile-standard.json" && -f "$OUT/profile-$run.json" ]] || continue
   echo "== standard -> $run"
   python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" --compare "$OUT/profile-standard.json" "$OUT/profile-$run.json"
