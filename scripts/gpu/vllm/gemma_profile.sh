@@ -11,6 +11,8 @@
 #      they captured);
 #   3. the side-by-side device time by kernel kind.
 # HOST=1 adds the host's side (profile_prefill.py --host: cProfile of one prefill, the top host calls).
+# OWN_PROCESS=1 times the prefills only, with the engine in its own process as vLLM runs it by default
+# (profile_prefill.py --own-process; files profile-RUN-own.*).
 #   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS="p095 p095unsplit" SKIP_BENCH=1 bash ... OUT_DIR
 set -uo pipefail
 OUT="${1:?usage: gemma_profile.sh OUT_DIR}"
@@ -22,7 +24,8 @@ bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
   2>&1 | tee "$OUT/paged-window.log" | tail -6
 P095='{"p": 0.95, "vllm_drop": true}'
 for run in ${RUNS:-standard p095}; do
-  args=(--model-dir /tmp/gemma-270m --length 32000 --out "$OUT/profile-$run.json")
+  tag="$run"; [[ "${OWN_PROCESS:-0}" == 1 ]] && tag="$run-own"
+  args=(--model-dir /tmp/gemma-270m --length 32000 --out "$OUT/profile-$tag.json")
   envs=()
   case "$run" in
     standard) ;;
@@ -31,13 +34,16 @@ for run in ${RUNS:-standard p095}; do
     *) echo "unknown run $run (standard | p095 | p095unsplit)" >&2; exit 2 ;;
   esac
   [[ "${HOST:-0}" == 1 ]] && args+=(--host)
+  [[ "${OWN_PROCESS:-0}" == 1 ]] && args+=(--own-process)
   start=$(date +%s)
-  env "${envs[@]}" timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/profile-$run.log" 2>&1
-  echo "$run: exit $? in $(( $(date +%s) - start )) s"
-  grep -E "Traceback|Error" "$OUT/profile-$run.log" | head -3 | cut -c1-300
+  env "${envs[@]}" timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/profile-$tag.log" 2>&1
+  echo "$tag: exit $? in $(( $(date +%s) - start )) s"
+  grep -E "Traceback|Error" "$OUT/profile-$tag.log" | head -3 | cut -c1-300
 done
-for run in p095 p095unsplit; do
-  [[ -f "$OUT/profile-standard.json" && -f "$OUT/profile-$run.json" ]] || continue
-  echo "== standard -> $run"
-  python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" --compare "$OUT/profile-standard.json" "$OUT/profile-$run.json"
+for own in "" -own; do
+  for run in p095 p095unsplit; do
+    [[ -f "$OUT/profile-standard$own.json" && -f "$OUT/profile-$run$own.json" ]] || continue
+    echo "== standard$own -> $run$own"
+    python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" --compare "$OUT/profile-standard$own.json" "$OUT/profile-$run$own.json"
+  done
 done
