@@ -204,3 +204,76 @@ def test_several_tokens_on_a_compacted_cache_of_a_model_with_recurrent_layers_ra
         with pytest.raises(NotImplementedError, match="recurrent or convolutional state"):
             fast(input_ids=new, attention_mask=longer, cache=cache, use_cache=True)
         fast(input_ids=new[:, :1], attention_mask=longer[:, :-2], cache=cache, use_cache=True)  # one token: decodes
+
+
+def _padded_batch():
+    ids = _ids(2, 300).clamp(min=1)
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0  # row 1 left-padded
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_several_tokens_on_a_batch_prefilled_row_by_row_at_p1_equal_the_plain_model(arch):
+    """A batched forward that fills a cache (no cache object passed: the batch is prefilled row by row into
+    `RowCaches`), then the next turn of every row at once (several tokens), then one more token: at p = 1 each
+    equals the plain model. Before, the several-token turn raised NotImplementedError at p = 1 too."""
+    model, fast = _compiled(arch, "p1")
+    ids, mask = _padded_batch()
+    new = _ids(2, 3, seed=5).clamp(min=1)
+    longer = torch.cat([mask, torch.ones_like(new)], dim=1)
+    with torch.no_grad():
+        mine = fast(input_ids=ids, attention_mask=mask, use_cache=True)
+        theirs = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        got = fast(input_ids=new, attention_mask=longer, past_key_values=mine.past_key_values, use_cache=True)
+        ref = model(input_ids=new, attention_mask=longer, past_key_values=theirs.past_key_values, use_cache=True)
+        torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
+        token = ref.logits[:, -1:].argmax(-1)
+        last = torch.cat([longer, torch.ones_like(token)], dim=1)
+        got = fast(input_ids=token, attention_mask=last, past_key_values=got.past_key_values, use_cache=True)
+        ref = model(input_ids=token, attention_mask=last, past_key_values=ref.past_key_values, use_cache=True)
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    assert type(mine.past_key_values).__name__ == "RowCaches" and mine.past_key_values.get_seq_length() == 304
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_several_tokens_on_a_batch_prefilled_row_by_row_that_dropped_equal_each_row_alone(arch):
+    """Where the rows dropped, each row's several-token turn is what the same row gives alone: its prompt without
+    the pads into a cache of its own, then the same tokens (one-token decode steps on the compacted cache)."""
+    model, fast = _compiled(arch, "drops")
+    ids, mask = _padded_batch()
+    new = _ids(2, 3, seed=5).clamp(min=1)
+    with torch.no_grad():
+        out = fast(input_ids=ids, attention_mask=mask, use_cache=True)
+        rows = out.past_key_values.rows
+        assert all(row.history is not None and sum(row.history.points[0].kept) < 280 for row in rows)
+        got = fast(input_ids=new, attention_mask=torch.cat([mask, torch.ones_like(new)], dim=1),
+                   past_key_values=out.past_key_values, use_cache=True).logits
+        for r, pads in enumerate((0, 23)):
+            cache = DynamicCache(config=model.config)
+            fast(input_ids=ids[r:r + 1, pads:], cache=cache, use_cache=True)
+            alone = fast(input_ids=new[r:r + 1], cache=cache, use_cache=True).logits
+            torch.testing.assert_close(got[r:r + 1], alone, atol=1e-6, rtol=1e-6)
+            assert rows[r].history.decoded == getattr(cache, HISTORY_ATTRIBUTE).decoded == 3
+
+
+def test_several_tokens_on_a_row_by_row_batch_refuse_a_mask_over_them_and_recurrent_states():
+    from uniprefill.testing.fuzz import build_model
+
+    model, fast = _compiled("llama", "drops")
+    ids, mask = _padded_batch()
+    new = _ids(2, 3, seed=5).clamp(min=1)
+    hole = torch.cat([mask, torch.ones_like(new)], dim=1)
+    hole[0, -2] = 0
+    with torch.no_grad():
+        out = fast(input_ids=ids, attention_mask=mask, use_cache=True)
+        with pytest.raises(NotImplementedError, match="last 3 columns are ones"):
+            fast(input_ids=new, attention_mask=hole, past_key_values=out.past_key_values, use_cache=True)
+    jamba = build_model("tiny-jamba", torch.float32)
+    fast = uniprefill.compile(jamba, UniPrefillConfig(keep_ratio=0.4, **SMALL))
+    ids = _ids(2, 120).clamp(min=3)
+    with torch.no_grad():
+        out = fast(input_ids=ids, use_cache=True)
+        assert any(row.history is not None for row in out.past_key_values.rows)
+        with pytest.raises(NotImplementedError, match="recurrent or convolutional state"):
+            fast(input_ids=new.clamp(min=3), past_key_values=out.past_key_values, use_cache=True)

@@ -249,10 +249,12 @@ class UniPrefillModel(torch.nn.Module):
         return stack_rows(outs, pads, length, _output_cache_key(outs[0]), caches)
 
     def _decode_rows(self, caches: RowCaches, ids, kwargs):
-        if ids is None or ids.shape != (len(caches.rows), 1):
+        if ids is None or ids.dim() != 2 or ids.shape[0] != len(caches.rows):
             raise NotImplementedError(
-                f"a batch prefilled row by row continues with one-token steps of all its {len(caches.rows)} rows "
-                f"as keyword arguments (got input_ids of shape {None if ids is None else tuple(ids.shape)})")
+                f"a batch prefilled row by row continues with steps of all its {len(caches.rows)} rows as keyword "
+                f"arguments (got input_ids of shape {None if ids is None else tuple(ids.shape)})")
+        if ids.shape[1] > 1:
+            return self._continue_rows(caches, ids, kwargs)
         cache_key, common = self._row_kwargs(kwargs)
         outs = []
         positions = kwargs.get("position_ids")
@@ -268,6 +270,37 @@ class UniPrefillModel(torch.nn.Module):
                 outs.append(self._decode_step(row.history, ids[r:r + 1], **step))
         caches.steps += 1
         return stack_rows(outs, [0] * len(outs), 1, _output_cache_key(outs[0]), caches)
+
+    def _continue_rows(self, caches: RowCaches, ids, kwargs):
+        """Several new tokens on a batch prefilled row by row (a batched chat's next turn): each row continues its
+        own cache as a batch of one would. A row whose cache is whole (too short to drop, or nothing removed) runs
+        the plain model over all the tokens; a compacted row continues token by token
+        (`continuation.continue_token_by_token`), or raises where the model keeps a recurrent state."""
+        count = ids.shape[1]
+        check_step_mask(kwargs.get("attention_mask"), count)
+        cache_key, common = self._row_kwargs(kwargs)
+        positions = kwargs.get("position_ids")
+        outs = []
+        for r, row in enumerate(caches.rows):
+            step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common}
+            if positions is not None:
+                step["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1]
+            if row.history is None or removed_nothing(row.history):
+                outs.append(type(self.model).forward(self.model, **step))
+                if row.history is not None:
+                    row.history.decoded += count
+                continue
+            stateful = recurrent_layers(self.model)
+            if stateful:
+                raise NotImplementedError(
+                    f"{count} tokens at once on row {r}'s cache, which a drop compacted: layers {stateful[:8]} keep a "
+                    "recurrent or convolutional state, whose several-token step one-token decode steps need not "
+                    "reproduce; feed the tokens one at a time")
+            history = row.history
+            outs.append(continue_token_by_token(lambda history=history, **one: self._decode_step(
+                history, one["input_ids"], **one), ids[r:r + 1], step))
+        caches.steps += count
+        return stack_rows(outs, [0] * len(outs), count, _output_cache_key(outs[0]), caches)
 
     def _decode_step(self, history: DropHistory, ids, **kwargs):
         if ids.shape[0] != 1 or ids.shape[1] != 1:

@@ -8,7 +8,8 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
 * `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, several
   sequences, an explicit cache); a first differing token that the plain model scores as a tie
   counts as "tie" (`_tie_at_divergence`);
-* `_decode_case`: a prefill into a cache passed in, then one-token steps through forward;
+* `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
+  or several tokens through forward;
 * `_reference_case`: forced retention against the eager reference (Llama, Gemma-3, GPT-OSS).
 """
 
@@ -246,21 +247,29 @@ def _tie_at_divergence(model, out, ref, mask, length: int, dtype) -> str | None:
 
 
 def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
-    """A prefill into a cache object passed in, then steps through the same forward: one token, or several (a
-    chat's next turn, a chunked continuation)."""
+    """A prefill into a cache object passed in (one row), or of a batch of two rows that fills the cache it returns
+    (prefilled row by row), then steps through the same forward: one token, or several (a chat's next turn, a
+    chunked continuation)."""
     from transformers import DynamicCache
 
     model, fast = pool.get(arch, dtype, p=1.0)
+    rows = rng.choice([1, 1, 2])
     length = rng.randint(MIN_TOKENS, 200)
-    ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(case))
+    ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(case))
     mask = torch.ones_like(ids)
     if rng.random() < 0.4:
-        mask[:, : rng.randint(1, length // 3)] = 0
-    result = CaseResult(case, arch, "forward + decode steps", "equal", detail=f"length {length}, pads {int((mask == 0).sum())}")
+        mask[-1, : rng.randint(1, length // 3)] = 0
+    result = CaseResult(case, arch, "forward + decode steps", "equal",
+                        detail=f"rows {rows}, length {length}, pads {int((mask == 0).sum())}")
     with torch.no_grad():
-        mine, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
-        out = fast(input_ids=ids, attention_mask=mask, past_key_values=mine, use_cache=True).logits
-        ref = model(input_ids=ids, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
+        if rows == 1:
+            mine, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
+            out = fast(input_ids=ids, attention_mask=mask, past_key_values=mine, use_cache=True).logits
+            ref = model(input_ids=ids, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
+        else:  # no cache object: the batch is prefilled row by row, and its output carries their caches
+            out, ref = fast(input_ids=ids, attention_mask=mask, use_cache=True), model(
+                input_ids=ids, attention_mask=mask, use_cache=True)
+            (out, mine), (ref, theirs) = (out.logits, out.past_key_values), (ref.logits, ref.past_key_values)
         bad = _compare_logits(out, ref, mask, None, dtype)
         accelerated = _accelerated(fast)
         for step in range(rng.randint(1, 3)):
@@ -271,7 +280,7 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
             if width > 1 and recurrent_layers(model):  # several tokens on such a compacted cache raise (by design)
                 width = 1
             if width > 1:
-                token = torch.cat([token, torch.randint(3, model.config.vocab_size, (1, width - 1),
+                token = torch.cat([token, torch.randint(3, model.config.vocab_size, (rows, width - 1),
                                                         generator=torch.Generator().manual_seed(case + step))], dim=1)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
             out = fast(input_ids=token, attention_mask=mask, past_key_values=mine, use_cache=True).logits
