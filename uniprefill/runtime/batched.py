@@ -7,6 +7,8 @@ its rows: each row (pads stripped) is prefilled through the compiled graph on it
 gets its own transformers cache and `DropHistory`; every decode step runs each row against
 its own cache and stacks the logits. `RowCaches` carries the per-row state through
 transformers' generation loop, which only asks it for the (padded) length it has seen.
+`prefill_rows` and `decode_rows` are those steps (`UniPrefillModel` calls them); several new
+tokens at once (a batched chat's next turn) continue each row's cache as a batch of one would.
 
 Each row's result is exactly that row run alone (the tests check it). The price is a
 Python loop over rows at every decode step: fine for `generate()` on a few long prompts,
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from .continuation import check_step_mask, continue_token_by_token, recurrent_layers, removed_nothing
 from .history import DropHistory
 
 
@@ -117,3 +121,103 @@ def stack_rows(outputs: list, pads: list[int], length: int, cache_key: str, cach
     fields["logits"] = stacked
     fields[cache_key] = cache
     return type(first)(**fields)
+
+
+def output_cache_key(out) -> str:
+    """The keyword under which a forward's output carries its cache ("cache" from transformers 5.x on)."""
+    return "cache" if "cache" in out else "past_key_values"
+
+
+def _row_kwargs(kwargs) -> tuple[str, dict]:
+    cache_key = "cache" if "cache" in kwargs else "past_key_values"
+    common = {"use_cache": True}
+    if kwargs.get("logits_to_keep") is not None:
+        common["logits_to_keep"] = kwargs["logits_to_keep"]
+    return cache_key, common
+
+
+def prefill_rows(model, prefill, last_history, ids: torch.Tensor, kwargs: dict) -> tuple[object, list]:
+    """Each row of a left-padded batch, pads stripped, through `prefill(row_ids, input_ids=..., cache=...)` (the
+    wrapper's dropped prefill) into a cache of its own; `last_history()` is the history that prefill recorded. The
+    batch's output (logits right-aligned, `RowCaches`) and the rows' histories (None: the row did not drop)."""
+    from transformers import DynamicCache
+
+    cache_key, common = _row_kwargs(kwargs)
+    rows, length = ids.shape
+    pads = left_pad_counts(kwargs.get("attention_mask"), rows, length)
+    outs, states = [], []
+    for r in range(rows):
+        cache = DynamicCache(config=model.config)
+        row_ids = ids[r:r + 1, pads[r]:]
+        extra = {}
+        if kwargs.get("position_ids") is not None:
+            positions = kwargs["position_ids"]
+            extra["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1, pads[r]:]
+        out = prefill(row_ids, input_ids=row_ids, **{cache_key: cache}, **common, **extra)
+        history = last_history()
+        states.append(Row(cache, history if history is not None and history.points else None))
+        outs.append(out)
+    caches = RowCaches(states, length)
+    return stack_rows(outs, pads, length, output_cache_key(outs[0]), caches), [row.history for row in states]
+
+
+def decode_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor | None, kwargs: dict):
+    """The next tokens of every row of a batch `prefill_rows` filled: one token (a decode step; a row without a
+    history runs the plain model), or several (`_continue_rows`). `decode_step(history, ids, **step)` is the
+    wrapper's one-token decode on a compacted cache."""
+    if ids is None or ids.dim() != 2 or ids.shape[0] != len(caches.rows):
+        raise NotImplementedError(
+            f"a batch prefilled row by row continues with steps of all its {len(caches.rows)} rows as keyword "
+            f"arguments (got input_ids of shape {None if ids is None else tuple(ids.shape)})")
+    if ids.shape[1] > 1:
+        return _continue_rows(model, decode_step, caches, ids, kwargs)
+    cache_key, common = _row_kwargs(kwargs)
+    outs = []
+    positions = kwargs.get("position_ids")
+    for r, row in enumerate(caches.rows):
+        step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common}
+        if positions is not None and row.history is None:
+            # an undropped row decodes with the plain model: give it the row's true position
+            # (the padded batch's position ids count from the row's first real token)
+            step["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1]
+        if row.history is None:
+            outs.append(type(model).forward(model, **step))
+        else:
+            outs.append(decode_step(row.history, ids[r:r + 1], **step))
+    caches.steps += 1
+    return stack_rows(outs, [0] * len(outs), 1, output_cache_key(outs[0]), caches)
+
+
+def _one_token(decode_step, history, **step):
+    return decode_step(history, step["input_ids"], **step)
+
+
+def _continue_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor, kwargs: dict):
+    """Several new tokens on a batch prefilled row by row (a batched chat's next turn): each row continues its
+    own cache as a batch of one would. A row whose cache is whole (too short to drop, or nothing removed) runs
+    the plain model over all the tokens; a compacted row continues token by token
+    (`continuation.continue_token_by_token`), or raises where the model keeps a recurrent state."""
+    count = ids.shape[1]
+    check_step_mask(kwargs.get("attention_mask"), count)
+    cache_key, common = _row_kwargs(kwargs)
+    positions = kwargs.get("position_ids")
+    outs = []
+    for r, row in enumerate(caches.rows):
+        step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common}
+        if positions is not None:
+            step["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1]
+        if row.history is None or removed_nothing(row.history):
+            outs.append(type(model).forward(model, **step))
+            if row.history is not None:
+                row.history.decoded += count
+            continue
+        stateful = recurrent_layers(model)
+        if stateful:
+            raise NotImplementedError(
+                f"{count} tokens at once on row {r}'s cache, which a drop compacted: layers {stateful[:8]} keep a "
+                "recurrent or convolutional state, whose several-token step one-token decode steps need not "
+                "reproduce; feed the tokens one at a time")
+        one_token = functools.partial(_one_token, decode_step, row.history)
+        outs.append(continue_token_by_token(one_token, ids[r:r + 1], step))
+    caches.steps += count
+    return stack_rows(outs, [0] * len(outs), count, output_cache_key(outs[0]), caches)

@@ -29,7 +29,7 @@ import torch
 
 from ..compat import register_decode_attention
 from ..unaccelerated import Kind, Unaccelerated
-from .batched import Row, RowCaches, left_pad_counts, stack_rows
+from .batched import RowCaches, decode_rows, left_pad_counts, prefill_rows
 from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
     _DECODE_STATE, ATTENTION_NAME, _attention_implementation, decode_kernels,
 )
@@ -219,88 +219,13 @@ class UniPrefillModel(torch.nn.Module):
                                           Kind.NOT_COMPILABLE))
         return self._eager(kwargs)
 
-    def _row_kwargs(self, kwargs) -> tuple[str, dict]:
-        cache_key = "cache" if "cache" in kwargs else "past_key_values"
-        common = {"use_cache": True}
-        if kwargs.get("logits_to_keep") is not None:
-            common["logits_to_keep"] = kwargs["logits_to_keep"]
-        return cache_key, common
-
     def _prefill_rows(self, ids, kwargs):
-        from transformers import DynamicCache
-
-        cache_key, common = self._row_kwargs(kwargs)
-        rows, length = ids.shape
-        pads = left_pad_counts(kwargs.get("attention_mask"), rows, length)
-        outs, states = [], []
-        for r in range(rows):
-            cache = DynamicCache(config=self.model.config)
-            row_ids = ids[r:r + 1, pads[r]:]
-            extra = {}
-            if kwargs.get("position_ids") is not None:
-                positions = kwargs["position_ids"]
-                extra["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1, pads[r]:]
-            out = self._prefill(row_ids, input_ids=row_ids, **{cache_key: cache}, **common, **extra)
-            history = self.history
-            states.append(Row(cache, history if history is not None and history.points else None))
-            outs.append(out)
-        caches = RowCaches(states, length)
-        object.__setattr__(self, "row_histories", [row.history for row in states])
-        return stack_rows(outs, pads, length, _output_cache_key(outs[0]), caches)
+        out, histories = prefill_rows(self.model, self._prefill, lambda: self.history, ids, kwargs)
+        object.__setattr__(self, "row_histories", histories)
+        return out
 
     def _decode_rows(self, caches: RowCaches, ids, kwargs):
-        if ids is None or ids.dim() != 2 or ids.shape[0] != len(caches.rows):
-            raise NotImplementedError(
-                f"a batch prefilled row by row continues with steps of all its {len(caches.rows)} rows as keyword "
-                f"arguments (got input_ids of shape {None if ids is None else tuple(ids.shape)})")
-        if ids.shape[1] > 1:
-            return self._continue_rows(caches, ids, kwargs)
-        cache_key, common = self._row_kwargs(kwargs)
-        outs = []
-        positions = kwargs.get("position_ids")
-        for r, row in enumerate(caches.rows):
-            step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common}
-            if positions is not None and row.history is None:
-                # an undropped row decodes with the plain model: give it the row's true position
-                # (the padded batch's position ids count from the row's first real token)
-                step["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1]
-            if row.history is None:
-                outs.append(type(self.model).forward(self.model, **step))
-            else:
-                outs.append(self._decode_step(row.history, ids[r:r + 1], **step))
-        caches.steps += 1
-        return stack_rows(outs, [0] * len(outs), 1, _output_cache_key(outs[0]), caches)
-
-    def _continue_rows(self, caches: RowCaches, ids, kwargs):
-        """Several new tokens on a batch prefilled row by row (a batched chat's next turn): each row continues its
-        own cache as a batch of one would. A row whose cache is whole (too short to drop, or nothing removed) runs
-        the plain model over all the tokens; a compacted row continues token by token
-        (`continuation.continue_token_by_token`), or raises where the model keeps a recurrent state."""
-        count = ids.shape[1]
-        check_step_mask(kwargs.get("attention_mask"), count)
-        cache_key, common = self._row_kwargs(kwargs)
-        positions = kwargs.get("position_ids")
-        outs = []
-        for r, row in enumerate(caches.rows):
-            step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common}
-            if positions is not None:
-                step["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1]
-            if row.history is None or removed_nothing(row.history):
-                outs.append(type(self.model).forward(self.model, **step))
-                if row.history is not None:
-                    row.history.decoded += count
-                continue
-            stateful = recurrent_layers(self.model)
-            if stateful:
-                raise NotImplementedError(
-                    f"{count} tokens at once on row {r}'s cache, which a drop compacted: layers {stateful[:8]} keep a "
-                    "recurrent or convolutional state, whose several-token step one-token decode steps need not "
-                    "reproduce; feed the tokens one at a time")
-            history = row.history
-            outs.append(continue_token_by_token(lambda history=history, **one: self._decode_step(
-                history, one["input_ids"], **one), ids[r:r + 1], step))
-        caches.steps += count
-        return stack_rows(outs, [0] * len(outs), count, _output_cache_key(outs[0]), caches)
+        return decode_rows(self.model, self._decode_step, caches, ids, kwargs)
 
     def _decode_step(self, history: DropHistory, ids, **kwargs):
         if ids.shape[0] != 1 or ids.shape[1] != 1:
@@ -443,10 +368,6 @@ def _output_cache(out):
     """The cache object a forward returned (ModelOutput or tuple), or None."""
     items = out.values() if hasattr(out, "values") else (out if isinstance(out, tuple) else ())
     return next((item for item in items if hasattr(item, "get_seq_length")), None)
-
-
-def _output_cache_key(out) -> str:
-    return "cache" if "cache" in out else "past_key_values"
 
 
 def _cache_length(cache) -> int:
