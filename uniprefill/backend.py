@@ -205,9 +205,14 @@ class UniPrefillBackend:
         return self.recorder.last
 
     def layer_windows(self) -> dict[int, int]:
-        """Sliding window of every layer of the latest rewritten graph (0: unbounded)."""
-        prefill = next((g for g in reversed(self.graphs) if g.rewritten and g.layers), None)
-        return {r.layer: r.window for r in prefill.layers} if prefill else {}
+        """Sliding window of every layer any rewritten graph saw (0: none seen). Over all the graphs, not the latest:
+        a graph traced for a prompt no longer than a layer's window has no band in its mask (transformers builds the
+        sliding mask only beyond it; Gemma-3), so it reads that layer as unbounded; the window is the model's."""
+        windows: dict[int, int] = {}
+        for graph in self.graphs:
+            for r in graph.layers if graph.rewritten else ():
+                windows[r.layer] = windows.get(r.layer, 0) or r.window
+        return windows
 
 
 # The backends that the string entry point made, by the model's input-embedding weight (held

@@ -277,3 +277,76 @@ def test_several_tokens_on_a_row_by_row_batch_refuse_a_mask_over_them_and_recurr
         assert any(row.history is not None for row in out.past_key_values.rows)
         with pytest.raises(NotImplementedError, match="recurrent or convolutional state"):
             fast(input_ids=new.clamp(min=3), past_key_values=out.past_key_values, use_cache=True)
+
+
+TINY_BLOCKS = dict(sink=4, last_q=4, block_size=4, min_tokens=8)
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_a_prompt_shorter_than_the_sliding_window_decodes_past_it(setting):
+    """Gemma-3 builds its sliding mask only for prompts longer than the window, so the graph of a shorter prompt
+    reads every layer as unbounded; decode steps past the window then raised ("layer 0 holds 24 cached keys but the
+    last dropped prefill predicts 25") at p = 1 too. Decode takes the window the model passes its attention
+    function: at p = 1 the plain model's tokens and logits; with drops, the tokens of an engine whose earlier long
+    prompt had shown it the window."""
+    build, drops = MODELS["gemma3"]
+    model = build()
+    window = model.config.sliding_window
+    settings = dict(drop_layers=drops, **SETTINGS[setting], **TINY_BLOCKS)
+    fast = uniprefill.compile(model, UniPrefillConfig(**settings))
+    ids = _ids(1, window - 4).clamp(min=1)
+    kwargs = dict(max_new_tokens=2 * window, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_logits=True)
+    with torch.no_grad():
+        out = fast.generate(ids, **kwargs)
+        assert fast.history is not None and fast.history.points
+        if setting == "p1":
+            ref = model.generate(ids, **kwargs)
+            assert torch.equal(out.sequences, ref.sequences)
+            torch.testing.assert_close(torch.stack(out.logits), torch.stack(ref.logits), atol=1e-5, rtol=1e-5)
+        else:
+            seen = uniprefill.compile(model, UniPrefillConfig(**settings))
+            seen.generate(_ids(1, 3 * window).clamp(min=1), max_new_tokens=1, do_sample=False, pad_token_id=0)
+            assert seen.backend.layer_windows()[0] == window
+            assert torch.equal(seen.generate(ids, **kwargs).sequences, out.sequences)
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_a_batch_whose_last_row_is_too_short_to_drop_decodes(setting):
+    """Row by row, a short last row's prefill compiled the latest graph, which (shorter than the window) read every
+    layer as unbounded: the windows were read from the latest graph only, so the batch's first decode step raised
+    (a review's finding). At p = 1 the plain model's tokens."""
+    model, fast = _compiled("gemma3", setting)
+    ids = _ids(2, 160).clamp(min=1)
+    mask = torch.ones_like(ids)
+    mask[1, :145] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out = fast.generate(ids, **kwargs)
+        assert fast.row_histories[0] is not None and fast.row_histories[1] is None
+        if setting == "p1":
+            assert torch.equal(out, model.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("convention", ["counted-from-pads", "counted-from-real-tokens"])
+def test_position_ids_of_a_row_by_row_batch_continuation_are_the_plain_models(convention, width):
+    """The next tokens of a row-by-row batch with explicit position ids, in either convention a user may follow: the
+    plain model's default (positions counted from the first column, pads included; the prefill got none) or
+    generate's (counted from each row's first real token, given to the prefill too). A row's cache counts from its
+    first real token, so the batch's ids are shifted by the row's pads in the first convention. Before, a compacted
+    row's several-token continuation took the first convention's ids unshifted (a review's finding: 1.2e-3 off)."""
+    model, fast = _compiled("llama", "p1")
+    ids, mask = _padded_batch()
+    new = _ids(2, width, seed=5).clamp(min=1)
+    longer = torch.cat([mask, torch.ones_like(new)], dim=1)
+    if convention == "counted-from-pads":
+        prefill, positions = {}, torch.arange(300, 300 + width).expand(2, -1)
+    else:
+        prefill, positions = {"position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, (longer.cumsum(-1) - 1)[:, -width:]
+    with torch.no_grad():
+        mine = fast(input_ids=ids, attention_mask=mask, use_cache=True, **prefill).past_key_values
+        theirs = model(input_ids=ids, attention_mask=mask, use_cache=True, **prefill).past_key_values
+        got = fast(input_ids=new, attention_mask=longer, past_key_values=mine, position_ids=positions).logits
+        ref = model(input_ids=new, attention_mask=longer, past_key_values=theirs, position_ids=positions).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

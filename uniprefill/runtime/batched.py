@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .continuation import check_step_mask, continue_token_by_token, recurrent_layers, removed_nothing
+from .continuation import (
+    check_step_mask, continue_token_by_token, recurrent_layers, removed_nothing, step_kwargs_not_taken,
+)
 from .history import DropHistory
 
 
@@ -32,6 +34,9 @@ from .history import DropHistory
 class Row:
     cache: object  # a transformers cache holding this row's tokens only
     history: DropHistory | None  # None: the row was too short to drop (its cache is complete)
+    # what to subtract from the batch's position ids to get this row's: its left pads where the prefill took no
+    # position ids (the plain model then counted them from the pads, the row from its first real token), else 0
+    position_offset: int = 0
 
 
 def _base_cache_class():
@@ -78,7 +83,7 @@ def _take_rows(rows: list[Row], order: list[int]) -> list[Row]:
         if i in used:
             history = None if row.history is None else dataclasses.replace(row.history, points=list(row.history.points),
                                                                              _positions={})
-            row = Row(copy.deepcopy(row.cache), history)
+            row = dataclasses.replace(row, cache=copy.deepcopy(row.cache), history=history)
         used.add(i)
         taken.append(row)
     return taken
@@ -155,10 +160,19 @@ def prefill_rows(model, prefill, last_history, ids: torch.Tensor, kwargs: dict) 
             extra["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1, pads[r]:]
         out = prefill(row_ids, input_ids=row_ids, **{cache_key: cache}, **common, **extra)
         history = last_history()
-        states.append(Row(cache, history if history is not None and history.points else None))
+        states.append(Row(cache, history if history is not None and history.points else None,
+                          0 if kwargs.get("position_ids") is not None else pads[r]))
         outs.append(out)
     caches = RowCaches(states, length)
     return stack_rows(outs, pads, length, output_cache_key(outs[0]), caches), [row.history for row in states]
+
+
+def _row_positions(positions: torch.Tensor | None, r: int, row: Row) -> dict:
+    """Row r's share of the batch's `position_ids` for the new tokens, in the row's own count (`Row.position_offset`);
+    none given: none (the row's cache counts them)."""
+    if positions is None:
+        return {}
+    return {"position_ids": positions[min(r, positions.shape[0] - 1):][:1] - row.position_offset}
 
 
 def decode_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor | None, kwargs: dict):
@@ -169,17 +183,21 @@ def decode_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor | None,
         raise NotImplementedError(
             f"a batch prefilled row by row continues with steps of all its {len(caches.rows)} rows as keyword "
             f"arguments (got input_ids of shape {None if ids is None else tuple(ids.shape)})")
+    extra = step_kwargs_not_taken(kwargs)
+    if extra:
+        raise NotImplementedError(f"a batch prefilled row by row continues each row on its own cache, which does "
+                                  f"not take {extra}")
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[-1] != caches.get_seq_length() + ids.shape[1]:
+        raise ValueError(f"attention_mask covers {mask.shape[-1]} positions; the batch's cache holds "
+                         f"{caches.get_seq_length()} and {ids.shape[1]} are new")
     if ids.shape[1] > 1:
         return _continue_rows(model, decode_step, caches, ids, kwargs)
     cache_key, common = _row_kwargs(kwargs)
     outs = []
     positions = kwargs.get("position_ids")
     for r, row in enumerate(caches.rows):
-        step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common}
-        if positions is not None and row.history is None:
-            # an undropped row decodes with the plain model: give it the row's true position
-            # (the padded batch's position ids count from the row's first real token)
-            step["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1]
+        step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common, **_row_positions(positions, r, row)}
         if row.history is None:
             outs.append(type(model).forward(model, **step))
         else:
@@ -203,9 +221,7 @@ def _continue_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor, kwa
     positions = kwargs.get("position_ids")
     outs = []
     for r, row in enumerate(caches.rows):
-        step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common}
-        if positions is not None:
-            step["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1]
+        step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common, **_row_positions(positions, r, row)}
         if row.history is None or removed_nothing(row.history):
             outs.append(type(model).forward(model, **step))
             if row.history is not None:

@@ -100,16 +100,23 @@ _STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache_
                           "use_cache", "logits_to_keep", "return_dict"})
 
 
+def step_kwargs_not_taken(kwargs: dict) -> list[str]:
+    """The arguments of a call on a compacted cache (or on a batch prefilled row by row) that its steps would drop
+    without a word: any argument set beyond `_STEP_KWARGS`, and `return_dict=False` (the steps return a ModelOutput)."""
+    extra = sorted(k for k in set(kwargs) - _STEP_KWARGS if kwargs[k] is not None and kwargs[k] is not False)
+    return extra + (["return_dict=False"] if kwargs.get("return_dict") is False else [])
+
+
 def continue_token_by_token(decode_step, ids, kwargs: dict):
     """Several new tokens (a chat's next turn reusing the cache, a chunked continuation) on a cache a drop
     compacted: one decode step per token (`decode_step(input_ids=..., **step)`, the runtime's decode), each token
     attending over the kept prompt keys, the decoded ones and the new ones before it: what the same tokens fed one
     at a time give. The logits of all of them come back as one call's would (`logits_to_keep` applied after)."""
-    extra = sorted(k for k in set(kwargs) - _STEP_KWARGS if kwargs[k] is not None and kwargs[k] is not False)
-    if extra or kwargs.get("return_dict") is False or ids.dim() != 2 or ids.shape[0] != 1:
+    extra = step_kwargs_not_taken(kwargs)
+    if extra or ids.dim() != 2 or ids.shape[0] != 1:
         raise NotImplementedError(
             f"a continuation of {tuple(ids.shape)} tokens on a cache a drop compacted runs as one-token decode steps, "
-            f"which do not take {extra or ('return_dict=False' if kwargs.get('return_dict') is False else 'several rows')}")
+            f"which do not take {extra or 'several rows'}")
     count = ids.shape[1]
     mask, positions, cache_position = (kwargs.get(k) for k in ("attention_mask", "position_ids", "cache_position"))
     check_step_mask(mask, count)

@@ -46,7 +46,9 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
                            "(s_aux): it cannot compute the same attention")
     cached = key.shape[-2]
     expected = history.layer_positions(layer).numel() + history.decoded
-    window = windows.get(layer, 0)
+    # the window a prefill graph read from its mask, else the one the model hands its attention function: a prefill
+    # shorter than the window traced no band (its graph reads the layer as unbounded), and decode steps pass it
+    window = windows.get(layer, 0) or _module_window(kwargs)
     if window == 0 and cached != expected:
         raise RuntimeError(
             f"layer {layer} holds {cached} cached keys but the last dropped prefill predicts {expected}: "
@@ -82,6 +84,13 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
         out = torch.ops.uniprefill.decode_attention(query, key, value, to_device(positions, key.device),
                                                     query_position, 0 if compacted else window, scale, gqa)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _module_window(kwargs) -> int:
+    """The `sliding_window` transformers' attention layers pass their attention function (None or absent on a layer
+    that does not slide): 0 unless a positive int."""
+    window = kwargs.get("sliding_window")
+    return window if isinstance(window, int) and not isinstance(window, bool) and window > 0 else 0
 
 
 def _sinks(module, kwargs) -> torch.Tensor | None:
