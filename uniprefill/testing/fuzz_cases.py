@@ -281,8 +281,10 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
                 break
             token = ref[:, -1:].argmax(-1)
             width = rng.choice([1, 1, 3])
-            if width > 1 and recurrent_layers(model):  # several tokens on such a compacted cache raise (by design)
-                width = 1
+            if width > 1 and rows == 1 and not bool(mask.all()) and recurrent_layers(model):
+                width = 1  # a padded prompt leaves the layers after a drop point without its pads: compacted, and
+                # several tokens on such a model's compacted cache raise (by design); unpadded at p = 1 (or a batch's
+                # rows, each without its pads) the plain model continues
             if width > 1:
                 token = torch.cat([token, torch.randint(3, model.config.vocab_size, (rows, width - 1),
                                                         generator=torch.Generator().manual_seed(case + step))], dim=1)
