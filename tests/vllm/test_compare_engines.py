@@ -39,3 +39,21 @@ def test_tokens_and_the_first_position_where_logprobs_part(tmp_path):
 def test_without_logprobs_only_tokens_are_compared():
     result = compare_engines.parity(run([[1, 2]]), run([[1, 2]]))
     assert result["identical"] == 1 and "logprobs" not in result
+
+
+def test_throughput_points_pair_by_length_and_batch_with_the_time_outside_the_engines_span():
+    def engine(span, before, after):
+        return {"available": True, "span_s": span, "call_to_queued_s": before, "first_token_to_return_s": after}
+
+    standard = {"throughput": {"points": [
+        {"length": 8192, "batch": 1, "tokens_per_s": 100.0, "engine": engine(0.05, 0.01, 0.04)},
+        {"length": 8192, "batch": 4, "tokens_per_s": 300.0, "engine": {"available": False}}]}}
+    other = {"throughput": {"points": [
+        {"length": 8192, "batch": 4, "tokens_per_s": 150.0, "engine": {"available": False}},
+        {"length": 8192, "batch": 1, "tokens_per_s": 125.0, "engine": engine(0.04, 0.02, 0.06)},
+        {"length": 16384, "batch": 1, "tokens_per_s": 90.0}]}}  # no standard point: left out
+    rows = compare_engines.throughput(standard, other)
+    assert [(r["length"], r["batch"], r["ratio"]) for r in rows] == [(8192, 4, 0.5), (8192, 1, 1.25)]
+    assert "engine_span_ratio" not in rows[0]
+    assert rows[1]["engine_span_ratio"] == 1.25
+    assert rows[1]["call_to_queued_s"] == [0.01, 0.02] and rows[1]["first_token_to_return_s"] == [0.04, 0.06]

@@ -165,3 +165,16 @@ def test_throughput_repeats_time_fresh_prompts_and_keep_the_median_run(monkeypat
     assert len(set(seen)) == 4  # the warm-up and each repeat on prompts of their own
     assert points[0]["seconds_each"] == [3.0, 1.0, 2.0] and points[0]["seconds"] == 2.0
     assert points[0]["tokens_per_s"] == 32.0
+
+
+def test_request_metrics_split_a_wall_time_around_the_engines_span():
+    """With the caller's monotonic clock around `generate` (one clock for every process on Linux), the time before
+    the engine queued the first request and after the last first token, beside the engine's own span."""
+    metrics = [types.SimpleNamespace(queued_ts=10.0, scheduled_ts=10.5, first_token_ts=12.0),
+               types.SimpleNamespace(queued_ts=10.25, scheduled_ts=11.0, first_token_ts=13.0)]
+    outputs = [types.SimpleNamespace(metrics=m) for m in metrics]
+    engine = measure.request_metrics(outputs, called=9.5, returned=13.75)
+    assert engine["span_s"] == 2.5 and engine["per_request_prefill_s"] == [1.5, 2.0]
+    assert engine["queued_to_first_token_s"] == 3.0
+    assert engine["call_to_queued_s"] == 0.5 and engine["first_token_to_return_s"] == 0.75
+    assert "call_to_queued_s" not in measure.request_metrics(outputs)

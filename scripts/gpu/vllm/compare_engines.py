@@ -89,6 +89,9 @@ def throughput(a: dict, b: dict) -> list[dict]:
         ea, eb = q.get("engine", {}), p.get("engine", {})
         if ea.get("available") and eb.get("available"):
             row["engine_span_ratio"] = round(ea["span_s"] / eb["span_s"], 3)
+            for key in ("call_to_queued_s", "first_token_to_return_s"):  # outside the span (runs since 2026-12-05)
+                if key in ea and key in eb:
+                    row[key] = [ea[key], eb[key]]  # standard, other
         if "decode" in p and "decode" in q:
             row["decode_ms_standard"] = q["decode"].get("ms_per_token_median")
             row["decode_ms"] = p["decode"].get("ms_per_token_median")
