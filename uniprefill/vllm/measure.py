@@ -110,7 +110,7 @@ def run_throughput(llm, lengths: list[int], batches: list[int], vocab_size: int,
                 t0, called = time.perf_counter(), time.monotonic()
                 outputs = llm.generate(batch_prompts, params, use_tqdm=False)
                 runs.append((time.perf_counter() - t0, outputs, called, time.monotonic()))
-            seconds, outputs, called, returned = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]  # the median
+            seconds, outputs, called, returned = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]  # median
             engine = request_metrics(outputs, called, returned)
             point = {
                 "length": length, "batch": batch, "seconds": round(seconds, 4),

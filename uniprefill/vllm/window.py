@@ -236,10 +236,10 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     compiles them there and not at a first launch inside a CUDA-graph capture (vLLM captures its decode graphs
     after dummy forwards that run vLLM's own attention: a kernel's first launch would otherwise be captured) or
     in a first request's prefill. Every variant a step may pick: the per-row kernel on one row, on one program
-    and split over programs (`split_count`: both counts a step may get, unless the A/B aid keeps one), and the tiled kernel on 16 and 17
-    rows (Triton specialises on a row count divisible by 16), all request 0 at entry 0, with the layer's query,
-    cache and block table (the strides Triton specialises on are the real ones); only scratch outputs are
-    written. False when the forward has no metadata or the layer no cache yet (vLLM's profiling run, before it
+    and split over programs (`split_count`: both counts a step may get, unless the A/B aid keeps one), and the
+    tiled kernel on 16 and 17 rows (Triton specialises on a row count divisible by 16), all request 0 at entry 0,
+    with the layer's query, cache and block table (the strides Triton specialises on are the real ones); only
+    scratch outputs are written. False when the forward has no metadata or the layer no cache yet (vLLM's profiling run, before it
     allocates the KV cache): try again."""
     from uniprefill import env
     from uniprefill.kernels.paged_window import paged_window_attention
