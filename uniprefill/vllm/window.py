@@ -239,8 +239,8 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     and split over programs (`split_count`: both counts a step may get, unless the A/B aid keeps one), and the
     tiled kernel on 16 and 17 rows (Triton specialises on a row count divisible by 16), all request 0 at entry 0,
     with the layer's query, cache and block table (the strides Triton specialises on are the real ones); only
-    scratch outputs are written. False when the forward has no metadata or the layer no cache yet (vLLM's profiling run, before it
-    allocates the KV cache): try again."""
+    scratch outputs are written. False when the forward has no metadata or the layer no cache yet (vLLM's
+    profiling run, before it allocates the KV cache): try again."""
     from uniprefill import env
     from uniprefill.kernels.paged_window import paged_window_attention
 
