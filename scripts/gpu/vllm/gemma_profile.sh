@@ -12,7 +12,9 @@
 #   3. the side-by-side device time by kernel kind.
 # HOST=1 adds the host's side (profile_prefill.py --host: cProfile of one prefill, the top host calls).
 # OWN_PROCESS=1 times the prefills only, with the engine in its own process as vLLM runs it by default
-# (profile_prefill.py --own-process; files profile-RUN-own.*).
+# (profile_prefill.py --own-process; files profile-RUN-own.*). TRACE=1 with it adds the engine process's allocator and
+# GC counters over the timed prefills and one more prefill under vLLM's own profiler (--trace-dir /tmp/trace-RUN: the
+# traces stay on the box, their summaries go into the JSON).
 #   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS="p095 p095unsplit" SKIP_BENCH=1 bash ... OUT_DIR
 set -uo pipefail
 OUT="${1:?usage: gemma_profile.sh OUT_DIR}"
@@ -35,6 +37,7 @@ for run in ${RUNS:-standard p095}; do
   esac
   [[ "${HOST:-0}" == 1 ]] && args+=(--host)
   [[ "${OWN_PROCESS:-0}" == 1 ]] && args+=(--own-process)
+  [[ "${OWN_PROCESS:-0}" == 1 && "${TRACE:-0}" == 1 ]] && { rm -rf "/tmp/trace-$tag"; args+=(--trace-dir "/tmp/trace-$tag"); }
   start=$(date +%s)
   env "${envs[@]}" timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/profile-$tag.log" 2>&1
   echo "$tag: exit $? in $(( $(date +%s) - start )) s"

@@ -8,6 +8,7 @@ docs/results/vllm-gemma-profile-h200-2026-12-0*).
     python3 -P scripts/gpu/vllm/profile_prefill.py ... --uniprefill '{...}' --per-row-too --out $OUT/p095.json
     python3 -P scripts/gpu/vllm/profile_prefill.py --compare $OUT/std.json $OUT/p095.json
     python3 -P scripts/gpu/vllm/profile_prefill.py ... --own-process --out $OUT/p095-own.json   # walls only
+    python3 -P scripts/gpu/vllm/profile_prefill.py ... --own-process --trace-dir $OUT/trace --out $OUT/p095-own.json
 
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so torch.profiler sees the model runner's
 kernels; everything else is vLLM's defaults (as `defaults_engine.py`; with uniprefill's option a prompt of up to
@@ -18,7 +19,12 @@ the device time per kernel (top 40) and per kind (`KINDS`: the window kernel, fl
 Triton kernels, the score-and-select ops, copies, the rest), and the decode part as the difference of the two.
 `--own-process` leaves the engine in its own process, as vLLM runs it by default and the throughput grid measures
 it, and times the prefills only: on 2026-12-05 uniprefill's 32K Gemma-3-270M prefill took 88 ms in-process against
-standard's 97, but 142 against 102 ms in the grid.
+standard's 97, but 142 against 102 ms in the grid. With `--trace-dir` it then also asks the engine's own process for
+what it did around the timed prefills (`collective_rpc`, which needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 for a
+function: set here, a diagnosis run) and records one more prefill with vLLM's own profiler (`profiler_config`,
+torch, no stacks) there: the caching allocator's device mallocs, frees and retries, the garbage collector's pauses,
+and the trace's step by step summary (`trace_summary`: host time of the step, the device's busy time, the CUDA
+runtime calls that wait, by name).
 """
 
 from __future__ import annotations
@@ -95,9 +101,118 @@ def summary(times: dict[str, float]) -> dict:
             "top_kernels_ms": [[name[:160], round(us / 1e3, 3)] for name, us in top]}
 
 
+# ----------------------------------------------------------------------------- the engine's own process (--trace-dir)
+_MEMORY_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams", "num_ooms",
+                "allocated_bytes.all.peak", "reserved_bytes.all.current", "reserved_bytes.all.peak")
+
+
+def _worker_start_gc_timer(worker) -> bool:
+    """Run in the worker (collective_rpc): time every garbage collection from here on."""
+    import gc
+    import time as _time
+
+    state = {"collections": 0, "seconds": 0.0, "by_generation": [0, 0, 0], "started": None}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            state["started"] = _time.perf_counter()
+        elif state["started"] is not None:
+            state["seconds"] += _time.perf_counter() - state["started"]
+            state["collections"] += 1
+            state["by_generation"][info.get("generation", 0)] += 1
+            state["started"] = None
+
+    gc.callbacks.append(on_gc)
+    worker._uniprefill_diag_gc = state
+    return True
+
+
+def _worker_stats(worker) -> dict:
+    """Run in the worker (collective_rpc): the caching allocator's counters and the GC timer's totals."""
+    import gc
+
+    import torch as _torch
+
+    stats = _torch.cuda.memory_stats()
+    state = getattr(worker, "_uniprefill_diag_gc", None) or {}
+    return {"memory": {k: stats.get(k) for k in _MEMORY_KEYS}, "gc_counts": list(gc.get_count()),
+            "gc_frozen": gc.get_freeze_count(), "gc_collections": state.get("collections"),
+            "gc_ms": round(1e3 * state.get("seconds", 0.0), 3), "gc_by_generation": state.get("by_generation")}
+
+
+def _diff(after: dict, before: dict) -> dict:
+    """What happened between two `_worker_stats`: counter increments, the allocator's current and peak bytes after."""
+    memory = {k: (after["memory"][k] - before["memory"][k]) if k.startswith("num_") else after["memory"][k]
+              for k in _MEMORY_KEYS if after["memory"].get(k) is not None and before["memory"].get(k) is not None}
+    return {"memory": memory, "gc_collections": (after["gc_collections"] or 0) - (before["gc_collections"] or 0),
+            "gc_ms": round((after["gc_ms"] or 0) - (before["gc_ms"] or 0), 3),
+            "gc_by_generation": after["gc_by_generation"], "gc_frozen": after["gc_frozen"]}
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
+
+
+def trace_summary(path: Path, top: int = 25) -> dict:
+    """A torch.profiler chrome trace (vLLM's `profiler_config`, gzip or not), summarised: the span from the first to
+    the last event, the device's busy time (the union of kernels, copies and sets), the CUDA runtime calls by name
+    (count, host ms: the synchronising ones show where the host waits), the CPU operators by total host ms, and
+    vLLM's step annotations (`user_annotation`) with the device time inside each."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    if not events:
+        return {"file": path.name, "events": 0}
+    device = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    runtime: dict[str, list] = {}
+    ops: dict[str, list] = {}
+    for e in events:
+        table = runtime if e.get("cat") in ("cuda_runtime", "cuda_driver") else ops if e.get("cat") == "cpu_op" else None
+        if table is not None:
+            row = table.setdefault(e["name"], [0, 0.0])
+            row[0] += 1
+            row[1] += e["dur"] / 1e3
+    steps = []
+    for e in sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"]):
+        inside = [(max(a, e["ts"]), min(b, e["ts"] + e["dur"])) for a, b in device if b > e["ts"] and a < e["ts"] + e["dur"]]
+        steps.append([e["name"][:100], round(e["dur"] / 1e3, 3), round(_union_ms(inside), 3)])
+    start = min(e["ts"] for e in events)
+    end = max(e["ts"] + e["dur"] for e in events)
+    ranked = lambda table: [[k[:100], v[0], round(v[1], 3)] for k, v in sorted(table.items(), key=lambda kv: -kv[1][1])]
+    return {"file": path.name, "events": len(events), "span_ms": round((end - start) / 1e3, 3),
+            "device_busy_ms": round(_union_ms(device), 3), "device_ops": len(device),
+            "runtime_calls": ranked(runtime)[:top], "cpu_ops": ranked(ops)[:top], "annotations": steps[:200]}
+
+
+def traced_prefill(llm, run, prefill, trace_dir: Path) -> dict:
+    """One more prefill under vLLM's own profiler, in the engine's process; the new trace files summarised."""
+    before = set(trace_dir.rglob("*.json*")) if trace_dir.exists() else set()
+    llm.start_profile()
+    wall = run("traced", prefill)
+    llm.stop_profile()
+    deadline = time.time() + 120  # the worker writes its trace after stop_profile returns
+    files: list[Path] = []
+    while time.time() < deadline:
+        files = sorted(set(trace_dir.rglob("*.json*")) - before)
+        if files and all(f.stat().st_size > 0 for f in files):
+            time.sleep(2)
+            break
+        time.sleep(1)
+    return {"traced_prefill_wall_ms": round(1e3 * wall, 3), "traces": [trace_summary(f) for f in files]}
+
+
 def profile(args) -> dict:
     if not args.own_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if args.trace_dir:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function (a diagnosis run)
     import torch
     from vllm import LLM, SamplingParams
 
@@ -106,6 +221,9 @@ def profile(args) -> dict:
     kwargs: dict = {"seed": 0, "max_model_len": args.max_model_len}
     if args.uniprefill:
         kwargs["compilation_config"] = {"inductor_compile_config": {"uniprefill": json.loads(args.uniprefill)}}
+    if args.trace_dir:
+        kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": str(args.trace_dir.resolve()),
+                                     "torch_profiler_with_stack": False}
     llm = LLM(model=str(args.model_dir), tokenizer=str(args.model_dir), **kwargs)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -123,9 +241,15 @@ def profile(args) -> dict:
     def measure(tag: str) -> dict:
         for i in range(3):
             run(f"{tag}warm{i}", decode)
+        if args.trace_dir:
+            llm.collective_rpc(_worker_start_gc_timer)
+            before = llm.collective_rpc(_worker_stats)[0]
         walls = [run(f"{tag}timed{i}", prefill) for i in range(args.repeats)]
         out = {"prefill_wall_ms_median": round(1e3 * statistics.median(walls), 3),
                "prefill_wall_ms": [round(1e3 * w, 3) for w in walls]}
+        if args.trace_dir:
+            out["engine_process_during_timed"] = _diff(llm.collective_rpc(_worker_stats)[0], before)
+            out |= traced_prefill(llm, run, prefill, args.trace_dir)
         if args.own_process:  # the engine core's kernels are in another process: walls only
             return out
         if args.host:  # the host's side before any torch.profiler session (CUPTI can slow later launches)
@@ -183,8 +307,15 @@ def main(argv=None) -> int:
     parser.add_argument("--own-process", action="store_true",
                         help="the engine in its own process, as vLLM runs it by default (the throughput grid's "
                              "setting): prefill walls only, no profiles (torch.profiler sees one process)")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="with --own-process: the engine process's allocator and GC counters over the timed "
+                             "prefills, and one more prefill traced by vLLM's profiler into this folder, summarised")
+    parser.add_argument("--summarise-trace", type=Path, default=None, help="print trace_summary of one trace file")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("STANDARD", "OTHER"))
     args = parser.parse_args(argv)
+    if args.summarise_trace:
+        print(json.dumps(trace_summary(args.summarise_trace), indent=1))
+        return 0
     if args.compare:
         print(compare(*(json.loads(p.read_text()) for p in args.compare)))
         return 0
@@ -197,6 +328,12 @@ def main(argv=None) -> int:
         if one and args.own_process:
             print(label + json.dumps({"prefill_wall_ms_median": one["prefill_wall_ms_median"],
                                       "prefill_wall_ms": one["prefill_wall_ms"]}))
+            if "engine_process_during_timed" in one:
+                print(json.dumps(one["engine_process_during_timed"]))
+                for t in one["traces"]:
+                    print(json.dumps({k: t.get(k) for k in ("file", "span_ms", "device_busy_ms", "device_ops")}))
+                    print("  runtime:", json.dumps(t.get("runtime_calls", [])[:10]))
+                    print("  steps:", json.dumps(t.get("annotations", [])[:12]))
         elif one:
             print(label + json.dumps({"prefill_wall_ms_median": one["prefill_wall_ms_median"]} | {
                 part: {"device_ms": one[part]["device_ms"], "by_kind_ms": one[part]["by_kind_ms"]}
