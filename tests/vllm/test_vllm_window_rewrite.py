@@ -244,9 +244,9 @@ def test_at_p1_the_sliding_layers_after_a_drop_give_vllms_own_bits(model, monkey
     equal vLLM's): prefill and two decode steps equal the plain model's bit for bit. With the window kernel in
     their place, Gemma-3-270M at p = 1 parted from standard vLLM on 19 of 120 prompts on the H200 (2026-12-04),
     some at their first token."""
-    from uniprefill.vllm import drop as vllm_drop
+    from uniprefill.vllm import window as vllm_window
 
-    monkeypatch.setattr(vllm_drop, "paged_window_step", lambda query, output, *a: output.fill_(float("nan")))
+    monkeypatch.setattr(vllm_window, "paged_window_step", lambda query, output, *a: output.fill_(float("nan")))
     windows = {0: 24, 2: 24}
     config = UniPrefillConfig(p=1.0, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
     compiled, state = compile_with_drops(model, config, (1,), windows, graph_decode_max_reqs=4 if decode_graphs else 0)

@@ -46,8 +46,7 @@ from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
 from .graph_decode import DecodeTables, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
 
-from .window import (copy_context_tail, keep_whole_where_the_tail_does_not_fit, kernel_plan, paged_window_step,
-                     row_logical, warm_up_window_layer, window_counts)
+from .window import keep_whole_where_the_tail_does_not_fit, kernel_plan, row_logical, window_attention_step, window_counts
 from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
     DropPointRecord, DropTotals, StepDrops, WindowLayer, WindowRows,
 )
@@ -325,49 +324,9 @@ class VllmDropRuntime:
                                                      by_window[window], *plan)
 
     def window_attention(self, args: tuple, kwargs: dict, layer: int) -> None:
-        """What the rewritten graph runs instead of vLLM's attention op (`vllm_attention[layer]`,
-        args: query, key, value, output, layer name, ...) for a sliding layer after a drop
-        point: the window over original positions, from the paged cache (which the layer's KV
-        update has just written, at the right-aligned slots). Writes the output argument.
-        A forward that dropped nothing because it had no requests (vLLM's profiling and warm-up
-        runs) runs vLLM's own op on vLLM's own metadata, and compiles the window kernel for the
-        layer once (`warm_up_window_layer`: never inside a CUDA-graph capture)."""
-        query, output = args[0], args[3]
-        name = self.layer_names[layer]
-        if self.step.profiling:
-            self.vllm_attention[layer](*args, **kwargs)
-            if name not in self.windows_warmed:
-                context = self.context_fn()
-                if not _capturing_full_graph(context) and warm_up_window_layer(
-                        context, name, query, self.window_layer_fn, self.windows[name], self.config.impl):
-                    self.windows_warmed.add(name)
-            return
-        if name in self.step.vllm_windows:
-            self.vllm_attention[layer](*args, **kwargs)
-            return
-        rows = self.step.window_rows.get(name)
-        if rows is None:
-            raise RuntimeError(f"{name}: no window rows for this step (is it after a drop point?)")
-        cache = self.window_layer_fn(name)
-        if cache is None:
-            raise RuntimeError(f"{name}: the sliding layer has no KV cache (vLLM has not allocated it)")
-        if cache.window is not None and cache.window != self.windows[name]:
-            raise RuntimeError(f"{name}: the layer's sliding window is {cache.window}, the rewrite assumed "
-                               f"{self.windows[name]}")
-        pending = self.step.pending_copies.pop(name, None)
-        if pending is not None:  # this layer's KV update has run: every context entry of the step is current
-            right, group, requests, plans = pending
-            copy_context_tail(right, group, requests, self.windows[name], cache, plans)
-        if rows.vllm_rows is None:
-            paged_window_step(query, output, rows, cache, self.windows[name], self.config.impl)
-            return
-        # a decode graph: every row through both, then each row's own (a graph cannot branch per request)
-        tokens = rows.request.numel()
-        self.vllm_attention[layer](*args, **kwargs)
-        theirs = output[:tokens].clone()
-        paged_window_step(query, output, rows, cache, self.windows[name], self.config.impl)
-        mine = output[:tokens]
-        mine.copy_(torch.where(rows.vllm_rows.view(-1, *[1] * (mine.dim() - 1)), theirs, mine))
+        """What the rewritten graph runs instead of vLLM's attention op for a sliding layer after a drop point
+        (`window.window_attention_step`: the window over original positions, into the output argument)."""
+        window_attention_step(self, args, kwargs, layer)
 
     def free(self, request_id: str) -> bool:
         """Forget a finished request's drop history (False if it had none)."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from .graph_decode import _capturing_full_graph
 from .layout import TokenLayout, _ranges, _request_of_rows
 from .metadata import DropHistoryStore
 
@@ -166,6 +167,52 @@ def context_tail_slots(right: TokenLayout, group: int, requests: list[int], wind
         return None
     src, dst, rows = (torch.cat(t).to(device, non_blocking=True) for t in (src, dst, rows))
     return table[rows, src // block].long(), src % block, table[rows, dst // block].long(), dst % block
+
+
+def window_attention_step(runtime, args: tuple, kwargs: dict, layer: int) -> None:
+    """What `VllmDropRuntime.window_attention` (`runtime`) runs instead of vLLM's attention op (`vllm_attention[layer]`,
+    args: query, key, value, output, layer name, ...) for a sliding layer after a drop
+    point: the window over original positions, from the paged cache (which the layer's KV
+    update has just written, at the right-aligned slots). Writes the output argument.
+    A forward that dropped nothing because it had no requests (vLLM's profiling and warm-up
+    runs) runs vLLM's own op on vLLM's own metadata, and compiles the window kernel for the
+    layer once (`warm_up_window_layer`: never inside a CUDA-graph capture)."""
+    query, output = args[0], args[3]
+    name = runtime.layer_names[layer]
+    if runtime.step.profiling:
+        runtime.vllm_attention[layer](*args, **kwargs)
+        if name not in runtime.windows_warmed:
+            context = runtime.context_fn()
+            if not _capturing_full_graph(context) and warm_up_window_layer(
+                    context, name, query, runtime.window_layer_fn, runtime.windows[name], runtime.config.impl):
+                runtime.windows_warmed.add(name)
+        return
+    if name in runtime.step.vllm_windows:
+        runtime.vllm_attention[layer](*args, **kwargs)
+        return
+    rows = runtime.step.window_rows.get(name)
+    if rows is None:
+        raise RuntimeError(f"{name}: no window rows for this step (is it after a drop point?)")
+    cache = runtime.window_layer_fn(name)
+    if cache is None:
+        raise RuntimeError(f"{name}: the sliding layer has no KV cache (vLLM has not allocated it)")
+    if cache.window is not None and cache.window != runtime.windows[name]:
+        raise RuntimeError(f"{name}: the layer's sliding window is {cache.window}, the rewrite assumed "
+                           f"{runtime.windows[name]}")
+    pending = runtime.step.pending_copies.pop(name, None)
+    if pending is not None:  # this layer's KV update has run: every context entry of the step is current
+        right, group, requests, plans = pending
+        copy_context_tail(right, group, requests, runtime.windows[name], cache, plans)
+    if rows.vllm_rows is None:
+        paged_window_step(query, output, rows, cache, runtime.windows[name], runtime.config.impl)
+        return
+    # a decode graph: every row through both, then each row's own (a graph cannot branch per request)
+    tokens = rows.request.numel()
+    runtime.vllm_attention[layer](*args, **kwargs)
+    theirs = output[:tokens].clone()
+    paged_window_step(query, output, rows, cache, runtime.windows[name], runtime.config.impl)
+    mine = output[:tokens]
+    mine.copy_(torch.where(rows.vllm_rows.view(-1, *[1] * (mine.dim() - 1)), theirs, mine))
 
 
 TILED_MIN_ROWS = 16  # a request with fewer rows in a step runs on the per-row kernel (one program per row)
