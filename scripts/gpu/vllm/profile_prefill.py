@@ -180,9 +180,22 @@ def trace_summary(path: Path, top: int = 25) -> dict:
             row[0] += 1
             row[1] += e["dur"] / 1e3
     steps = []
+    cpu_ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (e["ts"], -e["dur"]))
     for e in sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"]):
-        inside = [(max(a, e["ts"]), min(b, e["ts"] + e["dur"])) for a, b in device if b > e["ts"] and a < e["ts"] + e["dur"]]
-        steps.append([e["name"][:100], round(e["dur"] / 1e3, 3), round(_union_ms(inside), 3)])
+        t0, t1 = e["ts"], e["ts"] + e["dur"]
+        inside = [(max(a, t0), min(b, t1)) for a, b in device if b > t0 and a < t1]
+        step = {"name": e["name"][:100], "host_ms": round(e["dur"] / 1e3, 3), "device_busy_ms": round(_union_ms(inside), 3)}
+        if e["dur"] > 5000:  # a real step: its outermost operators by name (where the host's time goes)
+            outer: dict[str, list] = {}
+            end = float("-inf")
+            for op in (op for op in cpu_ops if t0 <= op["ts"] < t1):
+                if op["ts"] >= end:
+                    end = op["ts"] + op["dur"]
+                    row = outer.setdefault(re.sub(r"CompiledFxGraph \w+", "CompiledFxGraph", op["name"])[:80], [0, 0.0])
+                    row[0] += 1
+                    row[1] += op["dur"] / 1e3
+            step["outer_ops_ms"] = [[k, v[0], round(v[1], 3)] for k, v in sorted(outer.items(), key=lambda kv: -kv[1][1])][:12]
+        steps.append(step)
     start = min(e["ts"] for e in events)
     end = max(e["ts"] + e["dur"] for e in events)
     ranked = lambda table: [[k[:100], v[0], round(v[1], 3)] for k, v in sorted(table.items(), key=lambda kv: -kv[1][1])]
@@ -333,7 +346,8 @@ def main(argv=None) -> int:
                 for t in one["traces"]:
                     print(json.dumps({k: t.get(k) for k in ("file", "span_ms", "device_busy_ms", "device_ops")}))
                     print("  runtime:", json.dumps(t.get("runtime_calls", [])[:10]))
-                    print("  steps:", json.dumps(t.get("annotations", [])[:12]))
+                    for step in t.get("annotations", [])[:8]:
+                        print("  step:", json.dumps(step))
         elif one:
             print(label + json.dumps({"prefill_wall_ms_median": one["prefill_wall_ms_median"]} | {
                 part: {"device_ms": one[part]["device_ms"], "by_kind_ms": one[part]["by_kind_ms"]}
