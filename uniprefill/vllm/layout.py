@@ -34,6 +34,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 
 from .layout_checks import (
@@ -81,7 +82,7 @@ class TokenLayout:
     @functools.cached_property
     def query_lens_cpu(self) -> torch.Tensor:
         """Host [R] (computed once: a layout is read by many steps of the drop path; do not write into it)."""
-        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+        return torch.from_numpy(np.diff(self.query_start_loc_cpu.numpy()))
 
     @property
     def logits_indices(self) -> torch.Tensor:
@@ -276,32 +277,37 @@ def compact(
             raise ValueError("kept_counts_cpu: expected host counts per request with `kept`, got None")
         counts = _host_int("kept_counts_cpu", kept_counts_cpu, 1)
         _check_shape("kept_counts_cpu", counts, (num_reqs,))
-        if kept.dim() != 1 or kept.numel() != int(counts.sum()):
-            raise ValueError(f"kept: expected a 1-D tensor of sum(kept_counts_cpu) = {int(counts.sum())} "
+        if kept.dim() != 1 or kept.numel() != int(counts.numpy().sum()):
+            raise ValueError(f"kept: expected a 1-D tensor of sum(kept_counts_cpu) = {int(counts.numpy().sum())} "
                              f"indices, got shape {tuple(kept.shape)}")
         _check_counts(counts, query_lens)
     ctx = layout.num_computed_tokens_cpu
+    # the host fields in numpy (`_offsets`' comment): views of the host tensors, new arrays wrapped without a copy
+    counts_np, ctx_np = counts.numpy(), ctx.numpy()
     if align == "right":
         if kv_removed_cpu is not None:
             raise ValueError("kv_removed_cpu: right-aligned layouts shift nothing for earlier steps; pass None")
-        removed = layout.kv_removed_cpu - (query_lens - counts)  # a gap before the kept rows
+        # a gap before the kept rows
+        removed = torch.from_numpy(layout.kv_removed_cpu.numpy() - (query_lens.numpy() - counts_np))
     elif align == "left":
         removed = layout.kv_removed_cpu if kv_removed_cpu is None else _host_int("kv_removed_cpu", kv_removed_cpu, 1)
     else:
         raise ValueError(f"align={align!r} is not one of ('left', 'right')")
     _check_shape("kv_removed_cpu", removed, (num_reqs,))
-    if align == "left" and ((removed < 0) | (removed > ctx)).any():
+    removed_np = removed.numpy()
+    if align == "left" and ((removed_np < 0) | (removed_np > ctx_np)).any():
         raise ValueError(f"kv_removed_cpu must lie in [0, num_computed_tokens]; got {removed.tolist()} "
                          f"for num_computed_tokens {ctx.tolist()}")
     if kept is not None and validate == "full":
         _check_kept_contents(layout, kept, counts)
 
     device = layout.query_start_loc.device
-    qsl_cpu = torch.zeros(num_reqs + 1, dtype=torch.long)
-    torch.cumsum(counts, 0, out=qsl_cpu[1:])
-    tokens = int(qsl_cpu[-1])
-    kv_base = ctx - removed  # KV entries before this step's first kept token
-    seq_lens_cpu = kv_base + counts
+    qsl_np = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(counts_np, out=qsl_np[1:])
+    tokens = int(qsl_np[-1])
+    kv_base_np = ctx_np - removed_np  # KV entries before this step's first kept token
+    seq_lens_np = kv_base_np + counts_np
+    qsl_cpu, kv_base, seq_lens_cpu = torch.from_numpy(qsl_np), torch.from_numpy(kv_base_np), torch.from_numpy(seq_lens_np)
     _check_blocks(layout.block_tables, layout.block_sizes, kv_base, counts)
 
     qsl = qsl_cpu.to(device, layout.query_start_loc.dtype, non_blocking=True)
@@ -327,8 +333,8 @@ def compact(
         source_index=source,
         source_size=layout.source_size,
         num_actual_tokens=tokens,
-        max_query_len=int(counts.max()) if num_reqs else 0,
-        max_seq_len=int(seq_lens_cpu.max()) if num_reqs else 0,
+        max_query_len=int(counts_np.max()) if num_reqs else 0,
+        max_seq_len=int(seq_lens_np.max()) if num_reqs else 0,
     )
 
 
@@ -337,17 +343,32 @@ def relayout_kv(layout: TokenLayout, kv_removed_cpu: torch.Tensor) -> TokenLayou
     return compact(layout, None, None, kv_removed_cpu=kv_removed_cpu)
 
 
-def _offsets(lens: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(lens.numel() + 1, dtype=torch.long)
-    torch.cumsum(lens, 0, out=out[1:])
+# Host arithmetic on a step's small host tensors runs in numpy (`.numpy()` views and `torch.from_numpy` share the
+# memory): a torch op on the host costs microseconds of dispatch each, and a small model's step is bound by the
+# host (docs/results/vllm-gemma-profile-own-h200-2026-12-05).
+def offsets_np(lens: np.ndarray) -> np.ndarray:
+    """int64 [R + 1]: 0 then the running sums of `lens`."""
+    out = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=out[1:])
     return out
 
 
+def ranges_np(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """int64: the concatenated [start, start + len) ranges, without a Python loop."""
+    lens = np.asarray(lens, dtype=np.int64)
+    offsets = offsets_np(lens)
+    shift = np.repeat(np.asarray(starts, dtype=np.int64) - offsets[:-1], lens)
+    return shift + np.arange(int(offsets[-1]), dtype=np.int64)
+
+
+def _offsets(lens: torch.Tensor) -> torch.Tensor:
+    """Host int64 [R + 1]: 0 then the running sums of host `lens`."""
+    return torch.from_numpy(offsets_np(lens.numpy()))
+
+
 def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Concatenated [start, start + len) ranges, host int64, without a Python loop."""
-    total = int(lens.sum())
-    shift = torch.repeat_interleave(starts - _offsets(lens)[:-1], lens, output_size=total)
-    return shift + torch.arange(total)
+    """Concatenated [start, start + len) ranges of host `starts` / `lens`, host int64, without a Python loop."""
+    return torch.from_numpy(ranges_np(starts.numpy(), lens.numpy()))
 
 
 def _request_of_rows(counts_cpu: torch.Tensor, tokens: int, device) -> torch.Tensor:

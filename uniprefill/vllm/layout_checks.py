@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -41,20 +42,22 @@ def _check_group(g: int, group: KVCacheGroup, num_reqs: int, tokens: int) -> Non
 
 
 def _check_counts(counts: torch.Tensor, query_lens: torch.Tensor) -> None:
-    bad = (counts < 0) | (counts > query_lens) | ((query_lens > 0) & (counts == 0))
+    c, q = counts.numpy(), query_lens.numpy()  # host tensors, read as numpy: no torch op per comparison
+    bad = (c < 0) | (c > q) | ((q > 0) & (c == 0))
     if bad.any():
-        r = int(torch.nonzero(bad)[0])
-        raise ValueError(f"kept_counts_cpu[{r}] = {int(counts[r])}: expected 1..{int(query_lens[r])} (a request keeps "
-                         f"at least its last token and at most its {int(query_lens[r])} tokens)")
+        r = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"kept_counts_cpu[{r}] = {int(c[r])}: expected 1..{int(q[r])} (a request keeps "
+                         f"at least its last token and at most its {int(q[r])} tokens)")
 
 
 def _check_blocks(tables: tuple[torch.Tensor, ...], blocks: tuple[int, ...], kv_base: torch.Tensor,
                   counts: torch.Tensor) -> None:
     """Every group's block table reaches the last KV index a request writes (one host reduction for all groups)."""
-    live = counts > 0
+    c = counts.numpy()
+    live = c > 0
     if not live.any():
         return
-    last = int((kv_base + counts - 1)[live].max())
+    last = int((kv_base.numpy() + c - 1)[live].max())
     for g, (table, block) in enumerate(zip(tables, blocks)):
         need = last // block + 1
         if need > table.shape[1]:

@@ -17,6 +17,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .layout import (  # noqa: F401  (re-exported: the plugin, the runner and tests use them from here)
@@ -228,24 +229,25 @@ class DropHistoryStore:
         self._rows[history.request_id] = row
         self._histories[history.request_id] = history
         end = history.prompt_end
-        self._prompt_end[row] = end
-        self._has[row] = True
-        self._removed[row, 0] = 0
-        for k, d in enumerate(history.drops):
-            self._removed[row, k + 1] = history.prompt_len - d.kept_len
+        # the host tables are written through numpy views (the same memory): no torch op per entry
+        self._prompt_end.numpy()[row] = end
+        self._has.numpy()[row] = True
+        self._removed.numpy()[row] = [0] + [history.prompt_len - d.kept_len for d in history.drops]
         if self.max_window:
             low = end - self.max_window
-            context = torch.arange(max(low, 0), max(low, history.context_len))
+            context = np.arange(max(low, 0), max(low, history.context_len), dtype=np.int64)
             if tail_candidates is None:
                 tail_candidates = [d.kept_positions[-self.max_window:].cpu() for d in history.drops]
             if len(tail_candidates) != len(history.drops):
                 raise ValueError(f"tail_candidates: expected {len(history.drops)} tensors (one per drop), "
                                  f"got {len(tail_candidates)}")
-            prompt = [torch.arange(max(history.context_len, low), end)] + [t.long() for t in tail_candidates]
+            prompt = [np.arange(max(history.context_len, low), end, dtype=np.int64)] + [
+                t.cpu().numpy().astype(np.int64, copy=False) for t in tail_candidates]
+            tail = self._tail.numpy()
             for c, keys in enumerate(prompt):
-                keys = torch.cat([context, keys[keys >= low]])
-                self._tail[row, c] = _ABSENT
-                self._tail[row, c, : keys.numel()] = keys
+                keys = np.concatenate([context, keys[keys >= low]])
+                tail[row, c] = _ABSENT
+                tail[row, c, : keys.size] = keys
         return row
 
     def free(self, request_id: str) -> bool:
@@ -255,10 +257,10 @@ class DropHistoryStore:
             return False
         self._version += 1
         del self._histories[request_id]
-        self._removed[row] = 0
-        self._prompt_end[row] = 0
-        self._has[row] = False
-        self._tail[row] = _ABSENT
+        self._removed.numpy()[row] = 0
+        self._prompt_end.numpy()[row] = 0
+        self._has.numpy()[row] = False
+        self._tail.numpy()[row] = _ABSENT
         self._free_rows.append(row)
         return True
 
@@ -311,12 +313,13 @@ class DropHistoryStore:
 
     def _last_kept_positions(self, layout: TokenLayout, requests: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Host copy of the last `max_window` kept positions of each request (one D2H copy)."""
-        ends = layout.query_start_loc_cpu[1:][requests]
-        take = torch.minimum(layout.query_lens_cpu[requests], torch.tensor(self.max_window))
-        offsets = torch.zeros(take.numel() + 1, dtype=torch.long)
-        torch.cumsum(take, 0, out=offsets[1:])
-        rows = torch.repeat_interleave(ends - take - offsets[:-1], take) + torch.arange(int(offsets[-1]))
-        values = layout.positions[rows.to(layout.positions.device)].cpu()
+        picked = requests.numpy()
+        ends = layout.query_start_loc_cpu.numpy()[1:][picked].astype(np.int64)
+        take = np.minimum(layout.query_lens_cpu.numpy()[picked], self.max_window).astype(np.int64)
+        offsets = np.zeros(take.size + 1, dtype=np.int64)
+        np.cumsum(take, out=offsets[1:])
+        rows = np.repeat(ends - take - offsets[:-1], take) + np.arange(int(offsets[-1]), dtype=np.int64)
+        values = layout.positions[torch.from_numpy(rows).to(layout.positions.device)].cpu()
         return values, offsets.tolist()
 
     # ---------------------------------------------------------------- decode helpers (vectorised)

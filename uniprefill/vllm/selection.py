@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from uniprefill.config import UniPrefillConfig
 
-from .layout import TokenLayout, _offsets, _ranges
+from .layout import TokenLayout, offsets_np, ranges_np
 
 
 def select_rows(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, eligible: torch.Tensor,
@@ -31,52 +32,52 @@ def select_rows(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, layo
     selected in groups of one forced-sink count (usually one group; the same groups on every
     tensor-parallel rank, which sum their block scores per call)."""
     cfg = config
-    qsl, qlen = layout.query_start_loc_cpu, layout.query_lens_cpu
-    chosen = torch.nonzero(eligible).flatten()
-    lacking = torch.clamp(cfg.sink - layout.num_computed_tokens_cpu[chosen], min=0)
+    qsl, qlen = layout.query_start_loc_cpu.numpy(), layout.query_lens_cpu.numpy()  # host arithmetic in numpy
+    eligible = eligible.numpy().astype(bool, copy=False)
+    chosen = np.flatnonzero(eligible)
+    lacking = np.maximum(cfg.sink - layout.num_computed_tokens_cpu.numpy()[chosen], 0)
     # A partial count goes up to whole blocks (the rule forces "blocks touching the first sink tokens": the
     # same blocks), capped at `sink` (a request without context keeps the config's rule exactly): so the
     # values are 0, `sink` or multiples of the block size, not every count a context length leaves
-    sinks = torch.minimum((lacking + cfg.block_size - 1) // cfg.block_size * cfg.block_size,
-                          torch.tensor(cfg.sink))
-    counts = qlen.clone()
+    sinks = np.minimum((lacking + cfg.block_size - 1) // cfg.block_size * cfg.block_size, cfg.sink)
+    counts = qlen.astype(np.int64)  # a copy
     parts = []
-    for sink in torch.unique(sinks).tolist():
+    for sink in np.unique(sinks).tolist():
         members = chosen[sinks == sink]
         rows, kept_counts = _select_group(config, q, k, qsl, qlen, members, drop_index, num_drop_points, int(sink),
                                           p_of, group)
         parts.append(rows)
         counts[members] = kept_counts
-    others = torch.nonzero(~eligible).flatten()
-    if others.numel():
-        parts.append(_ranges(qsl[:-1][others], qlen[others]).to(q.device, non_blocking=True))
+    others = np.flatnonzero(~eligible)
+    if others.size:
+        parts.append(torch.from_numpy(ranges_np(qsl[:-1][others], qlen[others])).to(q.device, non_blocking=True))
     kept = parts[0] if len(parts) == 1 else torch.sort(torch.cat(parts)).values  # requests' rows are disjoint ranges
-    return kept, counts
+    return kept, torch.from_numpy(counts)
 
 
-def _select_group(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, qsl: torch.Tensor, qlen: torch.Tensor,
-                  chosen: torch.Tensor, drop_index: int, num_drop_points: int, sink: int, p_of, group
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _select_group(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray, qlen: np.ndarray,
+                  chosen: np.ndarray, drop_index: int, num_drop_points: int, sink: int, p_of, group
+                  ) -> tuple[torch.Tensor, np.ndarray]:
     """`score_and_select` over the requests `chosen` (host indices) with `sink` forced sink tokens:
     their kept rows (device, batch row numbers) and kept counts (host)."""
     from uniprefill.kernels.api import SelectionRule, score_and_select
 
     cfg = config
     device = q.device
-    lens = qlen[chosen]
-    n_q = torch.clamp(lens, max=cfg.last_q)
-    ends = qsl[1:][chosen]
-    key_rows = _ranges(ends - lens, lens)
-    query_rows = _ranges(ends - n_q, n_q)
-    cu_k, cu_q = _offsets(lens), _offsets(n_q)
-    key_rows_d = key_rows.to(device, non_blocking=True)
+    lens = qlen[chosen].astype(np.int64)
+    n_q = np.minimum(lens, cfg.last_q)
+    ends = qsl[1:][chosen].astype(np.int64)
+    key_rows = ranges_np(ends - lens, lens)
+    query_rows = ranges_np(ends - n_q, n_q)
+    cu_k, cu_q = offsets_np(lens), offsets_np(n_q)
+    key_rows_d = torch.from_numpy(key_rows).to(device, non_blocking=True)
     rule = dataclasses.replace(SelectionRule.from_config(cfg, drop_index, num_drop_points), sink=sink)
     if rule.keep_ratio is None:  # top-p: a request may bring its own p
-        rule = dataclasses.replace(rule, p=p_of(chosen))
+        rule = dataclasses.replace(rule, p=p_of(torch.from_numpy(chosen)))
     selection = score_and_select(
-        q[query_rows.to(device, non_blocking=True)], k[key_rows_d],
-        cu_q.to(device, torch.int32), cu_k.to(device, torch.int32), int(lens.max()), rule,
-        scale=q.shape[-1] ** -0.5, impl=cfg.impl, host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()),
-        group=group,
+        q[torch.from_numpy(query_rows).to(device, non_blocking=True)], k[key_rows_d],
+        torch.from_numpy(cu_q).to(device, torch.int32), torch.from_numpy(cu_k).to(device, torch.int32),
+        int(lens.max()), rule, scale=q.shape[-1] ** -0.5, impl=cfg.impl,
+        host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()), group=group,
     )
-    return key_rows_d[selection.kept_idx], torch.tensor(selection.kept_counts, dtype=qlen.dtype)
+    return key_rows_d[selection.kept_idx], np.asarray(selection.kept_counts, dtype=np.int64)
