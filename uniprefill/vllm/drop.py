@@ -347,7 +347,8 @@ class VllmDropRuntime:
         host = torch.cat([meta.query_start_loc.long(), meta.seq_lens.long()]).cpu()  # the step's one D2H copy here
         num_reqs = meta.seq_lens.numel()
         qsl_cpu, seq_lens_cpu = host[:num_reqs + 1], host[num_reqs + 1:]
-        ctx = seq_lens_cpu - (qsl_cpu[1:] - qsl_cpu[:-1])
+        qsl_np = qsl_cpu.numpy()
+        ctx = torch.from_numpy(seq_lens_cpu.numpy() - (qsl_np[1:] - qsl_np[:-1]))
         first_layer = {}  # group -> its first layer, whose metadata stands for the group
         for layer_name, group in groups.items():
             first_layer.setdefault(group, layer_name)

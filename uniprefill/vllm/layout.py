@@ -189,15 +189,18 @@ def batch_layout(
     num_reqs = qsl_cpu.numel() - 1
     if num_reqs < 0 or int(qsl_cpu[0]) != 0:
         raise ValueError(f"query_start_loc_cpu must start at 0 and have R + 1 entries; got {qsl_cpu.tolist()[:8]}")
-    query_lens = qsl_cpu[1:] - qsl_cpu[:-1]
-    if (query_lens < 0).any():
-        raise ValueError(f"query_start_loc_cpu must not decrease; query lengths are {query_lens.tolist()}")
+    query_lens_np = np.diff(qsl_cpu.numpy())  # host arithmetic in numpy (`_offsets`' comment)
+    if (query_lens_np < 0).any():
+        raise ValueError(f"query_start_loc_cpu must not decrease; query lengths are {query_lens_np.tolist()}")
+    query_lens = torch.from_numpy(query_lens_np)
     _check_shape("query_start_loc", query_start_loc, (num_reqs + 1,))
     _check_shape("seq_lens", seq_lens, (num_reqs,))
     ctx = _host_int("num_computed_tokens_cpu", num_computed_tokens_cpu, 1)
     _check_shape("num_computed_tokens_cpu", ctx, (num_reqs,))
-    if (ctx < 0).any():
+    ctx_np = ctx.numpy()
+    if (ctx_np < 0).any():
         raise ValueError(f"num_computed_tokens_cpu must be >= 0; got {ctx.tolist()}")
+    seq_lens_np = ctx_np + query_lens_np
     if not groups:
         raise ValueError("groups: expected at least one KV-cache group, got none")
     tokens = int(qsl_cpu[-1])
@@ -216,9 +219,9 @@ def batch_layout(
         query_start_loc=query_start_loc,
         query_start_loc_cpu=qsl_cpu,
         seq_lens=seq_lens,
-        seq_lens_cpu=ctx + query_lens,
+        seq_lens_cpu=torch.from_numpy(seq_lens_np),
         num_computed_tokens_cpu=ctx,
-        kv_removed_cpu=torch.zeros(num_reqs, dtype=torch.long),
+        kv_removed_cpu=torch.from_numpy(np.zeros(num_reqs, dtype=np.int64)),
         block_tables=tuple(g.block_table for g in groups),
         block_sizes=tuple(int(g.block_size) for g in groups),
         slot_mappings=tuple(g.slot_mapping[:tokens].long() for g in groups),
@@ -226,8 +229,8 @@ def batch_layout(
         source_index=torch.arange(tokens, device=device),
         source_size=tokens,
         num_actual_tokens=tokens,
-        max_query_len=int(query_lens.max()) if num_reqs else 0,
-        max_seq_len=int((ctx + query_lens).max()) if num_reqs else 0,
+        max_query_len=int(query_lens_np.max()) if num_reqs else 0,
+        max_seq_len=int(seq_lens_np.max()) if num_reqs else 0,
     )
     if validate == "full":
         _check_batch_contents(layout)

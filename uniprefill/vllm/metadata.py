@@ -61,15 +61,17 @@ def drop_eligibility(
     prompt = _host_int("num_prompt_tokens_cpu", num_prompt_tokens_cpu, 1)
     _check_shape("num_computed_tokens_cpu", ctx, tuple(qlen.shape))
     _check_shape("num_prompt_tokens_cpu", prompt, tuple(qlen.shape))
-    reason = torch.full_like(qlen, SkipReason.ELIGIBLE)
-    reason = torch.where(qlen < min_tokens, SkipReason.SHORT, reason)
+    qlen, ctx, prompt = qlen.numpy(), ctx.numpy(), prompt.numpy()  # host arithmetic in numpy
+    reason = np.full(qlen.shape, int(SkipReason.ELIGIBLE), dtype=np.int64)
+    reason[qlen < min_tokens] = SkipReason.SHORT
     if not allow_context:
-        reason = torch.where(ctx > 0, SkipReason.HAS_CONTEXT, reason)
+        reason[ctx > 0] = SkipReason.HAS_CONTEXT
     if opted_out_cpu is not None:
         _check_shape("opted_out_cpu", opted_out_cpu, tuple(qlen.shape))
-        reason = torch.where(opted_out_cpu.to(torch.bool), SkipReason.OPTED_OUT, reason)
-    reason = torch.where(ctx + qlen < prompt, SkipReason.PARTIAL_CHUNK, reason)
-    return torch.where(ctx >= prompt, SkipReason.DECODE, reason)
+        reason[opted_out_cpu.cpu().numpy().astype(bool)] = SkipReason.OPTED_OUT
+    reason[ctx + qlen < prompt] = SkipReason.PARTIAL_CHUNK
+    reason[ctx >= prompt] = SkipReason.DECODE
+    return torch.from_numpy(reason)
 
 
 # ----------------------------------------------------------------------------- windows
