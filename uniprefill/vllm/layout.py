@@ -189,7 +189,7 @@ def batch_layout(
     num_reqs = qsl_cpu.numel() - 1
     if num_reqs < 0 or int(qsl_cpu[0]) != 0:
         raise ValueError(f"query_start_loc_cpu must start at 0 and have R + 1 entries; got {qsl_cpu.tolist()[:8]}")
-    query_lens_np = np.diff(qsl_cpu.numpy())  # host arithmetic in numpy (`_offsets`' comment)
+    query_lens_np = np.diff(qsl_cpu.numpy())  # host arithmetic in numpy (the comment above `offsets_np`)
     if (query_lens_np < 0).any():
         raise ValueError(f"query_start_loc_cpu must not decrease; query lengths are {query_lens_np.tolist()}")
     query_lens = torch.from_numpy(query_lens_np)
@@ -285,7 +285,7 @@ def compact(
                              f"indices, got shape {tuple(kept.shape)}")
         _check_counts(counts, query_lens)
     ctx = layout.num_computed_tokens_cpu
-    # the host fields in numpy (`_offsets`' comment): views of the host tensors, new arrays wrapped without a copy
+    # the host fields in numpy (the comment above `offsets_np`): views of the host tensors, new arrays wrapped without a copy
     counts_np, ctx_np = counts.numpy(), ctx.numpy()
     if align == "right":
         if kv_removed_cpu is not None:
@@ -362,11 +362,6 @@ def ranges_np(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     offsets = offsets_np(lens)
     shift = np.repeat(np.asarray(starts, dtype=np.int64) - offsets[:-1], lens)
     return shift + np.arange(int(offsets[-1]), dtype=np.int64)
-
-
-def _offsets(lens: torch.Tensor) -> torch.Tensor:
-    """Host int64 [R + 1]: 0 then the running sums of host `lens`."""
-    return torch.from_numpy(offsets_np(lens.numpy()))
 
 
 def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
