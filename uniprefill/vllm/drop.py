@@ -46,7 +46,8 @@ from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
 from .graph_decode import DecodeTables, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
 
-from .window import keep_whole_where_the_tail_does_not_fit, kernel_plan, row_logical, window_attention_step, window_counts
+from .window import (keep_whole_where_the_tail_does_not_fit, kernel_plan, row_logical, window_attention_step,
+                     window_counts)
 from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
     DropPointRecord, DropTotals, StepDrops, WindowLayer, WindowRows,
 )

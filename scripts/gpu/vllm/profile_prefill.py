@@ -174,7 +174,8 @@ def trace_summary(path: Path, top: int = 25) -> dict:
     runtime: dict[str, list] = {}
     ops: dict[str, list] = {}
     for e in events:
-        table = runtime if e.get("cat") in ("cuda_runtime", "cuda_driver") else ops if e.get("cat") == "cpu_op" else None
+        cat = e.get("cat")
+        table = runtime if cat in ("cuda_runtime", "cuda_driver") else ops if cat == "cpu_op" else None
         if table is not None:
             row = table.setdefault(e["name"], [0, 0.0])
             row[0] += 1
@@ -184,7 +185,8 @@ def trace_summary(path: Path, top: int = 25) -> dict:
     for e in sorted((e for e in events if e.get("cat") == "user_annotation"), key=lambda e: e["ts"]):
         t0, t1 = e["ts"], e["ts"] + e["dur"]
         inside = [(max(a, t0), min(b, t1)) for a, b in device if b > t0 and a < t1]
-        step = {"name": e["name"][:100], "host_ms": round(e["dur"] / 1e3, 3), "device_busy_ms": round(_union_ms(inside), 3)}
+        step = {"name": e["name"][:100], "host_ms": round(e["dur"] / 1e3, 3),
+                "device_busy_ms": round(_union_ms(inside), 3)}
         if e["dur"] > 5000:  # a real step: its outermost operators by name (where the host's time goes)
             outer: dict[str, list] = {}
             end = float("-inf")
@@ -194,7 +196,8 @@ def trace_summary(path: Path, top: int = 25) -> dict:
                     row = outer.setdefault(re.sub(r"CompiledFxGraph \w+", "CompiledFxGraph", op["name"])[:80], [0, 0.0])
                     row[0] += 1
                     row[1] += op["dur"] / 1e3
-            step["outer_ops_ms"] = [[k, v[0], round(v[1], 3)] for k, v in sorted(outer.items(), key=lambda kv: -kv[1][1])][:12]
+            by_time = sorted(outer.items(), key=lambda kv: -kv[1][1])[:12]
+            step["outer_ops_ms"] = [[k, v[0], round(v[1], 3)] for k, v in by_time]
         steps.append(step)
     start = min(e["ts"] for e in events)
     end = max(e["ts"] + e["dur"] for e in events)
