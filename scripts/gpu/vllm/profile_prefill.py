@@ -135,8 +135,7 @@ def _worker_stats(worker) -> dict:
 
     stats = _torch.cuda.memory_stats()
     state = getattr(worker, "_uniprefill_diag_gc", None) or {}
-    return {"memory": {k: stats.get(k) for k in _MEMORY_KEYS}, "gc_counts": list(gc.get_count()),
-            "gc_frozen": gc.get_freeze_count(), "gc_collections": state.get("collections"),
+    return {"memory": {k: stats.get(k) for k in _MEMORY_KEYS}, "gc_frozen": gc.get_freeze_count(), "gc_collections": state.get("collections"),
             "gc_ms": round(1e3 * state.get("seconds", 0.0), 3), "gc_by_generation": state.get("by_generation")}
 
 
