@@ -8,7 +8,10 @@ tests with Gemma-3-270M's layout: 18 attention layers in 6 KV-cache groups of 3 
 5, 11, 17 one group, the sliding ones five), window 512, blocks of 16, p = 0.95. It counts what
 would cost host time on a GPU, per step:
 
-* aten ops dispatched (each a kernel launch or a host op on the GPU),
+* aten ops dispatched (each a kernel launch or a host op on the GPU); host-to-device copies are not among them
+  (on the CPU `.to(device)` dispatches nothing): the layouts make one per dtype (`vllm.host_arrays._to_device`),
+* calls of the row-layout kernels (`kernels.layout_rows`, one launch each on a GPU; their PyTorch references run
+  here and are not counted as ops),
 * ops that read a value back to the host (`item`, `tolist`, `bool` of a tensor, `nonzero`: a
   device sync on the GPU; here every tensor is on the CPU, so this counts the calls that WOULD
   sync if their input lived on the device, host-side `_cpu` tensors included: an upper bound),
@@ -62,9 +65,40 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def runtime_ops(self) -> int:
-        """Ops of uniprefill's own code: not the PyTorch references of the score kernels (Triton on a GPU)."""
+        """Ops of uniprefill's own code: not the PyTorch references of the kernels (Triton on a GPU, where each call
+        of a row kernel is one launch: `row_kernel_calls`)."""
         return sum(n for site, n in self.sites.items()
                    if site.startswith("uniprefill/") and not site.startswith("uniprefill/kernels/"))
+
+
+class RowKernelCalls:
+    """Counts the runtime's calls of the row-layout kernels (`kernels.layout_rows`: one launch each on a GPU for up
+    to 8 KV-cache groups; their PyTorch references run here and are not counted as runtime ops)."""
+
+    def __init__(self) -> None:
+        import uniprefill.vllm.layout as layout
+        import uniprefill.vllm.window as window
+
+        # (an older tree without them, benched against: nothing to count)
+        self.targets = [(m, name) for m, name in ((layout, "layout_rows"), (window, "row_window_counts"))
+                        if hasattr(m, name)]
+        self.calls = 0
+
+    def __enter__(self):
+        self.saved = [getattr(module, name) for module, name in self.targets]
+        for (module, name), real in zip(self.targets, self.saved):
+            setattr(module, name, self._counted(real))
+        return self
+
+    def _counted(self, real):
+        def run(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+        return run
+
+    def __exit__(self, *exc) -> None:
+        for (module, name), real in zip(self.targets, self.saved):
+            setattr(module, name, real)
 
 
 def one_step(length: int, batch: int, seed: int = 0):
@@ -136,7 +170,7 @@ def measure(length: int, batch: int, repeats: int) -> dict:
     run()  # first use: lazy imports, caches
     prepare()
     counter = OpCounter()
-    with counter:
+    with counter, RowKernelCalls() as row_kernels:
         kept = run()
     prepare()
     profile = cProfile.Profile()
@@ -159,7 +193,8 @@ def measure(length: int, batch: int, repeats: int) -> dict:
             own.append(time.perf_counter() - start)
     ops = counter.ops
     return {"length": length, "batch": batch, "kept": kept, "ops": sum(ops.values()),
-            "runtime_ops": counter.runtime_ops(), "read_back": sum(n for f, n in ops.items() if f in READ_BACK),
+            "runtime_ops": counter.runtime_ops(), "row_kernels": row_kernels.calls,
+            "read_back": sum(n for f, n in ops.items() if f in READ_BACK),
             "python_calls": calls, "ms": 1e3 * statistics.median(times),
             "own_ms": 1e3 * statistics.median(own[1:]), "top": counter.sites.most_common(15)}
 
@@ -174,12 +209,13 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}; Gemma-3-270M layout: {LAYERS} layers, {GROUPS} KV-cache groups, drops at "
           f"{DROPS}, window {WINDOW}, p = 0.95; per prefill step (both drop points)")
-    print("length  batch  rows kept  aten ops  of uniprefill's code  read-backs  python calls  CPU ms  of which "
-          "the runtime's (medians)")
+    print("length  batch  rows kept  aten ops  of uniprefill's code  row kernels  read-backs  python calls  CPU ms  "
+          "of which the runtime's (medians)")
     for length in (int(x) for x in args.lengths.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
             r = measure(length, batch, args.repeats)
-            print(f"{length:6d}  {batch:5d}  {r['kept']:9d}  {r['ops']:8d}  {r['runtime_ops']:20d}  {r['read_back']:10d}  "
+            print(f"{length:6d}  {batch:5d}  {r['kept']:9d}  {r['ops']:8d}  {r['runtime_ops']:20d}  "
+                  f"{r['row_kernels']:11d}  {r['read_back']:10d}  "
                   f"{r['python_calls']:12d}  {r['ms']:6.1f}  {r['own_ms']:6.2f}")
             if args.top:
                 print("    " + ", ".join(f"{f} {n}" for f, n in r["top"]))

@@ -12,11 +12,12 @@ import importlib.util
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_drop_host.py"
-# uniprefill's own ops for both drop points of one step of one request, Gemma-3-270M's layout (394 on torch 2.13
-# at the time of writing, with the host arithmetic in numpy; 680 before that, 936 before the checks, layout fields
-# and slot mappings were computed once or only where read). The H200 trace of 2026-12-05
+# uniprefill's own ops for both drop points of one step of one request, Gemma-3-270M's layout, and the calls of the
+# row-layout kernels (one launch each on a GPU): 251 + 7 on torch 2.13 at the time of writing, with the layouts'
+# rows in those kernels; 394 before that, with the host arithmetic in numpy; 680 before that, 936 before the
+# checks, layout fields and slot mappings were computed once or only where read. The H200 trace of 2026-12-05
 # (docs/results/vllm-gemma-profile-own-h200-2026-12-05) put each op at 17-20 us of a host-bound step.
-RUNTIME_OPS_BUDGET = 450
+RUNTIME_OPS_BUDGET = 300
 
 
 def _bench():
@@ -32,4 +33,5 @@ def test_the_drop_points_host_ops_do_not_grow_with_the_prompt_and_stay_in_budget
     assert 0 < short["kept"] < 2048 and 0 < long["kept"] < 8192  # both steps dropped
     # a few branches depend on the data (which requests' tails fit, ...), none on the length
     assert abs(short["runtime_ops"] - long["runtime_ops"]) <= 16, (short["top"], long["top"])
-    assert long["runtime_ops"] <= RUNTIME_OPS_BUDGET, long["top"]
+    assert long["runtime_ops"] + long["row_kernels"] <= RUNTIME_OPS_BUDGET, long["top"]
+    assert long["row_kernels"] == 7  # vLLM's batch once; per drop point the left and right layouts, the window counts

@@ -207,3 +207,32 @@ def test_decode_down_the_full_graph_path_equals_eager_decode_on_random_cases(gro
         for n, (want, got) in enumerate(zip(eager, graphed)):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
                                        msg=f"case {seed} {decode_scenario(seed)}, decode step {n}")
+
+
+@pytest.mark.parametrize("group", [0, 1])
+def test_the_row_kernels_on_triton_equal_their_reference_through_random_multi_step_cases(monkeypatch, group):
+    """The layouts' rows, slots and window counts from the Triton kernels (`kernels.layout_rows`, what runs on a
+    GPU; Triton's interpreter here) instead of their PyTorch reference, through whole multi-step cases (prompts that
+    drop, last chunks with context, sliding layers, eager decode): every decode output equal, bit for bit."""
+    import uniprefill.vllm.drop as drop_module
+
+    real = drop_module.batch_layout
+    reference = {seed: run_decode_scenario(seed, decode_graphs=False) for seed in range(700 + group * 3,
+                                                                                        703 + group * 3)}
+    monkeypatch.setattr(drop_module, "batch_layout", lambda *a, **kw: real(*a, **{**kw, "impl": "triton"}))
+    from uniprefill.kernels.layout_rows import kernel as triton_kernels
+
+    launches = {"layout_rows_triton": 0, "window_counts_triton": 0}
+    for name in launches:
+        def counted(*a, _real=getattr(triton_kernels, name), _name=name, **kw):
+            launches[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(triton_kernels, name, counted)
+    dropped = 0
+    for seed, (want, totals) in reference.items():
+        got, got_totals = run_decode_scenario(seed, decode_graphs=False)
+        assert got_totals.requests_dropped == totals.requests_dropped
+        dropped += totals.requests_dropped
+        for n, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"case {seed} {decode_scenario(seed)}, decode step {n}"
+    assert dropped and all(launches.values()), launches  # the cases drop, with sliding layers; Triton ran

@@ -77,11 +77,11 @@ class FakeBatch:
             out.append(out[-1] + q)
         return out
 
-    def layout(self, validate="full"):
+    def layout(self, validate="full", impl="auto"):
         qsl = torch.tensor(self.qsl)
         groups = [KVCacheGroup(t, b, s) for t, b, s in zip(self.tables, self.block_sizes, self.slot_mappings)]
         return batch_layout(qsl.to(torch.int32), qsl, torch.tensor([c + q for c, q in zip(self.ctx, self.query_lens)],
-                            dtype=torch.int32), torch.tensor(self.ctx), groups, validate=validate)
+                            dtype=torch.int32), torch.tensor(self.ctx), groups, validate=validate, impl=impl)
 
     def common_metadata(self, group: int = 0) -> FakeCommonAttentionMetadata:
         qsl = torch.tensor(self.qsl, dtype=torch.int32)
@@ -173,12 +173,13 @@ BATCHES = {
 }
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])  # the row kernels (`kernels.layout_rows`; Triton interpreted)
 @pytest.mark.parametrize("block_sizes", [(16,), (1,), (64,), (16, 32)], ids=lambda b: "B" + "+".join(map(str, b)))
 @pytest.mark.parametrize("name", sorted(BATCHES))
-def test_compact_matches_brute_force(name, block_sizes):
+def test_compact_matches_brute_force(name, block_sizes, impl):
     query_lens, ctx, droppers = BATCHES[name]
     batch = make_batch(query_lens, ctx, block_sizes, seed=len(name), pad=5)
-    layout = batch.layout()
+    layout = batch.layout(impl=impl)
     kept, counts = random_drop(batch, droppers, seed=1)
     out = compact(layout, torch.tensor(kept), torch.tensor(counts), validate="full")
     assert_matches(out, reference_compact(batch, kept))
@@ -244,14 +245,15 @@ def test_two_drop_points_compose():
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_mixed_steps_two_drop_points(seed):
-    """Random ragged steps: prefills, decodes with and without history, chunks with context."""
+    """Random ragged steps: prefills, decodes with and without history, chunks with context; the row kernels on
+    the reference (even seeds) and on Triton (odd seeds, interpreted)."""
     rng = random.Random(seed)
     num_reqs = rng.randint(1, 6)
     query_lens = [rng.choice([1, 1, rng.randint(2, 40), rng.randint(100, 300)]) for _ in range(num_reqs)]
     ctx = [rng.choice([0, rng.randint(1, 200)]) for _ in range(num_reqs)]
     block_sizes = tuple(rng.sample([1, 8, 16, 32], rng.randint(1, 2)))
     batch = make_batch(query_lens, ctx, block_sizes, seed=seed, pad=rng.randint(0, 8))
-    layout = batch.layout()
+    layout = batch.layout(impl=("torch", "triton")[seed % 2])
     droppers = {r for r in range(num_reqs) if query_lens[r] > 1 and rng.random() < 0.7}
     removed = [rng.randint(0, c) if query_lens[r] == 1 else 0 for r, c in enumerate(ctx)]
     kept1, counts1 = random_drop(batch, droppers, seed=seed, keep=rng.random())
@@ -862,21 +864,24 @@ def test_the_former_environment_switches_are_config_fields_now(monkeypatch):
     assert UniPrefillConfig().stable_hash() != UniPrefillConfig(vllm_drop=True).stable_hash()
 
 
-def test_the_slots_of_many_kv_cache_groups_in_one_gather_equal_each_groups_own():
-    """`_group_slots` gathers the groups of one block size and table shape together (Gemma-3-270M: 6 groups); a
-    group of another block size or table shape on its own; each equals `_slots` of that group."""
-    from uniprefill.vllm.layout import _group_slots, _slots
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_the_slots_of_many_kv_cache_groups_equal_each_groups_own(impl):
+    """`compact` computes the slots of every group of one block size in one row kernel (`kernels.layout_rows`: up to
+    8 tables a launch; Gemma-3-270M has 6 groups): 10 groups of two block sizes and table widths, each group's slots
+    equal `_slots` of that group's table at each row's request and logical index, and the brute force's."""
+    from uniprefill.vllm.layout import _slots
 
-    gen = torch.Generator().manual_seed(0)
-    tables = tuple(torch.randint(0, 100, (4, 10), generator=gen, dtype=torch.int32) for _ in range(4))
-    tables += (torch.randint(0, 100, (4, 5), generator=gen, dtype=torch.int32),
-               torch.randint(0, 100, (4, 12), generator=gen, dtype=torch.int32))
-    blocks = (16, 16, 16, 16, 32, 16)
-    request, logical = torch.tensor([0, 0, 1, 2, 3, 3]), torch.tensor([0, 17, 40, 100, 150, 159])
-    got = _group_slots(tables, blocks, request, logical)
-    assert len(got) == len(tables)
-    for g, (table, block) in enumerate(zip(tables, blocks)):
-        assert torch.equal(got[g], _slots(table, block, request, logical)), g
+    block_sizes = (16, 16, 32, 16, 16, 16, 32, 16, 16, 16)
+    batch = make_batch([40, 1, 77, 20], [0, 300, 12, 64], block_sizes, seed=9, extra_blocks=3)
+    batch.tables[3] = torch.cat([batch.tables[3], batch.tables[3]], dim=1)  # a wider table
+    layout = batch.layout(impl=impl)
+    kept, counts = random_drop(batch, {0, 2}, seed=4)
+    for removed in (None, [0, 120, 0, 0]):
+        out = compact(layout, torch.tensor(kept), torch.tensor(counts), validate="full",
+                      kv_removed_cpu=None if removed is None else torch.tensor(removed))
+        for g, (table, block) in enumerate(zip(batch.tables, block_sizes)):
+            assert torch.equal(out.slot_mapping(g), _slots(table, block, out.row_request, out.row_logical)), g
+        assert_matches(out, reference_compact(batch, kept, removed))
 
 
 def test_compact_computes_the_slot_mappings_of_the_groups_asked_for_only():

@@ -57,8 +57,9 @@ def _history(request_id, prompt_len, seed):
     return RequestDropHistory(request_id, 0, prompt_len, tuple(drops))
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])  # the dropping rows' counts: `kernels.layout_rows.window_counts`
 @pytest.mark.parametrize("window", [1, 8, 40])
-def test_window_counts_match_the_position_rule(window):
+def test_window_counts_match_the_position_rule(window, impl):
     """A step mixing a dropping prefill, a decode with a drop history, a decode without one and
     a chunked prefill with context: each row's count = keys of its layer within the window."""
     store = DropHistoryStore(DROPS, LAYERS, max_window=64)
@@ -67,7 +68,7 @@ def test_window_counts_match_the_position_rule(window):
     query_lens, ctx = [120, 1, 1, 20], [0, 150 + 4, 90, 64]  # "h" decodes its 5th token
     batch = make_batch(query_lens, ctx)
     kept, counts = random_drop(batch, droppers={0}, seed=5, keep=0.3)
-    right = compact(batch.layout(), torch.tensor(kept), torch.tensor(counts), align="right")
+    right = compact(batch.layout(impl=impl), torch.tensor(kept), torch.tensor(counts), align="right")
     dropping = torch.tensor([True, False, False, False])
     history_rows = torch.tensor([0, row_h, 0, 0])
     layer = 2  # holds drop 0's kept tokens

@@ -281,9 +281,12 @@ class VllmDropRuntime:
                          min_tokens=cfg.effective_min_tokens, max_seqlen=self.warm_up_max_seqlen, p=cfg.p,
                          keep_ratio=cfg.keep_ratio_at(drop_index, len(self.drop_layers)), impl=cfg.impl,
                          selection=cfg.selection)
+        from uniprefill.kernels.layout_rows import warm_up as warm_up_layout_rows
+
+        rows = warm_up_layout_rows(q.device, cfg.impl)  # the layouts' row kernels (`vllm.layout`, `vllm.window`)
         self.totals.kernel_warm_ups += 1
         logger.info("uniprefill: compiled the score-and-select kernels before serving (prompts up to %d tokens): "
-                    "%s", self.warm_up_max_seqlen, ran)
+                    "%s; the row-layout kernels: %d launches", self.warm_up_max_seqlen, ran, rows)
 
     def _note_forward_without_requests(self) -> None:
         """A forward with attention metadata but no request ids is a dummy run, or a model
@@ -319,8 +322,8 @@ class VllmDropRuntime:
         for name in names:
             window = self.windows[name]
             if window not in by_window:
-                by_window[window] = window_counts(right, window, eligible, self.store, self.step.history_rows, layer + 1,
-                                                  request)
+                by_window[window] = window_counts(right, window, eligible, self.store, self.step.history_rows,
+                                                  layer + 1)
             self.step.window_rows[name] = WindowRows(right.block_tables[groups[name]], request, logical,
                                                      by_window[window], *plan)
 
@@ -359,7 +362,7 @@ class VllmDropRuntime:
             group_meta = context.attn_metadata[layer_name]
             kv_groups.append(KVCacheGroup(group_meta.block_table, self.block_size_fn(layer_name),
                                           group_meta.slot_mapping))
-        return batch_layout(meta.query_start_loc, qsl_cpu, meta.seq_lens, ctx, kv_groups)
+        return batch_layout(meta.query_start_loc, qsl_cpu, meta.seq_lens, ctx, kv_groups, impl=self.config.impl)
 
     def _reasons(self, layout: TokenLayout) -> torch.Tensor:
         qlen, ctx = layout.query_lens_cpu, layout.num_computed_tokens_cpu

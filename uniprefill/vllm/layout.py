@@ -37,6 +37,9 @@ from typing import Literal
 import numpy as np
 import torch
 
+from uniprefill.kernels.layout_rows import layout_rows
+
+from .host_arrays import _ranges, _to_device, offsets_np, ranges_np  # noqa: F401  (re-exported)
 from .layout_checks import (
     _host_int, _check_shape, _check_group, _check_counts, _check_blocks, _check_kept_contents, _check_batch_contents,
 )
@@ -74,6 +77,9 @@ class TokenLayout:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
+    row_request: torch.Tensor  # [T] int64, device: each row's request
+    row_logical: torch.Tensor  # [T] int64, device: each row's logical KV index (kv_base + its index in its request)
+    impl: str = "auto"  # the row kernels' implementation (`kernels.layout_rows`; `compact` passes it on)
 
     @property
     def num_reqs(self) -> int:
@@ -183,16 +189,17 @@ def batch_layout(
     groups: Sequence[KVCacheGroup],
     positions: torch.Tensor | None = None,
     validate: Validate = "shapes",
+    impl: str = "auto",
 ) -> TokenLayout:
-    """The layout vLLM built for this step (before any drop point)."""
+    """The layout vLLM built for this step (before any drop point); `impl`: its row kernels' and its compactions'
+    (`kernels.layout_rows`)."""
     qsl_cpu = _host_int("query_start_loc_cpu", query_start_loc_cpu, 1)
     num_reqs = qsl_cpu.numel() - 1
     if num_reqs < 0 or int(qsl_cpu[0]) != 0:
         raise ValueError(f"query_start_loc_cpu must start at 0 and have R + 1 entries; got {qsl_cpu.tolist()[:8]}")
-    query_lens_np = np.diff(qsl_cpu.numpy())  # host arithmetic in numpy (the comment above `offsets_np`)
+    query_lens_np = np.diff(qsl_cpu.numpy())  # host arithmetic in numpy (`host_arrays`)
     if (query_lens_np < 0).any():
         raise ValueError(f"query_start_loc_cpu must not decrease; query lengths are {query_lens_np.tolist()}")
-    query_lens = torch.from_numpy(query_lens_np)
     _check_shape("query_start_loc", query_start_loc, (num_reqs + 1,))
     _check_shape("seq_lens", seq_lens, (num_reqs,))
     ctx = _host_int("num_computed_tokens_cpu", num_computed_tokens_cpu, 1)
@@ -207,14 +214,15 @@ def batch_layout(
     device = query_start_loc.device
     for g, group in enumerate(groups):
         _check_group(g, group, num_reqs, tokens)
+    if positions is not None and (positions.dim() != 1 or positions.shape[0] < tokens):
+        raise ValueError(f"positions: expected shape ({tokens},) (one per token, 1-D), got {tuple(positions.shape)}")
+    ctx_d, = _to_device([ctx_np], [query_start_loc.dtype], device)  # the logical index of a row is its position
+    rows_pos, rows_src, request, logical, _ = layout_rows(query_start_loc, ctx_d, (), 1, tokens,
+                                                         positions=positions, impl=impl)
     if positions is None:
-        request = _request_of_rows(query_lens, tokens, device)
-        positions = ctx.to(device, non_blocking=True)[request] + (
-            torch.arange(tokens, device=device) - query_start_loc.long()[request])
+        positions, source = rows_pos, rows_src
     else:
-        if positions.dim() != 1 or positions.shape[0] < tokens:
-            raise ValueError(f"positions: expected shape ({tokens},) (one per token, 1-D), got {tuple(positions.shape)}")
-        positions = positions[:tokens].long()
+        positions, source = positions[:tokens].long(), torch.arange(tokens, device=device)
     layout = TokenLayout(
         query_start_loc=query_start_loc,
         query_start_loc_cpu=qsl_cpu,
@@ -226,11 +234,14 @@ def batch_layout(
         block_sizes=tuple(int(g.block_size) for g in groups),
         slot_mappings=tuple(g.slot_mapping[:tokens].long() for g in groups),
         positions=positions,
-        source_index=torch.arange(tokens, device=device),
+        source_index=source,
         source_size=tokens,
         num_actual_tokens=tokens,
         max_query_len=int(query_lens_np.max()) if num_reqs else 0,
         max_seq_len=int(seq_lens_np.max()) if num_reqs else 0,
+        row_request=request,
+        row_logical=logical,
+        impl=impl,
     )
     if validate == "full":
         _check_batch_contents(layout)
@@ -285,7 +296,7 @@ def compact(
                              f"indices, got shape {tuple(kept.shape)}")
         _check_counts(counts, query_lens)
     ctx = layout.num_computed_tokens_cpu
-    # the host fields in numpy (the comment above `offsets_np`): views of the host tensors, new arrays wrapped without a copy
+    # the host fields in numpy (`host_arrays`): views of the host tensors, new arrays wrapped without a copy
     counts_np, ctx_np = counts.numpy(), ctx.numpy()
     if align == "right":
         if kv_removed_cpu is not None:
@@ -313,60 +324,51 @@ def compact(
     qsl_cpu, kv_base, seq_lens_cpu = torch.from_numpy(qsl_np), torch.from_numpy(kv_base_np), torch.from_numpy(seq_lens_np)
     _check_blocks(layout.block_tables, layout.block_sizes, kv_base, counts)
 
-    qsl = qsl_cpu.to(device, layout.query_start_loc.dtype, non_blocking=True)
-    request = _request_of_rows(counts, tokens, device)
-    logical = kv_base.to(device, non_blocking=True)[request] + (torch.arange(tokens, device=device) - qsl.long()[request])
-    slots = _group_slots(layout.block_tables, layout.block_sizes, request, logical, slot_groups)
+    # the new per-request fields in one host-to-device copy, the rows in one kernel per block size
+    qsl, kv_base_d, seq_lens = _to_device([qsl_np, kv_base_np, seq_lens_np],
+                                          [layout.query_start_loc.dtype, layout.query_start_loc.dtype,
+                                           layout.seq_lens.dtype], device)
+    by_block: dict[int, list[int]] = {}
+    for g, block in enumerate(layout.block_sizes):
+        if slot_groups is None or g in slot_groups:
+            by_block.setdefault(block, []).append(g)
+    slots: list[torch.Tensor | None] = [None] * len(layout.block_sizes)
+    gather = {} if kept is None else {"kept": kept, "source": layout.source_index}
+    positions = source = None
+    for block, groups in (by_block.items() or [(1, [])]):  # no group wanted: the rows still
+        pos, src, request, logical, group_slots = layout_rows(
+            qsl, kv_base_d, [layout.block_tables[g] for g in groups], block, tokens, positions=layout.positions,
+            impl=layout.impl, **gather)
+        positions, source = (positions, source) if positions is not None else (pos, src)
+        for g, s in zip(groups, group_slots):
+            slots[g] = s
     if kept is None:
         positions, source = layout.positions, layout.source_index
-    else:
-        kept = kept.long()
-        positions, source = layout.positions[kept], layout.source_index[kept]
     return TokenLayout(
         query_start_loc=qsl,
         query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_lens_cpu.to(device, layout.seq_lens.dtype, non_blocking=True),
+        seq_lens=seq_lens,
         seq_lens_cpu=seq_lens_cpu,
         num_computed_tokens_cpu=ctx,
         kv_removed_cpu=removed,
         block_tables=layout.block_tables,
         block_sizes=layout.block_sizes,
-        slot_mappings=slots,
+        slot_mappings=tuple(slots),
         positions=positions,
         source_index=source,
         source_size=layout.source_size,
         num_actual_tokens=tokens,
         max_query_len=int(counts_np.max()) if num_reqs else 0,
         max_seq_len=int(seq_lens_np.max()) if num_reqs else 0,
+        row_request=request,
+        row_logical=logical,
+        impl=layout.impl,
     )
 
 
 def relayout_kv(layout: TokenLayout, kv_removed_cpu: torch.Tensor) -> TokenLayout:
     """Same rows, KV shifted for requests whose earlier prefill dropped (decode steps)."""
     return compact(layout, None, None, kv_removed_cpu=kv_removed_cpu)
-
-
-# Host arithmetic on a step's small host tensors runs in numpy (`.numpy()` views and `torch.from_numpy` share the
-# memory): a torch op on the host costs microseconds of dispatch each, and a small model's step is bound by the
-# host (docs/results/vllm-gemma-profile-own-h200-2026-12-05).
-def offsets_np(lens: np.ndarray) -> np.ndarray:
-    """int64 [R + 1]: 0 then the running sums of `lens`."""
-    out = np.zeros(len(lens) + 1, dtype=np.int64)
-    np.cumsum(lens, out=out[1:])
-    return out
-
-
-def ranges_np(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """int64: the concatenated [start, start + len) ranges, without a Python loop."""
-    lens = np.asarray(lens, dtype=np.int64)
-    offsets = offsets_np(lens)
-    shift = np.repeat(np.asarray(starts, dtype=np.int64) - offsets[:-1], lens)
-    return shift + np.arange(int(offsets[-1]), dtype=np.int64)
-
-
-def _ranges(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Concatenated [start, start + len) ranges of host `starts` / `lens`, host int64, without a Python loop."""
-    return torch.from_numpy(ranges_np(starts.numpy(), lens.numpy()))
 
 
 def _request_of_rows(counts_cpu: torch.Tensor, tokens: int, device) -> torch.Tensor:
@@ -376,25 +378,3 @@ def _request_of_rows(counts_cpu: torch.Tensor, tokens: int, device) -> torch.Ten
 
 def _slots(table: torch.Tensor, block: int, request: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:
     return table[request, logical // block].long() * block + logical % block
-
-
-def _group_slots(tables: tuple[torch.Tensor, ...], blocks: tuple[int, ...], request: torch.Tensor,
-                 logical: torch.Tensor, wanted: Collection[int] | None = None) -> tuple[torch.Tensor | None, ...]:
-    """`_slots` of the KV-cache groups `wanted` (None: all; the others None), the groups of one block size and table
-    shape in one gather: a hybrid model has many groups (Gemma-3-270M: 6), and each op is a kernel launch on the
-    host's critical path."""
-    together: dict[tuple, list[int]] = {}
-    for g, (table, block) in enumerate(zip(tables, blocks)):
-        if wanted is not None and g not in wanted:
-            continue
-        together.setdefault((block, tuple(table.shape), table.dtype), []).append(g)
-    slots: list[torch.Tensor | None] = [None] * len(tables)
-    for (block, _, _), groups in together.items():
-        if len(groups) == 1:
-            slots[groups[0]] = _slots(tables[groups[0]], block, request, logical)
-            continue
-        stacked = torch.stack([tables[g] for g in groups])  # [G, R, max_blocks]
-        rows = stacked[:, request, logical // block].long() * block + logical % block  # [G, T]
-        for i, g in enumerate(groups):
-            slots[g] = rows[i]
-    return tuple(slots)

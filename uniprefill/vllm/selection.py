@@ -1,9 +1,9 @@
 """The selection at a vLLM drop point: which rows of one step each request keeps (the method's score and
 select over each eligible request's own rows, `kernels.api.score_and_select`), for `VllmDropRuntime`.
 
-Index arithmetic runs on the host, vectorised; one gather of q and k per forced-sink count; one host sync for the
-kept counts (inside `score_and_select`). Under tensor parallelism `group` sums the block scores across ranks, so
-every rank keeps the same rows.
+Index arithmetic runs on the host, vectorised (numpy, `host_arrays`), its results on the device in one copy per
+dtype; one gather of q and k per forced-sink count; one host sync for the kept counts (inside `score_and_select`).
+Under tensor parallelism `group` sums the block scores across ranks, so every rank keeps the same rows.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 
 from uniprefill.config import UniPrefillConfig
 
-from .layout import TokenLayout, offsets_np, ranges_np
+from .host_arrays import _to_device, offsets_np, ranges_np
+from .layout import TokenLayout
 
 
 def select_rows(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, layout: TokenLayout, eligible: torch.Tensor,
@@ -70,13 +71,13 @@ def _select_group(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, qs
     key_rows = ranges_np(ends - lens, lens)
     query_rows = ranges_np(ends - n_q, n_q)
     cu_k, cu_q = offsets_np(lens), offsets_np(n_q)
-    key_rows_d = torch.from_numpy(key_rows).to(device, non_blocking=True)
+    key_rows_d, query_rows_d, cu_q_d, cu_k_d = _to_device(  # one copy per dtype
+        [key_rows, query_rows, cu_q, cu_k], [torch.int64, torch.int64, torch.int32, torch.int32], device)
     rule = dataclasses.replace(SelectionRule.from_config(cfg, drop_index, num_drop_points), sink=sink)
     if rule.keep_ratio is None:  # top-p: a request may bring its own p
         rule = dataclasses.replace(rule, p=p_of(torch.from_numpy(chosen)))
     selection = score_and_select(
-        q[torch.from_numpy(query_rows).to(device, non_blocking=True)], k[key_rows_d],
-        torch.from_numpy(cu_q).to(device, torch.int32), torch.from_numpy(cu_k).to(device, torch.int32),
+        q[query_rows_d], k[key_rows_d], cu_q_d, cu_k_d,
         int(lens.max()), rule, scale=q.shape[-1] ** -0.5, impl=cfg.impl,
         host_cu_seqlens=(cu_q.tolist(), cu_k.tolist()), group=group,
     )

@@ -36,54 +36,41 @@ from __future__ import annotations
 import torch
 
 from .graph_decode import _capturing_full_graph
-from .layout import TokenLayout, _ranges, _request_of_rows
+from uniprefill.kernels.layout_rows import window_counts as row_window_counts
+
+from .host_arrays import _ranges, _to_device
+from .layout import TokenLayout
 from .metadata import DropHistoryStore
-
-_SPAN = 1 << 40  # (request, position) keys: request * _SPAN + position (no host sync for a bound)
-
 
 def row_logical(layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Device ([T], [T]): request and logical KV index of every row of `layout`."""
-    device = layout.query_start_loc.device
-    counts = layout.query_lens_cpu
-    tokens = layout.num_actual_tokens
-    request = _request_of_rows(counts, tokens, device)
-    base = layout.kv_base_cpu.to(device, non_blocking=True)
-    logical = base[request] + (torch.arange(tokens, device=device) - layout.query_start_loc.long()[request])
-    return request, logical
+    return layout.row_request, layout.row_logical
 
 
 def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
                   store: DropHistoryStore | None = None, history_rows_cpu: torch.Tensor | None = None,
-                  layer: int | None = None, request: torch.Tensor | None = None) -> torch.Tensor:
+                  layer: int | None = None) -> torch.Tensor:
     """Device [T]: how many cache entries each row's query sees under a window over positions.
 
     layout: the rows after a drop point (positions ORIGINAL, requests' rows in order).
     dropping_cpu: host bool [R], requests that drop in this step: their visible keys are the kept rows of
         this step within the window, plus the context keys within it (copied below them by
-        `copy_context_tail`).
+        `copy_context_tail`); one kernel (`kernels.layout_rows.window_counts`).
     store / history_rows_cpu / layer: requests with a drop history (decode after a dropped
         prefill) count their kept prompt keys through `store.window_first_visible`; without a
         history a request holds one entry per position, so its count is min(W, pos + 1).
-    request: each row's request (device [T]) when the caller has it (`row_logical`).
     """
     if window < 1:
         raise ValueError(f"window={window}: expected >= 1")
     device = layout.positions.device
-    positions = layout.positions.long()
-    counts = torch.clamp(positions + 1, max=window)  # one entry per position
     dropping = dropping_cpu.to(torch.bool)
     if bool(dropping.any()):
-        if request is None:
-            request, _ = row_logical(layout)
-        # rows of one request are contiguous with increasing positions: the first visible row of
-        # each query is a binary search over (request, position) keys
-        keys = request * _SPAN + positions
-        first = torch.searchsorted(keys, keys - window + 1)
-        in_step = torch.arange(keys.numel(), device=device) - first + 1
-        ctx = layout.num_computed_tokens_cpu.to(device, non_blocking=True)[request]
-        in_context = torch.clamp(ctx - torch.clamp(positions - window + 1, min=0), min=0)
-        counts = torch.where(dropping.to(device, non_blocking=True)[request], in_step + in_context, counts)
+        context, dropping_d = _to_device([layout.num_computed_tokens_cpu.numpy(), dropping.numpy()],
+                                         [torch.int64, torch.int64], device)
+        counts = row_window_counts(layout.positions, layout.row_request, layout.query_start_loc, context, dropping_d,
+                                   window, max_query_len=layout.max_query_len, impl=layout.impl)
+    else:
+        counts = torch.clamp(layout.positions.long() + 1, max=window)  # one entry per position
     if store is not None and history_rows_cpu is not None:
         has = store.has_history(history_rows_cpu) & ~dropping
         if bool(has.any()):

@@ -1,0 +1,179 @@
+"""The row-layout kernels (`uniprefill.kernels.layout_rows`): Triton (the CPU interpreter here) equals the PyTorch
+reference on random ragged layouts, and the reference equals a per-row loop of the definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from uniprefill.kernels.layout_rows import layout_rows, window_counts
+
+
+def _random_layout(gen: torch.Generator):
+    requests = int(torch.randint(1, 7, (1,), generator=gen))
+    lens = torch.randint(0, 40, (requests,), generator=gen)
+    lens[int(torch.randint(0, requests, (1,), generator=gen))] += 1  # at least one row
+    qsl = torch.zeros(requests + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(lens, 0)
+    kv_base = torch.randint(0, 50, (requests,), generator=gen)
+    return lens, qsl, kv_base
+
+
+def _per_row(qsl, kv_base, tables, block, kept, positions, source):
+    """The definitions, one row at a time."""
+    out = {"request": [], "logical": [], "positions": [], "source": [], "slots": [[] for _ in tables]}
+    for r in range(qsl.numel() - 1):
+        for t in range(int(qsl[r]), int(qsl[r + 1])):
+            logical = int(kv_base[r]) + t - int(qsl[r])
+            out["request"].append(r)
+            out["logical"].append(logical)
+            out["positions"].append(int(positions[int(kept[t])]))
+            out["source"].append(int(source[int(kept[t])]))
+            for g, table in enumerate(tables):
+                out["slots"][g].append(int(table[r, logical // block]) * block + logical % block)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_layout_rows_triton_equals_the_reference_and_the_definition(seed):
+    """Up to 11 tables (more than one launch's 8), int32 tables with padding columns and extra rows, the three
+    row modes (gathered through `kept`, vLLM's own batch, none)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens, qsl, kv_base = _random_layout(gen)
+    tokens, block = int(qsl[-1]), (1, 16, 64)[seed % 3]
+    width = int((kv_base + lens).max()) // block + 2
+    tables = [torch.randint(0, 1000, (qsl.numel() + 1, width + 3), generator=gen, dtype=torch.int32)[:, :width]
+              for _ in range(int(torch.randint(0, 12, (1,), generator=gen)))]
+    before = tokens + 30  # rows of the earlier layout
+    kept = torch.sort(torch.randperm(before, generator=gen)[:tokens]).values
+    positions = torch.sort(torch.randint(0, 10 ** 6, (before,), generator=gen)).values
+    source = torch.randperm(before, generator=gen)
+    brute = _per_row(qsl, kv_base, tables, block, kept, positions, source)
+    for rows in ({"kept": kept, "positions": positions, "source": source}, {}, {"positions": positions}):
+        ref = layout_rows(qsl, kv_base, tables, block, tokens, impl="torch", **rows)
+        got = layout_rows(qsl, kv_base, tables, block, tokens, impl="triton", **rows)
+        for name, a, b in zip(("positions", "source", "request", "logical"), ref[:4], got[:4]):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), name
+        assert len(ref[4]) == len(got[4]) == len(tables)
+        assert all(torch.equal(a, b) for a, b in zip(ref[4], got[4]))
+        assert ref[2].tolist() == brute["request"] and ref[3].tolist() == brute["logical"]
+        assert [s.tolist() for s in ref[4]] == brute["slots"]
+        if "kept" in rows:
+            assert ref[0].tolist() == brute["positions"] and ref[1].tolist() == brute["source"]
+        elif not rows:  # vLLM's own batch: a row's position is its logical index, its source itself
+            assert ref[0].tolist() == brute["logical"] and ref[1].tolist() == list(range(tokens))
+        else:
+            assert ref[0] is None and ref[1] is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("window", [1, 7, 64])
+def test_window_counts_triton_equals_the_reference_and_the_rule(seed, window):
+    """Dropping requests count their rows within the window plus the context entries within it; the others
+    min(W, pos + 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    lens, qsl, _ = _random_layout(gen)
+    tokens = int(qsl[-1])
+    context = torch.randint(0, 200, (lens.numel(),), generator=gen)
+    positions = torch.cat([int(c) + torch.sort(torch.randperm(300, generator=gen)[:int(n)]).values
+                           for c, n in zip(context, lens)])
+    request = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    dropping = torch.rand(lens.numel(), generator=gen) < 0.6
+    ref = window_counts(positions, request, qsl, context, dropping, window, max_query_len=int(lens.max()),
+                        impl="torch")
+    got = window_counts(positions, request, qsl, context, dropping, window, max_query_len=int(lens.max()),
+                        impl="triton")
+    assert torch.equal(ref, got)
+    expected = []
+    for t in range(tokens):
+        r, p = int(request[t]), int(positions[t])
+        if dropping[r]:
+            mine = positions[int(qsl[r]):t + 1].tolist()
+            keys = list(range(int(context[r]))) + mine
+        else:
+            keys = list(range(p + 1))
+        expected.append(sum(1 for k in keys if 0 <= p - k < window))
+    assert ref.tolist() == expected
+
+
+def test_bad_inputs_raise_with_what_was_expected():
+    qsl, base = torch.tensor([0, 3, 5], dtype=torch.int32), torch.zeros(2, dtype=torch.long)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv_base: expected shape"):
+        layout_rows(qsl, base[:1], [table], 16, 5)
+    with pytest.raises(ValueError, match="unit column stride"):
+        layout_rows(qsl, base, [table.t()], 16, 5)
+    with pytest.raises(ValueError, match="kept: expected shape"):
+        layout_rows(qsl, base, [table], 16, 5, kept=torch.arange(4), positions=torch.arange(9), source=torch.arange(9))
+    with pytest.raises(ValueError, match="needs the earlier layout"):
+        layout_rows(qsl, base, [table], 16, 5, kept=torch.arange(5))
+    with pytest.raises(ValueError, match="window=0"):
+        window_counts(torch.arange(5), torch.zeros(5, dtype=torch.long), qsl, base, base.bool(), 0, max_query_len=3)
+    with pytest.raises(ValueError, match="context: expected shape"):
+        window_counts(torch.arange(5), torch.zeros(5, dtype=torch.long), qsl, base[:1], base.bool(), 4,
+                      max_query_len=3)
+
+
+def test_warm_up_runs_the_kernels_only_where_triton_runs_them():
+    from uniprefill.kernels.layout_rows import warm_up
+
+    assert warm_up(torch.device("cpu"), "torch") == 0
+    assert warm_up(torch.device("cpu"), "auto") == 0  # the reference runs on the CPU
+    assert warm_up(torch.device("cpu"), "triton") == 2  # the interpreter here (tests/conftest.py)
+
+
+def _compiled_variants(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps no per-device kernel cache to count")
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_equal_the_reference_and_compile_one_variant_each():
+    """CUDA, vLLM's dtypes, a 32K-row step of four requests and Gemma-3-270M's six KV-cache groups: both kernels
+    equal the reference; after `warm_up` (one variant each), steps of other row counts, request counts, table
+    counts, strides and row modes compile nothing more (a compile is ~1 s inside a request's step)."""
+    from uniprefill.kernels.layout_rows import kernel as triton_kernels
+    from uniprefill.kernels.layout_rows import warm_up
+
+    dev = torch.device("cuda")
+    warm_up(dev)
+    before = (_compiled_variants(triton_kernels.layout_rows_kernel),
+              _compiled_variants(triton_kernels.window_counts_kernel))
+    gen = torch.Generator().manual_seed(0)
+    for requests, tokens, groups in ((4, 32000, 6), (1, 17, 1), (3, 4097, 9), (2, 2, 0)):
+        lens = torch.full((requests,), tokens // requests)
+        lens[-1] += tokens - int(lens.sum())
+        qsl = torch.zeros(requests + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(lens, 0)
+        kv_base = torch.randint(0, 500, (requests,), generator=gen).int()
+        width = int((kv_base + lens).max()) // 16 + 1
+        tables = [torch.randint(0, 10 ** 5, (requests + 3, width + g), generator=gen, dtype=torch.int32)
+                  for g in range(groups)]
+        before_rows = tokens + 999
+        kept = torch.sort(torch.randperm(before_rows, generator=gen)[:tokens]).values
+        positions = torch.sort(torch.randint(0, 10 ** 6, (before_rows,), generator=gen)).values
+        source = torch.randperm(before_rows, generator=gen)
+        for rows in ({"kept": kept, "positions": positions, "source": source}, {}, {"positions": positions}):
+            ref = layout_rows(qsl, kv_base, tables, 16, tokens, impl="torch", **rows)
+            moved = {k: v.to(dev) for k, v in rows.items()}
+            got = layout_rows(qsl.to(dev), kv_base.to(dev), [t.to(dev) for t in tables], 16, tokens, impl="triton",
+                              **moved)
+            for a, b in zip(ref[:4], got[:4]):
+                assert (a is None and b is None) or torch.equal(a, b.cpu())
+            assert all(torch.equal(a, b.cpu()) for a, b in zip(ref[4], got[4]))
+        request = ref[2]
+        pos = torch.arange(tokens) + torch.repeat_interleave(kv_base.long(), lens)
+        context, dropping = kv_base.long(), torch.arange(requests) % 2 == 0
+        for window in (512, 4096):
+            a = window_counts(pos, request, qsl, context, dropping, window, max_query_len=int(lens.max()),
+                              impl="torch")
+            b = window_counts(pos.to(dev), request.to(dev), qsl.to(dev), context.to(dev),
+                              dropping.long().to(dev), window, max_query_len=int(lens.max()), impl="triton")
+            assert torch.equal(a, b.cpu())
+    after = (_compiled_variants(triton_kernels.layout_rows_kernel),
+             _compiled_variants(triton_kernels.window_counts_kernel))
+    assert after == before, (before, after)
