@@ -163,3 +163,20 @@ def test_the_test_folders_do_not_shadow_vllm():
     spec = importlib.util.find_spec("vllm")
     locations = [str(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
     assert spec is None or spec.origin is not None, f"vllm resolves to a namespace package: {locations}"
+
+
+def test_every_package_directory_is_listed_in_pyproject():
+    """setuptools installs the packages `pyproject.toml` lists, nothing else: a new subpackage left out works in an
+    editable install (and so in these tests) but is missing from the wheel (the GPU box installs the wheel)."""
+    import tomllib
+
+    root = ROOT
+    config = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = set()
+    for top, name in (("uniprefill", "uniprefill"), ("kernels", "uniprefill.kernels")):
+        assert config["package-dir"].get(name, top) == top
+        for init in (root / top).rglob("__init__.py"):
+            parts = init.parent.relative_to(root / top).parts
+            found.add(".".join((name, *parts)))
+    assert found == listed, {"not listed": sorted(found - listed), "listed, no directory": sorted(listed - found)}
