@@ -321,7 +321,7 @@ def compact(
     tokens = int(qsl_np[-1])
     kv_base_np = ctx_np - removed_np  # KV entries before this step's first kept token
     seq_lens_np = kv_base_np + counts_np
-    qsl_cpu, kv_base, seq_lens_cpu = torch.from_numpy(qsl_np), torch.from_numpy(kv_base_np), torch.from_numpy(seq_lens_np)
+    qsl_cpu, kv_base, seq_lens_cpu = (torch.from_numpy(a) for a in (qsl_np, kv_base_np, seq_lens_np))
     _check_blocks(layout.block_tables, layout.block_sizes, kv_base, counts)
 
     # the new per-request fields in one host-to-device copy, the rows in one kernel per block size
@@ -334,16 +334,15 @@ def compact(
             by_block.setdefault(block, []).append(g)
     slots: list[torch.Tensor | None] = [None] * len(layout.block_sizes)
     gather = {} if kept is None else {"kept": kept, "source": layout.source_index}
-    positions = source = None
-    for block, groups in (by_block.items() or [(1, [])]):  # no group wanted: the rows still
+    positions, source = layout.positions, layout.source_index
+    for i, (block, groups) in enumerate(by_block.items() or [(1, [])]):  # no group asked for: the rows still
         pos, src, request, logical, group_slots = layout_rows(
             qsl, kv_base_d, [layout.block_tables[g] for g in groups], block, tokens, positions=layout.positions,
-            impl=layout.impl, **gather)
-        positions, source = (positions, source) if positions is not None else (pos, src)
+            impl=layout.impl, **(gather if i == 0 else {}))  # positions and sources gathered once
+        if i == 0 and kept is not None:
+            positions, source = pos, src
         for g, s in zip(groups, group_slots):
             slots[g] = s
-    if kept is None:
-        positions, source = layout.positions, layout.source_index
     return TokenLayout(
         query_start_loc=qsl,
         query_start_loc_cpu=qsl_cpu,
