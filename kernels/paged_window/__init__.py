@@ -43,7 +43,7 @@ def _check(query, key_cache, value_cache, block_table, row_request, row_logical,
 def paged_window_attention(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                            *, window: int, scale: float, softcap: float | None = None,
                            impl: str = "auto", tiled: bool = False, splits: int = 1,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
     """[T, Hq, D]: each row's attention over its own run of paged cache entries (module docstring).
 
     query [T, Hq, D]; key_cache, value_cache [num_blocks, B, Hk, D] (any strides: vLLM's
@@ -51,18 +51,26 @@ def paged_window_attention(query, key_cache, value_cache, block_table, row_reque
     row_count [T] ints (1 <= count <= window, count <= logical + 1). `tiled`: Triton's tiled kernel
     (`kernel.py`) instead of the per-row one; `splits`: the per-row kernel's programs per row (split-KV).
     `out`: where to write (query's shape and dtype, any strides, not the query's memory; vLLM's output
-    buffer: no copy after the kernel); returned."""
+    buffer: no copy after the kernel); returned. `skip` (bool [T], with `out`; not with `tiled`): rows whose output
+    row is left as `out` holds it (in a decode graph, vLLM's result for the requests that removed no KV entry:
+    the per-row kernel reads nothing for them)."""
     _check(query, key_cache, value_cache, block_table, row_request, row_logical, row_count, window)
     if out is not None:
         _check_out(query, out)
+    if skip is not None and (out is None or tiled or skip.shape != (query.shape[0],) or skip.dtype != torch.bool):
+        raise ValueError(f"skip: expected a bool tensor of shape ({query.shape[0]},), with `out` and the per-row "
+                         f"kernel; got {skip.dtype} {tuple(skip.shape)}, out {'given' if out is not None else 'None'}, "
+                         f"tiled={tiled}")
     if resolve_impl(impl, query.device) == "triton":
         from .kernel import paged_window_attention_triton
 
         return paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical,
                                              row_count, window=window, scale=scale, softcap=softcap, tiled=tiled,
-                                             splits=splits, out=out)
+                                             splits=splits, out=out, skip=skip)
     result = paged_window_attention_torch(query, key_cache, value_cache, block_table, row_request, row_logical,
                                           row_count, window=window, scale=scale, softcap=softcap)
+    if skip is not None:  # device ops only (capturable)
+        result = torch.where(skip.view(-1, *[1] * (result.dim() - 1)), out, result)
     return result if out is None else out.copy_(result)
 
 

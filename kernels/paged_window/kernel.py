@@ -50,18 +50,19 @@ def _online_softmax_step(q, k, v, visible, m, denom, acc, scale, softcap, USE_SO
 
 @triton.jit
 def paged_window_kernel(
-    Q, K, V, O, TABLE, REQ, LOGICAL, COUNT, PART_M, PART_L, PART_ACC,
+    Q, K, V, O, TABLE, REQ, LOGICAL, COUNT, SKIP, PART_M, PART_L, PART_ACC,
     sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, sv_b, sv_n, sv_h, sv_d, so_t, so_h, so_d, st_r, st_b,
     scale, softcap,
     CACHE_BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_SKIP: tl.constexpr,
 ):
     """Program (t, h, s): query row t, KV head h and its GROUP query heads; online softmax over
     the entries [logical[t] - count[t] + 1, logical[t]] of request req[t], BLOCK_N at a time. With SPLITS > 1
     program s takes the s-th of SPLITS runs of whole BLOCK_N tiles of those entries and writes its running max,
     denominator and unnormalised accumulator to PART_M / PART_L [T, Hk, SPLITS, BLOCK_G] and PART_ACC [T, Hk,
-    SPLITS, BLOCK_G, BLOCK_D] (fp32, contiguous) for `paged_window_combine_kernel`."""
+    SPLITS, BLOCK_G, BLOCK_D] (fp32, contiguous) for `paged_window_combine_kernel`. With HAS_SKIP, a row whose SKIP
+    flag is set reads no entry and writes nothing: its output row keeps what is there (vLLM's result)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
@@ -83,6 +84,8 @@ def paged_window_kernel(
     chunk = tl.cdiv(tl.cdiv(count, SPLITS), BLOCK_N) * BLOCK_N  # this program's entries: [lo, hi) of the run
     lo = split * chunk
     hi = tl.minimum(count, lo + chunk)
+    if HAS_SKIP:
+        hi = tl.where(tl.load(SKIP + t) == 0, hi, lo)  # a skipped row: no entry read
     for start in range(lo, hi, BLOCK_N):
         idx = first + start + tl.arange(0, BLOCK_N)
         n_ok = start + tl.arange(0, BLOCK_N) < hi
@@ -97,8 +100,11 @@ def paged_window_kernel(
                                              FP32_DOT)
     if SPLITS == 1:
         out = acc / denom[:, None]
-        tl.store(O + t * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d,
-                 out.to(O.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        mask = g_ok[:, None] & d_ok[None, :]
+        if HAS_SKIP:  # the flag loaded per head of the group: a 2-D mask & a scalar fails in Triton's interpreter
+            mask = mask & (tl.load(SKIP + t + g * 0) == 0)[:, None]
+        tl.store(O + t * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d, out.to(O.dtype.element_ty),
+                 mask=mask)
     else:
         part = (t * tl.num_programs(1) + h) * SPLITS + split
         tl.store(PART_M + part * BLOCK_G + g, m)
@@ -107,11 +113,11 @@ def paged_window_kernel(
 
 
 @triton.jit
-def paged_window_combine_kernel(PART_M, PART_L, PART_ACC, O, so_t, so_h, so_d, GROUP: tl.constexpr,
+def paged_window_combine_kernel(PART_M, PART_L, PART_ACC, O, SKIP, so_t, so_h, so_d, GROUP: tl.constexpr,
                                 BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                SPLITS: tl.constexpr):
+                                SPLITS: tl.constexpr, HAS_SKIP: tl.constexpr):
     """Program (t, h): merge the SPLITS partial softmaxes `paged_window_kernel` wrote for row t, KV head h
-    (a split that saw no entry holds max -inf, denominator 0 and adds nothing)."""
+    (a split that saw no entry holds max -inf, denominator 0 and adds nothing); a skipped row writes nothing."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
@@ -128,8 +134,11 @@ def paged_window_combine_kernel(PART_M, PART_L, PART_ACC, O, so_t, so_h, so_d, G
         denom += w * tl.load(PART_L + (base + s) * BLOCK_G + g)
         acc += w[:, None] * tl.load(PART_ACC + ((base + s) * BLOCK_G + g)[:, None] * BLOCK_D + d[None, :])
     out = acc / denom[:, None]
-    tl.store(O + t * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d,
-             out.to(O.dtype.element_ty), mask=(g < GROUP)[:, None] & (d < HEAD_DIM)[None, :])
+    mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    if HAS_SKIP:
+        mask = mask & (tl.load(SKIP + t + g * 0) == 0)[:, None]
+    tl.store(O + t * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d, out.to(O.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit
@@ -195,14 +204,14 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
                                   *, window: int, scale: float, softcap: float | None = None,
                                   block_n: int = 64, tiled: bool = False, tile_rows: int | None = None,
                                   num_warps: int | None = None, splits: int = 1,
-                                  out: torch.Tensor | None = None) -> torch.Tensor:
+                                  out: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernels (see the module docstring); same contract as the reference. `tiled`: the tiled kernel
     instead of the per-row one; `tile_rows` (query rows x heads per program) and `num_warps` are its tuning
     knobs (benchmarks/bench_paged_window.py compares them). Their defaults: 128 and 8 at head sizes of 256 (the
     fastest of four on the H200 at Gemma-3's shapes), 64 and 4 below (not timed). `splits` (a power of two; per-row
     kernel): each row's entries over that many programs, merged by `paged_window_combine_kernel` (split-KV, for
     steps of few rows: a decode step at batch 1 is otherwise one program per KV head). `out`: written in place of
-    a new tensor (its own strides)."""
+    a new tensor (its own strides). `skip` (per-row kernel, with `out`): rows left as `out` holds them."""
     tokens, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
@@ -210,6 +219,9 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
     if tokens == 0:
         return out
     fp32_dot = query.dtype == torch.float32 or interpret_enabled()  # the interpreter's bf16 dot is wrong
+    if skip is not None and tiled:
+        raise ValueError("skip: the per-row kernel's (the tiled one writes every row)")
+    skip_flags = out if skip is None else skip.view(torch.uint8) if skip.dtype == torch.bool else skip
     if tiled:
         block_g = next_power_of_2(group)
         block_d = max(16, next_power_of_2(dim))
@@ -233,15 +245,15 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(tokens, kv_heads, splits, block_g, block_d, device=query.device, dtype=torch.float32)
     paged_window_kernel[(tokens, kv_heads, splits)](
-        query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, part_m, part_l, part_acc,
-        *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),
-        float(scale), float(softcap or 0.0),
+        query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, skip_flags, part_m,
+        part_l, part_acc, *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
+        *block_table.stride(), float(scale), float(softcap or 0.0),
         CACHE_BLOCK=key_cache.shape[1], GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        USE_SOFTCAP=bool(softcap), FP32_DOT=fp32_dot, SPLITS=splits,
+        USE_SOFTCAP=bool(softcap), FP32_DOT=fp32_dot, SPLITS=splits, HAS_SKIP=skip is not None,
     )
     if splits > 1:
         paged_window_combine_kernel[(tokens, kv_heads)](
-            part_m, part_l, part_acc, out, *out.stride(), GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim,
-            BLOCK_D=block_d, SPLITS=splits,
+            part_m, part_l, part_acc, out, skip_flags, *out.stride(), GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim,
+            BLOCK_D=block_d, SPLITS=splits, HAS_SKIP=skip is not None,
         )
     return out

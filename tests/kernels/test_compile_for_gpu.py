@@ -1,7 +1,8 @@
-"""The row-layout Triton kernels compile for an H100/H200 (sm_90) on this CPU machine: Triton's own compiler, down to
-PTX and a cubin, with the argument types the launchers pass. Triton's CPU interpreter (the other kernel tests) runs
-Python on NumPy and accepts code the compiler refuses; this catches that before a GPU session does. Skipped where
-the installed Triton has no NVIDIA backend or no `ptxas`."""
+"""Triton kernels that changed since the last GPU run compile for an H100/H200 (sm_90) on this CPU machine: Triton's
+own compiler, down to PTX and a cubin, with the argument types the launchers pass (the row-layout kernels, and the
+paged window kernels with and without skipped rows). Triton's CPU interpreter (the other kernel tests) runs Python
+on NumPy and accepts code the compiler refuses, and refuses some it accepts; this catches the first kind before a
+GPU session does. Skipped where the installed Triton has no NVIDIA backend or no `ptxas`."""
 
 from __future__ import annotations
 
@@ -16,26 +17,41 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from uniprefill.kernels.layout_rows import kernel as k
+    from uniprefill.kernels.layout_rows import kernel as rows
+    from uniprefill.kernels.paged_window import kernel as window
 
-    INT32_POINTERS = {"QSL", "KV_BASE", "T0", "T1", "T2", "T3", "T4", "T5", "T6", "T7"}  # vLLM's int32 tensors
-    INT64_POINTERS = {"KEPT", "POS_IN", "SRC_IN", "POS_OUT", "SRC_OUT", "REQ_OUT", "LOGICAL_OUT", "SLOTS",
-                      "POS", "REQ", "CTX", "DROPPING", "COUNTS"}
-    for fn in (k.layout_rows_kernel, k.window_counts_kernel):
+    def types(fn, pointers, floats=(), constexprs=None):
         signature = {}
         for name in fn.arg_names:
-            if name == "BLOCK_T":
+            if constexprs and name in constexprs:
                 signature[name] = "constexpr"
-            elif name in INT32_POINTERS:
-                signature[name] = "*i32"
-            elif name in INT64_POINTERS:
-                signature[name] = "*i64"
+            elif name in pointers:
+                signature[name] = pointers[name]
             else:
-                signature[name] = "i32"  # Python ints below 2**31: what the launcher passes
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs={"BLOCK_T": 256}),
-                                  target=GPUTarget("cuda", 90, 32))
+                signature[name] = "fp32" if name in floats else "i32"  # Python ints below 2**31, as launched
+        return signature
+
+    def compile_one(fn, pointers, floats=(), constexprs=None):
+        source = ASTSource(fn=fn, signature=types(fn, pointers, floats, constexprs), constexprs=constexprs or {})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         assert compiled.asm["cubin"], fn
-        print("compiled", fn.__name__, len(compiled.asm["ptx"]))
+        print("compiled", fn.__name__, sorted((constexprs or {}).items()))
+
+    i32 = {n: "*i32" for n in ("QSL", "KV_BASE", "T0", "T1", "T2", "T3", "T4", "T5", "T6", "T7")}  # vLLM's int32
+    i64 = {n: "*i64" for n in ("KEPT", "POS_IN", "SRC_IN", "POS_OUT", "SRC_OUT", "REQ_OUT", "LOGICAL_OUT", "SLOTS",
+                               "POS", "REQ", "CTX", "DROPPING", "COUNTS", "LOGICAL", "COUNT")}
+    compile_one(rows.layout_rows_kernel, {**i32, **i64}, constexprs={"BLOCK_T": 256})
+    compile_one(rows.window_counts_kernel, {**i32, **i64}, constexprs={"BLOCK_T": 256})
+    attention = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "TABLE": "*i32", "SKIP": "*u8",
+                 "PART_M": "*fp32", "PART_L": "*fp32", "PART_ACC": "*fp32", **i64}
+    gemma = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256)  # Gemma-3-270M's sliding layers
+    for splits in (1, 8):
+        for skip in (False, True):
+            compile_one(window.paged_window_kernel, attention, ("scale", "softcap"),
+                        dict(CACHE_BLOCK=16, **gemma, BLOCK_N=64, USE_SOFTCAP=False, FP32_DOT=False, SPLITS=splits,
+                             HAS_SKIP=skip))
+    for skip in (False, True):
+        compile_one(window.paged_window_combine_kernel, attention, (), dict(**gemma, SPLITS=8, HAS_SKIP=skip))
 """)
 
 
@@ -44,15 +60,15 @@ def _has_nvidia_backend() -> bool:
         import triton
     except ImportError:
         return False
-    backends = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia")
-    return os.path.isdir(backends) and any(name.startswith("ptxas") for _, _, files in os.walk(backends)
-                                           for name in files)
+    backend = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia")
+    return os.path.isdir(backend) and any(name.startswith("ptxas") for _, _, files in os.walk(backend)
+                                          for name in files)
 
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton without its NVIDIA backend or ptxas")
-def test_the_row_layout_kernels_compile_for_sm90(tmp_path):
+def test_the_changed_kernels_compile_for_sm90(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
            "TRITON_DEFAULT_FP_FUSION": "1"}
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 2, result.stdout
+    assert result.stdout.count("compiled") == 2 + 4 + 2, result.stdout

@@ -388,21 +388,23 @@ def test_a_replayed_capture_counts_the_windows_of_later_steps():
     assert runtime.step.window_rows[world.names[2]].count[2] == 64  # request 2's history was freed
 
 
+@pytest.mark.parametrize("p", [0.95, 1.0], ids=["p0.95", "p1"])
 @pytest.mark.parametrize("unsplit_aid", [False, True], ids=["default", "unsplit-aid"])
-def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(monkeypatch, unsplit_aid):
+def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(monkeypatch, unsplit_aid, p):
     """vLLM captures decode graphs after dummy forwards that carry metadata but no requests, in which sliding
     layers run vLLM's own attention: the window kernels must run once per layer there (Triton compiles at a
     first launch, which inside a capture would be captured), with the layer's real block table, in every variant
     a step may pick: the per-row kernel on one row on one program and split 8 ways at window 512 (one
     program only under the A/B aid UNIPREFILL_DEBUG_UNSPLIT_WINDOW), the
-    tiled kernel on 16 and 17 rows; not before the KV cache exists, and not again. (A capture's drop point takes
-    the capture path, never this one.)"""
+    tiled kernel on 16 and 17 rows; at p = 1 (decode graphs that keep vLLM's rows) the per-row ones also skipping
+    rows; not before the KV cache exists, and not again. (A capture's drop point takes the capture path, never this
+    one.)"""
     from uniprefill.kernels import paged_window
     from uniprefill.vllm.drop_records import WindowLayer
 
     world = make_world([40], layers=4, groups=2, block=BLOCK, kv_heads=HEADS, head_size=HEAD)
     caches = {}  # none allocated yet: vLLM's profiling run
-    runtime = VllmDropRuntime(UniPrefillConfig(drop_layers=(1,), impl="torch"), world.names, (1,), lambda: world,
+    runtime = VllmDropRuntime(UniPrefillConfig(p=p, drop_layers=(1,), impl="torch"), world.names, (1,), lambda: world,
                               lambda n: BLOCK, request_ids_fn=lambda: None, graph_decode_max_reqs=4,
                               windows={world.names[2]: 512, world.names[3]: 512}, window_layer_fn=caches.get)
     runtime.vllm_attention = {2: lambda *a, **k: None, 3: lambda *a, **k: None}
@@ -411,7 +413,8 @@ def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(mon
     launched = []
     real = paged_window.paged_window_attention
     monkeypatch.setattr(paged_window, "paged_window_attention", lambda q, k, v, table, *a, **kw: (
-        launched.append((q.shape[0], kw["tiled"], kw["splits"], table.data_ptr())), real(q, k, v, table, *a, **kw))[1])
+        launched.append((q.shape[0], kw["tiled"], kw["splits"], kw["skip"] is not None, table.data_ptr())),
+        real(q, k, v, table, *a, **kw))[1])
     q = torch.randn(1, HEADS * HEAD)
 
     def dummy_forward():
@@ -427,7 +430,9 @@ def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(mon
         cache = world.kv_caches[name]
         caches[name] = WindowLayer(cache[0].view(-1, BLOCK, HEADS, HEAD), cache[1].view(-1, BLOCK, HEADS, HEAD), 0.25)
     dummy_forward()
-    variants = [(1, False, 1)] + ([] if unsplit_aid else [(1, False, 8)]) + [(16, True, 1), (17, True, 1)]
+    per_row = [(1, False, 1)] + ([] if unsplit_aid else [(1, False, 8)])
+    variants = ([(*v, False) for v in per_row] + [(*v, True) for v in per_row if p == 1.0]
+                + [(16, True, 1, False), (17, True, 1, False)])
     assert runtime.windows_warmed == set(world.names[2:])
     assert launched == [v + (world.attn_metadata[n].block_table.data_ptr(),) for n in world.names[2:] for v in variants]
     dummy_forward()

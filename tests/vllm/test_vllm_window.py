@@ -179,6 +179,37 @@ def test_the_window_kernels_write_into_a_given_output_as_they_return_one(impl, t
         paged_window_attention(*args, **kw, out=query)
 
 
+@pytest.mark.parametrize("impl,splits", [("torch", 1), ("triton", 1), ("triton", 2), ("triton", 8)])
+def test_skipped_rows_keep_what_the_output_holds_and_the_others_get_the_window(impl, splits):
+    """`skip` (the decode graphs of an engine at p = 1: rows of requests that removed no KV entry keep vLLM's
+    result, written first): those output rows stay bit for bit, the others equal the kernel without `skip`; the
+    skipped rows' entries are NaN here, so a skipped row that read one would show in no row but its own, which must
+    not change. Only the per-row kernel skips; the tiled one and a skip without `out` are refused."""
+    torch.manual_seed(2)
+    heads, kv_heads, dim, block, window, rows = 4, 2, 8, 16, 40, 29
+    packed = torch.randn(40, kv_heads, block, 2 * dim)
+    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
+    table = torch.randperm(39)[:rows].view(rows, 1).int() + 1  # one block per request: rows own disjoint entries
+    request = torch.arange(rows)
+    logical = torch.randint(0, block, (rows,))
+    count = torch.minimum(torch.randint(1, window + 1, (rows,)), logical + 1)
+    skip = torch.rand(rows) < 0.5
+    packed[table[skip, 0].long()] = float("nan")  # a skipped row's entries: never read
+    query = torch.randn(rows, heads, dim)
+    args = (query, key_cache, value_cache, table, request, logical, count)
+    kw = dict(window=window, scale=dim ** -0.5, impl=impl, splits=splits)
+    expected = paged_window_attention(*args, **kw)
+    theirs = torch.randn(rows, heads, dim)  # what vLLM's attention wrote
+    out = theirs.clone()
+    paged_window_attention(*args, **kw, out=out, skip=skip)
+    assert torch.equal(out[skip], theirs[skip])
+    assert torch.equal(out[~skip], expected[~skip]) and not torch.isnan(out).any()
+    with pytest.raises(ValueError, match="skip: expected"):
+        paged_window_attention(*args, **kw, skip=skip)  # no `out`
+    with pytest.raises(ValueError, match="skip: expected"):
+        paged_window_attention(*args, **{**kw, "splits": 1}, tiled=True, out=out, skip=skip)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_paged_window_kernel_on_gemma_shapes(dtype):

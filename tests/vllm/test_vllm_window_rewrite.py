@@ -246,7 +246,12 @@ def test_at_p1_the_sliding_layers_after_a_drop_give_vllms_own_bits(model, monkey
     some at their first token."""
     from uniprefill.vllm import window as vllm_window
 
-    monkeypatch.setattr(vllm_window, "paged_window_step", lambda query, output, *a: output.fill_(float("nan")))
+    def nan_window(query, output, rows, *args, skip=None):  # what the kernel may write: NaN, skipped rows untouched
+        mine = output[:rows.request.numel()]
+        keep = torch.zeros(mine.shape[0], dtype=torch.bool) if skip is None else skip
+        mine.copy_(torch.where(keep.view(-1, *[1] * (mine.dim() - 1)), mine, float("nan")))
+
+    monkeypatch.setattr(vllm_window, "paged_window_step", nan_window)
     windows = {0: 24, 2: 24}
     config = UniPrefillConfig(p=1.0, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
     compiled, state = compile_with_drops(model, config, (1,), windows, graph_decode_max_reqs=4 if decode_graphs else 0)

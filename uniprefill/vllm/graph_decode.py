@@ -135,6 +135,13 @@ def window_rows(seq_lens: torch.Tensor, block_table: torch.Tensor, tail: torch.T
                       vllm_rows=None if removed is None else removed[:num_reqs] == 0)
 
 
+def keeps_vllm_rows(config) -> bool:
+    """Whether an engine's decode graphs give the rows of requests that removed no KV entry vLLM's own attention in
+    the sliding layers after a drop (`WindowRows.vllm_rows`): an engine at p = 1 that drops only for requests bringing
+    their own p, whose other requests keep standard's bits."""
+    return config.p >= 1.0 and config.keep_ratio is None
+
+
 _VLLM_BASE = "_uniprefill_vllm_base"  # on metadata a capture installed: (vLLM's metadata, slot mapping) it came from
 
 
@@ -183,10 +190,10 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
     # hands every group one seq_lens; Gemma-3-270M's 15 sliding layers are 5 groups): per group only its block table
     windowed = {}
     # an engine that drops only for requests bringing their own p (config p = 1, no keep_ratio): vLLM's attention
-    # too, and each row its own result (twice the attention in these layers), so that the other requests' decode
-    # keeps standard's bits there (eager steps decide for the whole step: a step holding a request that dropped runs
+    # for every row, then the window kernel over the rows of requests that removed KV entries (it reads nothing for
+    # the others: `skip`), so that the other requests' decode keeps standard's bits there (eager steps decide for the whole step: a step holding a request that dropped runs
     # the window kernel for all); an engine that drops by default runs the window kernel alone
-    exact = runtime.config.p >= 1.0 and runtime.config.keep_ratio is None
+    exact = keeps_vllm_rows(runtime.config)
     buffer = runtime.graph_decode
     for name in runtime.layer_names[layer + 1:]:
         if name not in runtime.step.graph_base:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from .graph_decode import _capturing_full_graph
+from .graph_decode import _capturing_full_graph, keeps_vllm_rows
 from uniprefill.kernels.layout_rows import window_counts as row_window_counts
 
 from .host_arrays import _ranges, _to_device
@@ -170,8 +170,9 @@ def window_attention_step(runtime, args: tuple, kwargs: dict, layer: int) -> Non
         runtime.vllm_attention[layer](*args, **kwargs)
         if name not in runtime.windows_warmed:
             context = runtime.context_fn()
+            skip = runtime.graph_decode is not None and keeps_vllm_rows(runtime.config)  # decode graphs' variants
             if not _capturing_full_graph(context) and warm_up_window_layer(
-                    context, name, query, runtime.window_layer_fn, runtime.windows[name], runtime.config.impl):
+                    context, name, query, runtime.window_layer_fn, runtime.windows[name], runtime.config.impl, skip):
                 runtime.windows_warmed.add(name)
         return
     if name in runtime.step.vllm_windows:
@@ -193,13 +194,10 @@ def window_attention_step(runtime, args: tuple, kwargs: dict, layer: int) -> Non
     if rows.vllm_rows is None:
         paged_window_step(query, output, rows, cache, runtime.windows[name], runtime.config.impl)
         return
-    # a decode graph: every row through both, then each row's own (a graph cannot branch per request)
-    tokens = rows.request.numel()
+    # a decode graph of an engine at p = 1 (a graph cannot branch per request): vLLM's attention for every row, then
+    # the window kernel over the rows of the requests that removed KV entries; it reads nothing for the others
     runtime.vllm_attention[layer](*args, **kwargs)
-    theirs = output[:tokens].clone()
-    paged_window_step(query, output, rows, cache, runtime.windows[name], runtime.config.impl)
-    mine = output[:tokens]
-    mine.copy_(torch.where(rows.vllm_rows.view(-1, *[1] * (mine.dim() - 1)), theirs, mine))
+    paged_window_step(query, output, rows, cache, runtime.windows[name], runtime.config.impl, skip=rows.vllm_rows)
 
 
 TILED_MIN_ROWS = 16  # a request with fewer rows in a step runs on the per-row kernel (one program per row)
@@ -222,11 +220,13 @@ def kernel_plan(layout: TokenLayout) -> tuple[str, torch.Tensor | None, torch.Te
     return "mixed", *(_ranges(starts[m], lens[m]).to(device, non_blocking=True) for m in (long, ~long))
 
 
-def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, window: int, impl: str) -> None:
+def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, window: int, impl: str,
+                      skip: torch.Tensor | None = None) -> None:
     """One sliding layer's attention after a drop: the window over original positions, read from
     the paged cache (`rows`: a `drop_records.WindowRows`, `cache`: a `drop_records.WindowLayer`);
     writes the first rows of `output`, as vLLM's attention op would. The rows run on the kernels
-    `rows.kernel` names (the A/B aid `UNIPREFILL_DEBUG_PER_ROW_WINDOW` puts them all on the per-row one)."""
+    `rows.kernel` names (the A/B aid `UNIPREFILL_DEBUG_PER_ROW_WINDOW` puts them all on the per-row one). `skip`
+    (device bool [rows], per-row rows only): rows whose output is left as it is."""
     from uniprefill import env
     from uniprefill.kernels.paged_window import paged_window_attention
 
@@ -235,6 +235,8 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
     q = query[:tokens].reshape(tokens, -1, dim)
     out = output[:tokens].view(q.shape)
     kernel = "per_row" if env.debug_per_row_window() else rows.kernel
+    if skip is not None and kernel != "per_row":
+        raise ValueError(f"skip: for rows on the per-row kernel only, not {kernel!r}")
 
     def run(which: torch.Tensor | None, tiled: bool) -> torch.Tensor:
         picked = (lambda t: t) if which is None else (lambda t: t.index_select(0, which))
@@ -243,7 +245,8 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
         return paged_window_attention(picked(q), cache.key_cache, cache.value_cache, rows.block_table,
                                       picked(rows.request), picked(rows.logical), picked(rows.count), window=window,
                                       scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled, splits=splits,
-                                      out=out if which is None else None)  # all rows: straight into vLLM's output
+                                      out=out if which is None else None,  # all rows: straight into vLLM's output
+                                      skip=skip)
 
     if kernel == "mixed":
         out.index_copy_(0, rows.tiled_rows, run(rows.tiled_rows, True))
@@ -265,7 +268,8 @@ def split_count(programs: int, window: int) -> int:
     return 1 << (min(8, max(1, window // 64)).bit_length() - 1)  # a power of two
 
 
-def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_fn, window: int, impl: str) -> bool:
+def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_fn, window: int, impl: str,
+                         skip: bool = False) -> bool:
     """Run the window kernels once for sliding layer `name` in one of vLLM's dummy forwards, so that Triton
     compiles them there and not at a first launch inside a CUDA-graph capture (vLLM captures its decode graphs
     after dummy forwards that run vLLM's own attention: a kernel's first launch would otherwise be captured) or
@@ -273,7 +277,8 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     and split over programs (`split_count`: both counts a step may get, unless the A/B aid keeps one), and the
     tiled kernel on 16 and 17 rows (Triton specialises on a row count divisible by 16), all request 0 at entry 0,
     with the layer's query, cache and block table (the strides Triton specialises on are the real ones); only
-    scratch outputs are written. False when the forward has no metadata or the layer no cache yet (vLLM's
+    scratch outputs are written. `skip`: also the per-row variants that skip rows (the decode graphs of an engine at
+    p = 1, `graph_decode.keeps_vllm_rows`). False when the forward has no metadata or the layer no cache yet (vLLM's
     profiling run, before it allocates the KV cache): try again."""
     from uniprefill import env
     from uniprefill.kernels.paged_window import paged_window_attention
@@ -290,11 +295,12 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     variants = [(1, False, 1)]
     if not env.debug_unsplit_window() and split_count(1, window) > 1:
         variants.append((1, False, split_count(1, window)))  # a decode step of few rows x KV heads
-    variants += [(16, True, 1), (17, True, 1)]
-    for rows, tiled, splits in variants:
+    variants = [(*v, False) for v in variants] + ([(*v, True) for v in variants] if skip else [])
+    variants += [(16, True, 1, False), (17, True, 1, False)]
+    for rows, tiled, splits, skips in variants:
         zero = torch.zeros(rows, dtype=torch.long, device=query.device)
         out = torch.empty(rows, q.shape[1] * dim, dtype=q.dtype, device=q.device).view(rows, -1, dim)  # as vLLM's
         paged_window_attention(q.expand(rows, -1, -1).contiguous(), cache.key_cache, cache.value_cache, block_table[:1],
                                zero, zero, zero + 1, window=window, scale=cache.scale, softcap=cache.softcap, impl=impl,
-                               tiled=tiled, splits=splits, out=out)
+                               tiled=tiled, splits=splits, out=out, skip=zero.bool() if skips else None)
     return True
