@@ -156,7 +156,8 @@ def install_layer_metadata(attn_metadata: dict, slot_mapping: dict, layers: dict
 
     attn_metadata, slot_mapping: the forward context's dicts keyed by layer name (vLLM shares
         one metadata object among the layers of a KV-cache group; a group spans layers before
-        and after a drop, so each layer named here gets its own copy).
+        and after a drop, so the layers named here get a copy, one per object vLLM gave them: each
+        `dataclasses.replace` is host time on the step's path).
     layers: layer name -> index of its KV-cache group in `layout`.
     FA3's ahead-of-time scheduler metadata (planned for the uncompacted batch; vLLM 0.26 plans
     it whenever FA3 runs and the model has at most one sliding-window size, e.g. Llama) is
@@ -165,20 +166,24 @@ def install_layer_metadata(attn_metadata: dict, slot_mapping: dict, layers: dict
     """
     import dataclasses
 
+    copies: dict[tuple[int, int], object] = {}  # (id of vLLM's object, group) -> its copy for `layout`
     for name, group in layers.items():
         if name not in attn_metadata:
             raise KeyError(f"no attention metadata for layer {name!r} in this forward context")
         meta = attn_metadata[name]
-        if getattr(meta, "use_cascade", False):
-            raise NotImplementedError(f"{name}: cascade attention (shared-prefix metadata) after a drop")
-        fields = layout.flash_attention_fields(group)
-        if getattr(meta, "scheduler_metadata", None) is not None:
-            fields["scheduler_metadata"] = None
-        missing = sorted(set(fields) - {f.name for f in dataclasses.fields(meta)})
-        if missing:
-            raise TypeError(f"{name}: {type(meta).__name__} has no field(s) {missing}")
-        attn_metadata[name] = dataclasses.replace(meta, **fields)
-        slot_mapping[name] = fields["slot_mapping"]
+        key = (id(meta), group)
+        if key not in copies:
+            if getattr(meta, "use_cascade", False):
+                raise NotImplementedError(f"{name}: cascade attention (shared-prefix metadata) after a drop")
+            fields = layout.flash_attention_fields(group)
+            if getattr(meta, "scheduler_metadata", None) is not None:
+                fields["scheduler_metadata"] = None
+            missing = sorted(set(fields) - {f.name for f in dataclasses.fields(meta)})
+            if missing:
+                raise TypeError(f"{name}: {type(meta).__name__} has no field(s) {missing}")
+            copies[key] = dataclasses.replace(meta, **fields)
+        attn_metadata[name] = copies[key]
+        slot_mapping[name] = layout.slot_mapping(group)
 
 
 def batch_layout(
