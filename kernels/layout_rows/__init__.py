@@ -19,9 +19,10 @@ from collections.abc import Sequence
 import torch
 
 from ..validation import resolve_impl
-from .reference import layout_rows_torch, window_counts_torch
+from .reference import decode_segment_torch, decode_window_torch, layout_rows_torch, window_counts_torch
 
-__all__ = ["layout_rows", "window_counts", "warm_up", "layout_rows_torch", "window_counts_torch"]
+__all__ = ["layout_rows", "window_counts", "decode_segment", "decode_window", "warm_up", "layout_rows_torch",
+           "window_counts_torch", "decode_segment_torch", "decode_window_torch"]
 
 
 def layout_rows(query_start_loc: torch.Tensor, kv_base: torch.Tensor, tables: Sequence[torch.Tensor], block_size: int,
@@ -73,6 +74,47 @@ def window_counts(positions: torch.Tensor, request: torch.Tensor, query_start_lo
 
         return window_counts_triton(positions, request, query_start_loc, context, dropping, window, max_query_len)
     return window_counts_torch(positions, request, query_start_loc, context, dropping, window)
+
+
+def decode_segment(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                   removed: torch.Tensor, block_size: int, *, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_lens, slot_mapping) of a full-attention layer after a drop point, for a decode step of R requests (one row
+    each), inside a CUDA graph (device ops only; no sync, no host read).
+
+    seq_lens [R] (vLLM's, every token ever written), block_table [>= R, max_blocks], slot_mapping [>= R] (vLLM's, -1
+    on padding rows), removed [>= R] (KV entries this layer holds fewer, per request). The new token of request r
+    sits at logical index `seq_lens[r] - removed[r] - 1`; padding rows keep vLLM's -1. One launch where the torch
+    composition is about ten, each a kernel of the graph replayed every decode step."""
+    if seq_lens.dim() != 1 or block_table.dim() != 2 or block_table.shape[0] < seq_lens.shape[0] \
+            or slot_mapping.shape[0] < seq_lens.shape[0] or removed.shape[0] < seq_lens.shape[0]:
+        raise ValueError(f"decode_segment: seq_lens [R], block_table [>= R, B], slot_mapping and removed [>= R]; got "
+                         f"{tuple(seq_lens.shape)}, {tuple(block_table.shape)}, {tuple(slot_mapping.shape)}, "
+                         f"{tuple(removed.shape)}")
+    if resolve_impl(impl, seq_lens.device) == "triton":
+        from .kernel import decode_segment_triton
+
+        return decode_segment_triton(seq_lens, block_table, slot_mapping, removed, block_size)
+    return decode_segment_torch(seq_lens, block_table, slot_mapping, removed, block_size)
+
+
+def decode_window(seq_lens: torch.Tensor, tail: torch.Tensor, prompt_end: torch.Tensor, has: torch.Tensor,
+                  window: int, removed: torch.Tensor | None = None, *, impl: str = "auto"):
+    """(request, logical, count, vllm_rows) of a sliding layer's rows after a drop, for a decode step of R requests,
+    inside a CUDA graph (device ops only).
+
+    seq_lens [R] (vLLM's, the new token included: it sits at logical index seq_lens - 1, its position); tail [>= R,
+    max_window] (kept prompt positions near each prompt's end, `_ABSENT` elsewhere), prompt_end / has [>= R]. Each
+    row sees the cached keys at positions > pos - window: its kept prompt keys there plus its decoded tokens, or
+    min(pos + 1, window) without a history; counts clamped to [1, min(window, logical + 1)] (padding rows read entry
+    0). `removed` [>= R]: `vllm_rows` marks the rows of requests that removed none (None without it)."""
+    if window < 1 or tail.dim() != 2 or tail.shape[0] < seq_lens.shape[0]:
+        raise ValueError(f"decode_window: window >= 1 and tail [>= R, max_window]; got window={window}, "
+                         f"tail {tuple(tail.shape)} for R = {seq_lens.shape[0]}")
+    if resolve_impl(impl, seq_lens.device) == "triton":
+        from .kernel import decode_window_triton
+
+        return decode_window_triton(seq_lens, tail, prompt_end, has, window, removed)
+    return decode_window_torch(seq_lens, tail, prompt_end, has, window, removed)
 
 
 def warm_up(device: torch.device, impl: str = "auto") -> int:

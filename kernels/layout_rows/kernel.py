@@ -8,12 +8,18 @@ module imports triton).
   a host op on a host-bound step) of `reference.layout_rows_torch`.
 - `window_counts_kernel`: one program per BLOCK_T rows: each row of a dropping request finds the first row of its
   request within the window by a binary search over the (increasing) positions of the request's rows.
+- `decode_segment_kernel` / `decode_window_kernel`: what a decode step's CUDA graph computes for the layers after a
+  drop (`vllm.graph_decode`): one launch each where the torch compositions were about ten and fifteen small kernels
+  (on the H200 those kernels took 1.5 ms of a 16-token decode's 16.25 ms of device time,
+  docs/results/vllm-gemma-profile-h200-2026-12-05).
 
-One compiled variant each: every argument but the tile size is left unspecialised (`do_not_specialize`: the row
-count, a search's steps, the tables' row strides, how many tables and which rows to write are run-time values, and
-no pointer's 16-byte alignment is assumed: the outputs are views into one buffer). Only the pointers' dtypes
-select a variant: vLLM's are int32 `query_start_loc` and block tables, int64 rows and positions.
-`warm_up_layout_rows` compiles them before a server's first request.
+One compiled variant each (two for `decode_window_kernel`: with and without `vllm_rows`): every argument but the
+tile sizes is left unspecialised (`do_not_specialize`: the row count, a search's steps, the tables' row strides,
+how many tables and which rows to write are run-time values, and no pointer's 16-byte alignment is assumed: the
+outputs are views into one buffer). Only the pointers' dtypes select a variant: vLLM's are int32
+`query_start_loc`, `seq_lens` and block tables, int64 rows, positions and slots. `warm_up_layout_rows` compiles
+every kernel here before a server's first request, and so before vLLM captures its graphs (a compile must not
+happen inside a capture).
 """
 
 from __future__ import annotations
@@ -171,4 +177,81 @@ def warm_up_layout_rows(device: torch.device, index_dtype: torch.dtype = torch.i
                                              source=positions)
     window_counts_triton(positions[:3], request, qsl, torch.zeros(2, dtype=torch.int64, device=device),
                          torch.ones(2, dtype=torch.int64, device=device), 4, 2)
-    return 2
+    # the decode graphs' kernels, with vLLM's and `vllm.graph_decode.DecodeTables`' dtypes, launched at capture
+    seq_lens = torch.tensor([5, 0], dtype=index_dtype, device=device)
+    removed = torch.zeros(2, dtype=torch.int32, device=device)
+    decode_segment_triton(seq_lens, table, torch.tensor([3, -1], device=device), removed, 16)
+    tail = torch.zeros(2, 4, dtype=torch.int64, device=device)
+    flags = torch.zeros(2, dtype=torch.bool, device=device)
+    for kept_vllm_rows in (None, removed):
+        decode_window_triton(seq_lens, tail, tail[:, 0], flags, 4, kept_vllm_rows)
+    return 5
+
+
+@triton.jit(do_not_specialize=["SEQ_LENS", "TABLE", "SLOTS_IN", "REMOVED", "LENS", "SLOTS", "num_reqs", "st_r",
+                               "block_size"])
+def decode_segment_kernel(SEQ_LENS, TABLE, SLOTS_IN, REMOVED, LENS, SLOTS, num_reqs, st_r, block_size,
+                          BLOCK_R: tl.constexpr):
+    """A decode step's rows (one per request) at a full-attention layer after a drop: the KV length without the
+    removed entries, and the new token's slot at its shorter logical index (padding rows keep vLLM's -1)."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < num_reqs
+    seq = tl.load(SEQ_LENS + r, mask=ok, other=0)
+    lens = seq - tl.load(REMOVED + r, mask=ok, other=0).to(seq.dtype)
+    logical = tl.maximum(lens.to(tl.int64) - 1, 0)
+    block = tl.load(TABLE + r * st_r + logical // block_size, mask=ok, other=0).to(tl.int64)
+    base = tl.load(SLOTS_IN + r, mask=ok, other=0).to(tl.int64)
+    tl.store(LENS + r, lens, mask=ok)
+    tl.store(SLOTS + r, tl.where(base < 0, base, block * block_size + logical % block_size), mask=ok)
+
+
+@triton.jit(do_not_specialize=["SEQ_LENS", "TAIL", "PROMPT_END", "HAS", "REMOVED", "ROWS", "VLLM_ROWS", "num_reqs",
+                               "st_tail", "max_window", "window"])
+def decode_window_kernel(SEQ_LENS, TAIL, PROMPT_END, HAS, REMOVED, ROWS, VLLM_ROWS, num_reqs, st_tail, max_window,
+                         window, HAS_REMOVED: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program r: a decode row of a sliding layer after a drop: its request, logical index (its position) and the
+    cache entries it sees under the window over positions (`decode_window_torch`); ROWS holds request, logical and
+    count, `num_reqs` apart."""
+    r = tl.program_id(0).to(tl.int64)
+    pos = tl.load(SEQ_LENS + r).to(tl.int64) - 1
+    low = pos - window  # visible: position > low
+    in_prompt = tl.zeros([], tl.int64)
+    for w0 in range(0, max_window, BLOCK_W):
+        w = w0 + tl.arange(0, BLOCK_W)
+        kept = tl.load(TAIL + r * st_tail + w, mask=w < max_window, other=-(2 ** 62))
+        in_prompt += tl.sum((kept > low).to(tl.int64), 0)
+    decoded = tl.maximum(tl.minimum(pos - tl.load(PROMPT_END + r) + 1, window), 0)
+    count = tl.where(tl.load(HAS + r) != 0, in_prompt + decoded, tl.minimum(pos + 1, window))
+    logical = tl.maximum(pos, 0)
+    count = tl.minimum(tl.minimum(tl.maximum(count, 1), window), logical + 1)
+    tl.store(ROWS + r, r)
+    tl.store(ROWS + num_reqs + r, logical)
+    tl.store(ROWS + 2 * num_reqs + r, count)
+    if HAS_REMOVED:
+        tl.store(VLLM_ROWS + r, (tl.load(REMOVED + r) == 0).to(tl.uint8))
+
+
+def decode_segment_triton(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                          removed: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_reqs = seq_lens.shape[0]
+    lens = torch.empty_like(seq_lens)
+    slots = torch.empty(num_reqs, dtype=torch.int64, device=seq_lens.device)
+    if num_reqs:
+        decode_segment_kernel[(triton.cdiv(num_reqs, 128),)](
+            seq_lens, block_table, slot_mapping, removed, lens, slots, num_reqs, block_table.stride(0), block_size,
+            BLOCK_R=128)
+    return lens, slots
+
+
+def decode_window_triton(seq_lens: torch.Tensor, tail: torch.Tensor, prompt_end: torch.Tensor, has: torch.Tensor,
+                         window: int, removed: torch.Tensor | None = None):
+    num_reqs = seq_lens.shape[0]
+    rows = torch.empty(3 * num_reqs, dtype=torch.int64, device=seq_lens.device)
+    vllm_rows = torch.empty(num_reqs, dtype=torch.uint8, device=seq_lens.device) if removed is not None else None
+    if num_reqs:
+        decode_window_kernel[(num_reqs,)](
+            seq_lens, tail, prompt_end, has.view(torch.uint8) if has.dtype == torch.bool else has,
+            removed if removed is not None else seq_lens, rows, vllm_rows if vllm_rows is not None else rows,
+            num_reqs, tail.stride(0), tail.shape[1], window, HAS_REMOVED=removed is not None, BLOCK_W=128)
+    request, logical, count = rows[:num_reqs], rows[num_reqs:2 * num_reqs], rows[2 * num_reqs:]
+    return request, logical, count, None if vllm_rows is None else vllm_rows.view(torch.bool)

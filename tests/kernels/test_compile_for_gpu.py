@@ -1,6 +1,6 @@
 """Triton kernels that changed since the last GPU run compile for an H100/H200 (sm_90) on this CPU machine: Triton's
-own compiler, down to PTX and a cubin, with the argument types the launchers pass (the row-layout kernels, and the
-paged window kernels with and without skipped rows). Triton's CPU interpreter (the other kernel tests) runs Python
+own compiler, down to PTX and a cubin, with the argument types the launchers pass (the row-layout and decode-graph
+kernels, and the paged window kernels with and without skipped rows). Triton's CPU interpreter (the other kernel tests) runs Python
 on NumPy and accepts code the compiler refuses, and refuses some it accepts; this catches the first kind before a
 GPU session does. Skipped where the installed Triton has no NVIDIA backend or no `ptxas`."""
 
@@ -42,6 +42,11 @@ SCRIPT = textwrap.dedent("""
                                "POS", "REQ", "CTX", "DROPPING", "COUNTS", "LOGICAL", "COUNT")}
     compile_one(rows.layout_rows_kernel, {**i32, **i64}, constexprs={"BLOCK_T": 256})
     compile_one(rows.window_counts_kernel, {**i32, **i64}, constexprs={"BLOCK_T": 256})
+    decode = {"SEQ_LENS": "*i32", "TABLE": "*i32", "SLOTS_IN": "*i64", "REMOVED": "*i32", "LENS": "*i32",
+              "SLOTS": "*i64", "TAIL": "*i64", "PROMPT_END": "*i64", "HAS": "*u8", "ROWS": "*i64", "VLLM_ROWS": "*u8"}
+    compile_one(rows.decode_segment_kernel, decode, constexprs={"BLOCK_R": 128})
+    for flags in (False, True):
+        compile_one(rows.decode_window_kernel, decode, constexprs={"HAS_REMOVED": flags, "BLOCK_W": 128})
     attention = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "TABLE": "*i32", "SKIP": "*u8",
                  "PART_M": "*fp32", "PART_L": "*fp32", "PART_ACC": "*fp32", **i64}
     gemma = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256)  # Gemma-3-270M's sliding layers
@@ -71,4 +76,4 @@ def test_the_changed_kernels_compile_for_sm90(tmp_path):
            "TRITON_DEFAULT_FP_FUSION": "1"}
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 2 + 4 + 2, result.stdout
+    assert result.stdout.count("compiled") == 2 + 3 + 4 + 2, result.stdout

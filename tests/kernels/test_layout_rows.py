@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from uniprefill.kernels.layout_rows import layout_rows, window_counts
+from uniprefill.kernels.layout_rows import decode_segment, decode_window, layout_rows, window_counts
 
 
 def _random_layout(gen: torch.Generator):
@@ -98,6 +98,44 @@ def test_window_counts_triton_equals_the_reference_and_the_rule(seed, window):
     assert ref.tolist() == expected
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_decode_kernels_equal_their_references(seed):
+    """The decode graphs' computations (`vllm.graph_decode`): a step of R requests, some padding rows (seq_lens 0,
+    slot -1), int32 seq_lens / removed / block table as vLLM and `DecodeTables` hold them; window tables with
+    absent entries, requests with and without a history, stale rows (a count the clamps must bound), with and
+    without `removed` (the `vllm_rows` flags)."""
+    gen = torch.Generator().manual_seed(seed)
+    requests, block, window, max_window = int(torch.randint(1, 40, (1,), generator=gen)), (1, 16)[seed % 2], 24, 32
+    seq_lens = torch.randint(1, 400, (requests,), generator=gen, dtype=torch.int32)
+    seq_lens[torch.rand(requests, generator=gen) < 0.2] = 0  # padding rows of a captured batch
+    removed = torch.randint(0, 50, (requests + 5,), generator=gen, dtype=torch.int32)
+    removed[:requests] = torch.minimum(removed[:requests], seq_lens)
+    removed[torch.rand(requests + 5, generator=gen) < 0.3] = 0
+    table = torch.randint(0, 10 ** 5, (requests + 2, 400 // block + 3), generator=gen, dtype=torch.int32)
+    slots = torch.where(seq_lens > 0, torch.randint(0, 10 ** 6, (requests,), generator=gen), -1).long()
+    slots = torch.cat([slots, torch.full((3,), -1)])  # vLLM's slot mapping is padded past R
+    ref = decode_segment(seq_lens, table, slots, removed, block, impl="torch")
+    got = decode_segment(seq_lens, table, slots, removed, block, impl="triton")
+    assert ref[0].dtype == got[0].dtype == torch.int32 and torch.equal(ref[0], got[0])
+    assert got[1].dtype == torch.int64 and torch.equal(ref[1], got[1])
+    tail = torch.full((requests + 4, max_window), -(2 ** 40), dtype=torch.long)
+    for r in range(requests):
+        n = int(torch.randint(0, max_window + 1, (1,), generator=gen))
+        top = int(seq_lens[r]) - int(torch.randint(0, 60, (1,), generator=gen))
+        tail[r, :n] = torch.sort(top - torch.randperm(100, generator=gen)[:n]).values
+    prompt_end = seq_lens.long() - torch.randint(-3, 30, (requests,), generator=gen)  # some stale (past pos)
+    has = torch.rand(requests, generator=gen) < 0.6
+    for flags in (None, removed):
+        ref = decode_window(seq_lens, tail, prompt_end, has, window, flags, impl="torch")
+        got = decode_window(seq_lens, tail, prompt_end, has, window, flags, impl="triton")
+        for name, a, b in zip(("request", "logical", "count", "vllm_rows"), ref, got):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(a, b), name
+        count, logical = ref[2], ref[1]
+        assert (count >= 1).all() and (count <= window).all() and (count <= logical + 1).all()
+
+
 def test_bad_inputs_raise_with_what_was_expected():
     qsl, base = torch.tensor([0, 3, 5], dtype=torch.int32), torch.zeros(2, dtype=torch.long)
     table = torch.zeros(2, 4, dtype=torch.int32)
@@ -121,7 +159,7 @@ def test_warm_up_runs_the_kernels_only_where_triton_runs_them():
 
     assert warm_up(torch.device("cpu"), "torch") == 0
     assert warm_up(torch.device("cpu"), "auto") == 0  # the reference runs on the CPU
-    assert warm_up(torch.device("cpu"), "triton") == 2  # the interpreter here (tests/conftest.py)
+    assert warm_up(torch.device("cpu"), "triton") == 5  # the interpreter here (tests/conftest.py)
 
 
 def _compiled_variants(kernel) -> int:
@@ -133,16 +171,18 @@ def _compiled_variants(kernel) -> int:
 
 @pytest.mark.gpu
 def test_gpu_kernels_equal_the_reference_and_compile_one_variant_each():
-    """CUDA, vLLM's dtypes, a 32K-row step of four requests and Gemma-3-270M's six KV-cache groups: both kernels
-    equal the reference; after `warm_up` (one variant each), steps of other row counts, request counts, table
-    counts, strides and row modes compile nothing more (a compile is ~1 s inside a request's step)."""
+    """CUDA, vLLM's dtypes, a 32K-row step of four requests and Gemma-3-270M's six KV-cache groups: every kernel
+    (the layouts' and the decode graphs') equals its reference; after `warm_up`, steps of other row counts, request
+    counts, table counts, strides and row modes compile nothing more (a compile is ~1 s inside a request's step,
+    and must not happen inside a graph capture)."""
     from uniprefill.kernels.layout_rows import kernel as triton_kernels
     from uniprefill.kernels.layout_rows import warm_up
 
     dev = torch.device("cuda")
     warm_up(dev)
-    before = (_compiled_variants(triton_kernels.layout_rows_kernel),
-              _compiled_variants(triton_kernels.window_counts_kernel))
+    kernels = (triton_kernels.layout_rows_kernel, triton_kernels.window_counts_kernel,
+               triton_kernels.decode_segment_kernel, triton_kernels.decode_window_kernel)
+    before = [_compiled_variants(k) for k in kernels]
     gen = torch.Generator().manual_seed(0)
     for requests, tokens, groups in ((4, 32000, 6), (1, 17, 1), (3, 4097, 9), (2, 2, 0)):
         lens = torch.full((requests,), tokens // requests)
@@ -174,6 +214,21 @@ def test_gpu_kernels_equal_the_reference_and_compile_one_variant_each():
             b = window_counts(pos.to(dev), request.to(dev), qsl.to(dev), context.to(dev),
                               dropping.long().to(dev), window, max_query_len=int(lens.max()), impl="triton")
             assert torch.equal(a, b.cpu())
-    after = (_compiled_variants(triton_kernels.layout_rows_kernel),
-             _compiled_variants(triton_kernels.window_counts_kernel))
+        # a decode step of the same requests: vLLM's int32 seq_lens and tables, `DecodeTables`' int32 removed counts
+        seq_lens = (kv_base + lens.int()).to(torch.int32)
+        removed = torch.minimum(torch.randint(0, 300, (requests + 1,), generator=gen, dtype=torch.int32),
+                                torch.cat([seq_lens, seq_lens[:1]]))
+        slots = torch.randint(-1, 10 ** 6, (requests + 2,), generator=gen)
+        tail = torch.randint(-(2 ** 40), 10 ** 4, (requests + 1, 512), generator=gen)
+        ends, has = torch.randint(0, 10 ** 4, (requests + 1,), generator=gen), torch.rand(requests + 1) < 0.5
+        for g in range(min(groups, 2)):
+            a = decode_segment(seq_lens, tables[g], slots, removed, 16, impl="torch")
+            b = decode_segment(*(t.to(dev) for t in (seq_lens, tables[g], slots, removed)), 16, impl="triton")
+            assert all(torch.equal(x, y.cpu()) for x, y in zip(a, b))
+        for flags in (None, removed):
+            a = decode_window(seq_lens, tail, ends, has, 512, flags, impl="torch")
+            b = decode_window(*(t.to(dev) for t in (seq_lens, tail, ends, has)), 512,
+                              None if flags is None else flags.to(dev), impl="triton")
+            assert all((x is None and y is None) or torch.equal(x, y.cpu()) for x, y in zip(a, b))
+    after = [_compiled_variants(k) for k in kernels]
     assert after == before, (before, after)

@@ -209,20 +209,26 @@ def test_decode_down_the_full_graph_path_equals_eager_decode_on_random_cases(gro
                                        msg=f"case {seed} {decode_scenario(seed)}, decode step {n}")
 
 
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager-decode", "decode-graph-path"])
 @pytest.mark.parametrize("group", [0, 1])
-def test_the_row_kernels_on_triton_equal_their_reference_through_random_multi_step_cases(monkeypatch, group):
-    """The layouts' rows, slots and window counts from the Triton kernels (`kernels.layout_rows`, what runs on a
-    GPU; Triton's interpreter here) instead of their PyTorch reference, through whole multi-step cases (prompts that
-    drop, last chunks with context, sliding layers, eager decode): every decode output equal, bit for bit."""
+def test_the_row_kernels_on_triton_equal_their_reference_through_random_multi_step_cases(monkeypatch, group,
+                                                                                         decode_graphs):
+    """The layouts' rows, slots and window counts, and the decode graphs' lengths, slots and window rows, from the
+    Triton kernels (`kernels.layout_rows`, what runs on a GPU; Triton's interpreter here) instead of their PyTorch
+    references, through whole multi-step cases (prompts that drop, last chunks with context, sliding layers, decode
+    eagerly or down the full-graph path): every decode output equal, bit for bit."""
     import uniprefill.vllm.drop as drop_module
-
-    real = drop_module.batch_layout
-    reference = {seed: run_decode_scenario(seed, decode_graphs=False) for seed in range(700 + group * 3,
-                                                                                        703 + group * 3)}
-    monkeypatch.setattr(drop_module, "batch_layout", lambda *a, **kw: real(*a, **{**kw, "impl": "triton"}))
+    import uniprefill.vllm.graph_decode as graph_decode
     from uniprefill.kernels.layout_rows import kernel as triton_kernels
 
-    launches = {"layout_rows_triton": 0, "window_counts_triton": 0}
+    seeds = range(700 + group * 3, 703 + group * 3)
+    reference = {seed: run_decode_scenario(seed, decode_graphs=decode_graphs) for seed in seeds}
+    for module, name in ((drop_module, "batch_layout"), (graph_decode, "decode_segment"),
+                         (graph_decode, "decode_window")):
+        monkeypatch.setattr(module, name, lambda *a, _real=getattr(module, name), **kw: _real(*a, **{**kw,
+                                                                                                  "impl": "triton"}))
+    launches = {name: 0 for name in ("layout_rows_triton", "window_counts_triton", "decode_segment_triton",
+                                     "decode_window_triton")}
     for name in launches:
         def counted(*a, _real=getattr(triton_kernels, name), _name=name, **kw):
             launches[_name] += 1
@@ -230,9 +236,12 @@ def test_the_row_kernels_on_triton_equal_their_reference_through_random_multi_st
         monkeypatch.setattr(triton_kernels, name, counted)
     dropped = 0
     for seed, (want, totals) in reference.items():
-        got, got_totals = run_decode_scenario(seed, decode_graphs=False)
+        got, got_totals = run_decode_scenario(seed, decode_graphs=decode_graphs)
         assert got_totals.requests_dropped == totals.requests_dropped
         dropped += totals.requests_dropped
         for n, (a, b) in enumerate(zip(want, got)):
             assert torch.equal(a, b), f"case {seed} {decode_scenario(seed)}, decode step {n}"
-    assert dropped and all(launches.values()), launches  # the cases drop, with sliding layers; Triton ran
+    ran = {name for name, n in launches.items() if n}
+    expected = {"layout_rows_triton", "window_counts_triton"} | (
+        {"decode_segment_triton", "decode_window_triton"} if decode_graphs else set())
+    assert dropped and ran == expected, launches  # the cases drop, with sliding layers; Triton ran where it should

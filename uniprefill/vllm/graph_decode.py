@@ -32,6 +32,8 @@ import dataclasses
 
 import torch
 
+from uniprefill.kernels.layout_rows import decode_segment, decode_window
+
 from .. import env
 from .drop_records import WindowRows
 from .layout import _ABSENT
@@ -94,25 +96,20 @@ class DecodeTables:
 
 
 def segment_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor,
-                     removed: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     removed: torch.Tensor, block_size: int, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(seq_lens, slot_mapping) of a layer after a drop point, for a decode step of R requests.
 
     seq_lens int [R] (vLLM's, every token ever written), block_table [R, max_blocks],
     slot_mapping [T >= R] (vLLM's, -1 on padding rows), removed int [R]: device tensors.
     The new token of request r sits at logical index `seq_lens[r] - removed[r] - 1` of the
-    layer's KV; padding rows keep vLLM's -1. Device ops only: no host sync, capturable.
+    layer's KV; padding rows keep vLLM's -1. Device ops only: no host sync, capturable; one kernel
+    (`kernels.layout_rows.decode_segment`; `impl` as the config's).
     """
-    num_reqs = seq_lens.shape[0]
-    lens = seq_lens - removed[:num_reqs].to(seq_lens.dtype)
-    logical = (lens.long() - 1).clamp(min=0)
-    blocks = block_table[:num_reqs].gather(1, (logical // block_size)[:, None]).squeeze(1).long()  # no table copy
-    base = slot_mapping[:num_reqs].long()
-    slots = torch.where(base < 0, base, blocks * block_size + logical % block_size)
-    return lens, slots
+    return decode_segment(seq_lens, block_table, slot_mapping, removed, block_size, impl=impl)
 
 
 def window_rows(seq_lens: torch.Tensor, block_table: torch.Tensor, tail: torch.Tensor, prompt_end: torch.Tensor,
-                has: torch.Tensor, window: int, removed: torch.Tensor | None = None) -> WindowRows:
+                has: torch.Tensor, window: int, removed: torch.Tensor | None = None, impl: str = "auto") -> WindowRows:
     """A sliding layer's rows for a decode step of R requests after drops, on the device.
 
     seq_lens [R] (vLLM's, the new token included: it sits at logical index seq_lens - 1, its
@@ -122,17 +119,9 @@ def window_rows(seq_lens: torch.Tensor, block_table: torch.Tensor, tail: torch.T
     min(pos + 1, window) for a request without a history (`DropHistoryStore.window_first_visible`).
     Padding rows (seq_lens 0) read their request's first entry. `removed` [>= R] (the drop column's KV
     entries removed per request): rows of requests that removed none are marked `vllm_rows` (vLLM's own attention
-    is exact there). Device ops only: capturable."""
-    num_reqs = seq_lens.shape[0]
-    pos = seq_lens.long() - 1
-    in_prompt = (tail[:num_reqs] > (pos - window)[:, None]).sum(1)
-    end = prompt_end[:num_reqs]
-    decoded = torch.clamp(torch.clamp(pos - end + 1, max=window), min=0)
-    count = torch.where(has[:num_reqs], in_prompt + decoded, torch.clamp(pos + 1, max=window))
-    logical = pos.clamp(min=0)
-    count = torch.minimum(count.clamp(1, window), logical + 1)  # the kernel's contract, also for stale tables
-    return WindowRows(block_table[:num_reqs], torch.arange(num_reqs, device=seq_lens.device), logical, count,
-                      vllm_rows=None if removed is None else removed[:num_reqs] == 0)
+    is exact there). Device ops only: capturable; one kernel (`kernels.layout_rows.decode_window`)."""
+    request, logical, count, vllm_rows = decode_window(seq_lens, tail, prompt_end, has, window, removed, impl=impl)
+    return WindowRows(block_table[:seq_lens.shape[0]], request, logical, count, vllm_rows=vllm_rows)
 
 
 def keeps_vllm_rows(config) -> bool:
@@ -207,7 +196,8 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
             key = (meta.seq_lens.data_ptr(), meta.seq_lens.shape[0], runtime.windows[name])
             if key not in windowed:
                 windowed[key] = window_rows(meta.seq_lens, meta.block_table, buffer.tail[column - 1], buffer.prompt_end,
-                                            buffer.has, runtime.windows[name], table[column - 1] if exact else None)
+                                            buffer.has, runtime.windows[name], table[column - 1] if exact else None,
+                                            runtime.config.impl)
             rows = windowed[key]
             runtime.step.window_rows[name] = dataclasses.replace(rows, block_table=meta.block_table[:rows.count.shape[0]])
             continue
@@ -215,7 +205,7 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
             if getattr(meta, "use_cascade", False):
                 raise NotImplementedError(f"{name}: cascade attention in a captured decode graph after a drop")
             lens, new_slots = segment_metadata(meta.seq_lens, meta.block_table, slots, table[column - 1],
-                                               runtime.block_size_fn(name))
+                                               runtime.block_size_fn(name), runtime.config.impl)
             fields = {"seq_lens": lens, "slot_mapping": new_slots}
             # planned for vLLM's lengths: FA3 plans these itself. `env.debug_keep_fa3_plan()`, a diagnosis aid
             # sound at p = 1 only (no request holds fewer KV entries), keeps vLLM's plan (defaults_grid `p1keepplan`)
