@@ -38,7 +38,8 @@ def layout_rows(query_start_loc: torch.Tensor, kv_base: torch.Tensor, tables: Se
         Without `kept`: `positions` None is vLLM's own batch (each row's position is its logical index, its source
         the row itself); `positions` given returns None for both (the caller keeps its own).
     Indices are not checked here (a launch per check on the host's path): `vllm.layout`'s `validate="full"`
-    checks them."""
+    checks them. Preconditions: qsl non-decreasing, kv_base >= 0 and every logical index inside its table row (a
+    negative index would floor in the reference and truncate in Triton); 1-D inputs contiguous (checked)."""
     _check(query_start_loc, kv_base, tables, block_size, tokens, kept, positions, source)
     if resolve_impl(impl, query_start_loc.device) == "triton":
         from .kernel import layout_rows_triton
@@ -69,6 +70,8 @@ def window_counts(positions: torch.Tensor, request: torch.Tensor, query_start_lo
     for name, t in (("context", context), ("dropping", dropping)):
         if t.shape != (num_reqs,):
             raise ValueError(f"{name}: expected shape ({num_reqs},) (one per request), got {tuple(t.shape)}")
+    _contiguous(positions=positions, request=request, query_start_loc=query_start_loc, context=context,
+                dropping=dropping)
     if resolve_impl(impl, positions.device) == "triton":
         from .kernel import window_counts_triton
 
@@ -90,6 +93,9 @@ def decode_segment(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mappi
         raise ValueError(f"decode_segment: seq_lens [R], block_table [>= R, B], slot_mapping and removed [>= R]; got "
                          f"{tuple(seq_lens.shape)}, {tuple(block_table.shape)}, {tuple(slot_mapping.shape)}, "
                          f"{tuple(removed.shape)}")
+    if block_table.stride(1) != 1:
+        raise ValueError(f"block_table: expected unit column stride, got strides {block_table.stride()}")
+    _contiguous(seq_lens=seq_lens, slot_mapping=slot_mapping, removed=removed)
     if resolve_impl(impl, seq_lens.device) == "triton":
         from .kernel import decode_segment_triton
 
@@ -110,6 +116,9 @@ def decode_window(seq_lens: torch.Tensor, tail: torch.Tensor, prompt_end: torch.
     if window < 1 or tail.dim() != 2 or tail.shape[0] < seq_lens.shape[0]:
         raise ValueError(f"decode_window: window >= 1 and tail [>= R, max_window]; got window={window}, "
                          f"tail {tuple(tail.shape)} for R = {seq_lens.shape[0]}")
+    if tail.stride(1) != 1:
+        raise ValueError(f"tail: expected unit column stride, got strides {tail.stride()}")
+    _contiguous(seq_lens=seq_lens, prompt_end=prompt_end, has=has, removed=removed)
     if resolve_impl(impl, seq_lens.device) == "triton":
         from .kernel import decode_window_triton
 
@@ -125,6 +134,13 @@ def warm_up(device: torch.device, impl: str = "auto") -> int:
     from .kernel import warm_up_layout_rows
 
     return warm_up_layout_rows(device)
+
+
+def _contiguous(**tensors) -> None:
+    """The kernels index 1-D inputs as `pointer + i`: a strided view would be read wrong, so it is refused."""
+    for name, t in tensors.items():
+        if t is not None and t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous 1-D tensor, got stride {t.stride(0)}")
 
 
 def _check(query_start_loc, kv_base, tables, block_size, tokens, kept, positions, source) -> None:
@@ -146,3 +162,4 @@ def _check(query_start_loc, kv_base, tables, block_size, tokens, kept, positions
             raise ValueError("kept: needs the earlier layout's positions and source rows (1-D, one length)")
     elif source is not None:
         raise ValueError("source: only with kept (gathered through it)")
+    _contiguous(query_start_loc=query_start_loc, kv_base=kv_base, kept=kept, positions=positions, source=source)

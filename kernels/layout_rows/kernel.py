@@ -34,6 +34,14 @@ MAX_TABLES = 8  # block tables one launch reads; more groups take more launches
 _BLOCK_T = 256
 
 
+def _segment(n: int) -> int:
+    """Elements between the int64 views of one output buffer: `n` rounded up to an even count, so that every view
+    starts on 16 bytes. The window kernels (`kernels.paged_window`) read some of these views and, like every plain
+    `triton.jit` kernel, compile a variant per pointer alignment: an odd row count would otherwise compile a new one
+    in a request's step, or inside a decode graph's capture, where the warm-up's aligned tensors compiled the other."""
+    return n + (n & 1)
+
+
 @triton.jit
 def _request_of(QSL, t, num_reqs, steps):
     """Largest r in [0, num_reqs) with qsl[r] <= t (the request owning row t; empty requests skipped)."""
@@ -58,14 +66,14 @@ _POINTERS = ["QSL", "KV_BASE", "KEPT", "POS_IN", "SRC_IN", "POS_OUT", "SRC_OUT",
 
 
 @triton.jit(do_not_specialize=_POINTERS + ["st0", "st1", "st2", "st3", "st4", "st5", "st6", "st7", "tokens",
-                                           "num_reqs", "steps", "block_size", "num_tables", "rows"])
+                                           "seg", "num_reqs", "steps", "block_size", "num_tables", "rows"])
 def layout_rows_kernel(
     QSL, KV_BASE, KEPT, POS_IN, SRC_IN, POS_OUT, SRC_OUT, REQ_OUT, LOGICAL_OUT, SLOTS,
     T0, T1, T2, T3, T4, T5, T6, T7, st0, st1, st2, st3, st4, st5, st6, st7,
-    tokens, num_reqs, steps, block_size, num_tables, rows, BLOCK_T: tl.constexpr,
+    tokens, seg, num_reqs, steps, block_size, num_tables, rows, BLOCK_T: tl.constexpr,
 ):
     """rows: 0 no positions / sources, 1 gathered through KEPT, 2 vLLM's own batch (position = logical index).
-    SLOTS: num_tables rows of `tokens` slots, table g's at SLOTS + g * tokens."""
+    SLOTS: num_tables rows of `tokens` slots, table g's at SLOTS + g * seg."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < tokens
     t = tl.where(ok, t, 0)
@@ -84,19 +92,19 @@ def layout_rows_kernel(
     if num_tables > 0:
         _store_slot(T0, SLOTS, st0, request, logical, t, ok, block_size)
     if num_tables > 1:
-        _store_slot(T1, SLOTS + tokens, st1, request, logical, t, ok, block_size)
+        _store_slot(T1, SLOTS + seg, st1, request, logical, t, ok, block_size)
     if num_tables > 2:
-        _store_slot(T2, SLOTS + 2 * tokens, st2, request, logical, t, ok, block_size)
+        _store_slot(T2, SLOTS + 2 * seg, st2, request, logical, t, ok, block_size)
     if num_tables > 3:
-        _store_slot(T3, SLOTS + 3 * tokens, st3, request, logical, t, ok, block_size)
+        _store_slot(T3, SLOTS + 3 * seg, st3, request, logical, t, ok, block_size)
     if num_tables > 4:
-        _store_slot(T4, SLOTS + 4 * tokens, st4, request, logical, t, ok, block_size)
+        _store_slot(T4, SLOTS + 4 * seg, st4, request, logical, t, ok, block_size)
     if num_tables > 5:
-        _store_slot(T5, SLOTS + 5 * tokens, st5, request, logical, t, ok, block_size)
+        _store_slot(T5, SLOTS + 5 * seg, st5, request, logical, t, ok, block_size)
     if num_tables > 6:
-        _store_slot(T6, SLOTS + 6 * tokens, st6, request, logical, t, ok, block_size)
+        _store_slot(T6, SLOTS + 6 * seg, st6, request, logical, t, ok, block_size)
     if num_tables > 7:
-        _store_slot(T7, SLOTS + 7 * tokens, st7, request, logical, t, ok, block_size)
+        _store_slot(T7, SLOTS + 7 * seg, st7, request, logical, t, ok, block_size)
 
 
 @triton.jit(do_not_specialize=["POS", "REQ", "QSL", "CTX", "DROPPING", "COUNTS", "tokens", "steps", "window"])
@@ -129,11 +137,12 @@ def layout_rows_triton(query_start_loc: torch.Tensor, kv_base: torch.Tensor, tab
     num_reqs = query_start_loc.numel() - 1
     rows = 1 if kept is not None else (2 if positions is None else 0)
     per_row = 2 + (2 if rows else 0) + len(tables)
-    buffer = torch.empty(per_row * tokens, dtype=torch.int64, device=device)
-    request, logical = buffer[:tokens], buffer[tokens:2 * tokens]
-    out_pos, out_src = (buffer[2 * tokens:3 * tokens], buffer[3 * tokens:4 * tokens]) if rows else (None, None)
-    slots_at = (4 if rows else 2) * tokens
-    slots = tuple(buffer[slots_at + g * tokens:slots_at + (g + 1) * tokens] for g in range(len(tables)))
+    seg = _segment(tokens)
+    buffer = torch.empty(per_row * seg, dtype=torch.int64, device=device)
+    views = [buffer[i * seg:i * seg + tokens] for i in range(per_row)]
+    request, logical = views[0], views[1]
+    out_pos, out_src = (views[2], views[3]) if rows else (None, None)
+    slots = tuple(views[per_row - len(tables):])
     if tokens == 0:
         return out_pos, out_src, request, logical, slots
     steps = max(num_reqs, 1).bit_length()
@@ -147,7 +156,7 @@ def layout_rows_triton(query_start_loc: torch.Tensor, kv_base: torch.Tensor, tab
         layout_rows_kernel[grid](
             query_start_loc, kv_base, kept if kept is not None else dummy, positions if rows == 1 else dummy,
             source if rows == 1 else dummy, out_pos if rows else dummy, out_src if rows else dummy, request, logical,
-            buffer[slots_at + first * tokens:] if chunk else dummy, *padded, *strides, tokens, num_reqs, steps,
+            slots[first] if chunk else dummy, *padded, *strides, tokens, seg, num_reqs, steps,
             block_size, len(chunk), rows if first == 0 else 0, BLOCK_T=_BLOCK_T,
         )
     return out_pos, out_src, request, logical, slots
@@ -205,13 +214,13 @@ def decode_segment_kernel(SEQ_LENS, TABLE, SLOTS_IN, REMOVED, LENS, SLOTS, num_r
     tl.store(SLOTS + r, tl.where(base < 0, base, block * block_size + logical % block_size), mask=ok)
 
 
-@triton.jit(do_not_specialize=["SEQ_LENS", "TAIL", "PROMPT_END", "HAS", "REMOVED", "ROWS", "VLLM_ROWS", "num_reqs",
+@triton.jit(do_not_specialize=["SEQ_LENS", "TAIL", "PROMPT_END", "HAS", "REMOVED", "ROWS", "VLLM_ROWS", "seg",
                                "st_tail", "max_window", "window"])
-def decode_window_kernel(SEQ_LENS, TAIL, PROMPT_END, HAS, REMOVED, ROWS, VLLM_ROWS, num_reqs, st_tail, max_window,
-                         window, HAS_REMOVED: tl.constexpr, BLOCK_W: tl.constexpr):
+def decode_window_kernel(SEQ_LENS, TAIL, PROMPT_END, HAS, REMOVED, ROWS, VLLM_ROWS, seg, st_tail, max_window, window,
+                         HAS_REMOVED: tl.constexpr, BLOCK_W: tl.constexpr):
     """Program r: a decode row of a sliding layer after a drop: its request, logical index (its position) and the
     cache entries it sees under the window over positions (`decode_window_torch`); ROWS holds request, logical and
-    count, `num_reqs` apart."""
+    count, `seg` apart."""
     r = tl.program_id(0).to(tl.int64)
     pos = tl.load(SEQ_LENS + r).to(tl.int64) - 1
     low = pos - window  # visible: position > low
@@ -225,8 +234,8 @@ def decode_window_kernel(SEQ_LENS, TAIL, PROMPT_END, HAS, REMOVED, ROWS, VLLM_RO
     logical = tl.maximum(pos, 0)
     count = tl.minimum(tl.minimum(tl.maximum(count, 1), window), logical + 1)
     tl.store(ROWS + r, r)
-    tl.store(ROWS + num_reqs + r, logical)
-    tl.store(ROWS + 2 * num_reqs + r, count)
+    tl.store(ROWS + seg + r, logical)
+    tl.store(ROWS + 2 * seg + r, count)
     if HAS_REMOVED:
         tl.store(VLLM_ROWS + r, (tl.load(REMOVED + r) == 0).to(tl.uint8))
 
@@ -246,12 +255,13 @@ def decode_segment_triton(seq_lens: torch.Tensor, block_table: torch.Tensor, slo
 def decode_window_triton(seq_lens: torch.Tensor, tail: torch.Tensor, prompt_end: torch.Tensor, has: torch.Tensor,
                          window: int, removed: torch.Tensor | None = None):
     num_reqs = seq_lens.shape[0]
-    rows = torch.empty(3 * num_reqs, dtype=torch.int64, device=seq_lens.device)
+    seg = _segment(num_reqs)
+    rows = torch.empty(3 * seg, dtype=torch.int64, device=seq_lens.device)
     vllm_rows = torch.empty(num_reqs, dtype=torch.uint8, device=seq_lens.device) if removed is not None else None
     if num_reqs:
         decode_window_kernel[(num_reqs,)](
             seq_lens, tail, prompt_end, has.view(torch.uint8) if has.dtype == torch.bool else has,
             removed if removed is not None else seq_lens, rows, vllm_rows if vllm_rows is not None else rows,
-            num_reqs, tail.stride(0), tail.shape[1], window, HAS_REMOVED=removed is not None, BLOCK_W=128)
-    request, logical, count = rows[:num_reqs], rows[num_reqs:2 * num_reqs], rows[2 * num_reqs:]
+            seg, tail.stride(0), tail.shape[1], window, HAS_REMOVED=removed is not None, BLOCK_W=128)
+    request, logical, count = (rows[i * seg:i * seg + num_reqs] for i in range(3))
     return request, logical, count, None if vllm_rows is None else vllm_rows.view(torch.bool)

@@ -136,6 +136,26 @@ def test_the_decode_kernels_equal_their_references(seed):
         assert (count >= 1).all() and (count <= window).all() and (count <= logical + 1).all()
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 5, 33])
+def test_every_output_view_starts_on_16_bytes(tokens):
+    """The window kernels read `row_request` / `row_logical` and the decode graphs' rows; a plain `triton.jit` kernel
+    compiles a variant per pointer alignment, and the warm-up compiled the aligned one: an odd row count must not
+    put a view off 16 bytes (it would compile inside a request's step, or inside a graph capture)."""
+    qsl = torch.tensor([0, tokens], dtype=torch.int32)
+    table = torch.zeros(1, 8, dtype=torch.int32)
+    for rows in ({"kept": torch.arange(tokens), "positions": torch.arange(tokens), "source": torch.arange(tokens)},
+                 {}, {"positions": torch.arange(tokens)}):
+        for impl in ("torch", "triton"):
+            out = layout_rows(qsl, qsl[:1], [table] * 3, 16, tokens, impl=impl, **rows)
+            views = [t for t in (*out[:4], *out[4]) if t is not None]
+            assert all(t.data_ptr() % 16 == 0 for t in views), (impl, rows.keys(), [t.data_ptr() % 16 for t in views])
+    seq_lens = torch.full((tokens,), 9, dtype=torch.int32)
+    tail = torch.zeros(tokens, 4, dtype=torch.long)
+    for impl in ("torch", "triton"):
+        request, logical, count, _ = decode_window(seq_lens, tail, tail[:, 0].contiguous(), seq_lens > 0, 4, impl=impl)
+        assert all(t.data_ptr() % 16 == 0 for t in (request, logical, count)), impl
+
+
 def test_bad_inputs_raise_with_what_was_expected():
     qsl, base = torch.tensor([0, 3, 5], dtype=torch.int32), torch.zeros(2, dtype=torch.long)
     table = torch.zeros(2, 4, dtype=torch.int32)
@@ -147,6 +167,13 @@ def test_bad_inputs_raise_with_what_was_expected():
         layout_rows(qsl, base, [table], 16, 5, kept=torch.arange(4), positions=torch.arange(9), source=torch.arange(9))
     with pytest.raises(ValueError, match="needs the earlier layout"):
         layout_rows(qsl, base, [table], 16, 5, kept=torch.arange(5))
+    with pytest.raises(ValueError, match="kept: expected a contiguous"):  # read as pointer + i by the kernel
+        layout_rows(qsl, base, [table], 16, 5, kept=torch.arange(10)[::2], positions=torch.arange(10),
+                    source=torch.arange(10))
+    with pytest.raises(ValueError, match="query_start_loc: expected a contiguous"):
+        layout_rows(torch.tensor([0, 0, 3, 3, 5, 5], dtype=torch.int32)[::2], base, [table], 16, 5)
+    with pytest.raises(ValueError, match="removed: expected a contiguous"):
+        decode_segment(qsl[:2], table, torch.zeros(2, dtype=torch.long), torch.zeros(4, dtype=torch.int32)[::2], 16)
     with pytest.raises(ValueError, match="window=0"):
         window_counts(torch.arange(5), torch.zeros(5, dtype=torch.long), qsl, base, base.bool(), 0, max_query_len=3)
     with pytest.raises(ValueError, match="context: expected shape"):

@@ -869,11 +869,12 @@ def test_the_former_environment_switches_are_config_fields_now(monkeypatch):
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_the_slots_of_many_kv_cache_groups_equal_each_groups_own(impl):
     """`compact` computes the slots of every group of one block size in one row kernel (`kernels.layout_rows`: up to
-    8 tables a launch; Gemma-3-270M has 6 groups): 10 groups of two block sizes and table widths, each group's slots
-    equal `_slots` of that group's table at each row's request and logical index, and the brute force's."""
+    8 tables a launch; Gemma-3-270M has 6 groups): 12 groups of two block sizes (10 of one: two launches) and table
+    widths, each group's slots equal `_slots` of that group's table at each row's request and logical index, and
+    the brute force's."""
     from uniprefill.vllm.layout import _slots
 
-    block_sizes = (16, 16, 32, 16, 16, 16, 32, 16, 16, 16)
+    block_sizes = (16, 16, 32, 16, 16, 16, 32, 16, 16, 16, 16, 16)
     batch = make_batch([40, 1, 77, 20], [0, 300, 12, 64], block_sizes, seed=9, extra_blocks=3)
     batch.tables[3] = torch.cat([batch.tables[3], batch.tables[3]], dim=1)  # a wider table
     layout = batch.layout(impl=impl)
