@@ -166,7 +166,8 @@ def install_layer_metadata(attn_metadata: dict, slot_mapping: dict, layers: dict
     """
     import dataclasses
 
-    copies: dict[tuple[int, int], object] = {}  # (id of vLLM's object, group) -> its copy for `layout`
+    # (id of vLLM's object, group) -> (that object, kept alive so that its id is not reused; its copy for `layout`)
+    copies: dict[tuple[int, int], tuple[object, object]] = {}
     for name, group in layers.items():
         if name not in attn_metadata:
             raise KeyError(f"no attention metadata for layer {name!r} in this forward context")
@@ -181,8 +182,8 @@ def install_layer_metadata(attn_metadata: dict, slot_mapping: dict, layers: dict
             missing = sorted(set(fields) - {f.name for f in dataclasses.fields(meta)})
             if missing:
                 raise TypeError(f"{name}: {type(meta).__name__} has no field(s) {missing}")
-            copies[key] = dataclasses.replace(meta, **fields)
-        attn_metadata[name] = copies[key]
+            copies[key] = (meta, dataclasses.replace(meta, **fields))
+        attn_metadata[name] = copies[key][1]
         slot_mapping[name] = layout.slot_mapping(group)
 
 
