@@ -54,6 +54,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: Counter = Counter()
         self.sites: Counter = Counter()
+        self.pairs: Counter = Counter()  # (site, op name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops[str(func)] += 1
@@ -62,6 +63,7 @@ class OpCounter(TorchDispatchMode):
             frame = frame.f_back
         site = "?" if frame is None else f"{frame.f_code.co_filename[len(REPO):]}:{frame.f_code.co_name}"
         self.sites[site] += 1
+        self.pairs[site, str(func)] += 1
         return func(*args, **(kwargs or {}))
 
     def runtime_ops(self) -> int:
@@ -101,10 +103,13 @@ class RowKernelCalls:
             setattr(module, name, real)
 
 
-def one_step(length: int, batch: int, seed: int = 0):
-    """(runtime, run): `run()` is one prefill step's two drop points on fresh requests."""
+def one_step(length: int, batch: int, seed: int = 0, graph_decode_max_reqs: int = 0, world_out: list | None = None):
+    """(runtime, prepare, run): `run()` is one prefill step's two drop points on fresh requests (`prepare()` makes
+    them); `graph_decode_max_reqs`: the runtime's, for decode under full graphs; `world_out` receives the world."""
     world = make_world([length] * batch, layers=LAYERS, groups=GROUPS, block=BLOCK, kv_heads=KV_HEADS,
                        head_size=HEAD_SIZE, room=1)
+    if world_out is not None:
+        world_out.append(world)
     full = {d for d in range(LAYERS) if d % GROUPS == GROUPS - 1}
     assert set(DROPS) <= full
     windows = {n: WINDOW for i, n in enumerate(world.names) if i not in full}
@@ -117,7 +122,7 @@ def one_step(length: int, batch: int, seed: int = 0):
     config = UniPrefillConfig(p=0.95, drop_layers=DROPS, impl="torch")
     runtime = VllmDropRuntime(config, world.names, DROPS, lambda: world, lambda name: BLOCK,
                               request_ids_fn=lambda: world.request_ids, windows=windows,
-                              window_layer_fn=window_layer)
+                              window_layer_fn=window_layer, graph_decode_max_reqs=graph_decode_max_reqs)
     gen = torch.Generator().manual_seed(seed)
     rows = length * batch
     q0 = torch.randn(rows, Q_HEADS, HEAD_SIZE, generator=gen)
