@@ -1,8 +1,8 @@
 """Triton kernels that changed since the last GPU run compile for an H100/H200 (sm_90) on this CPU machine: Triton's
 own compiler, down to PTX and a cubin, with the argument types the launchers pass (the row-layout and decode-graph
-kernels, and the paged window kernels with and without skipped rows). Triton's CPU interpreter (the other kernel tests) runs Python
-on NumPy and accepts code the compiler refuses, and refuses some it accepts; this catches the first kind before a
-GPU session does. Skipped where the installed Triton has no NVIDIA backend or no `ptxas`."""
+kernels, and the paged window kernels with and without skipped rows). Triton's CPU interpreter (the other kernel
+tests) runs Python on NumPy and accepts code the compiler refuses, and refuses some it accepts; this catches the
+first kind before a GPU session does. Skipped where the installed Triton has no NVIDIA backend or no `ptxas`."""
 
 from __future__ import annotations
 
