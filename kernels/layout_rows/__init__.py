@@ -127,8 +127,9 @@ def decode_window(seq_lens: torch.Tensor, tail: torch.Tensor, prompt_end: torch.
 
 
 def warm_up(device: torch.device, impl: str = "auto") -> int:
-    """Compile the Triton kernels (one variant each, `kernel.py`) where they run, before a server's first request:
-    the launches run, 0 where the reference runs."""
+    """Compile the Triton kernels (one variant each, `kernel.py`) where they run, before a server's first request, and
+    check each against its PyTorch reference there (a disagreement raises: the engine does not start on kernels that
+    compute wrong layouts); the launches run, 0 where the reference runs."""
     if resolve_impl(impl, device) != "triton":
         return 0
     from .kernel import warm_up_layout_rows

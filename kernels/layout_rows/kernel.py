@@ -176,25 +176,57 @@ def window_counts_triton(positions: torch.Tensor, request: torch.Tensor, query_s
 
 
 def warm_up_layout_rows(device: torch.device, index_dtype: torch.dtype = torch.int32) -> int:
-    """Run both kernels once on a tiny layout with vLLM's dtypes (`index_dtype`: `query_start_loc` and the block
-    tables), so that Triton compiles them here and not in a first request's step; returns the launches run."""
-    qsl = torch.tensor([0, 2, 3], dtype=index_dtype, device=device)
-    table = torch.arange(8, dtype=index_dtype, device=device).view(2, 4)
-    kept = torch.tensor([0, 2, 3], device=device)
-    positions = torch.arange(4, device=device)
-    _, _, request, _, _ = layout_rows_triton(qsl, qsl[:2], [table], 16, 3, kept=kept, positions=positions,
-                                             source=positions)
-    window_counts_triton(positions[:3], request, qsl, torch.zeros(2, dtype=torch.int64, device=device),
-                         torch.ones(2, dtype=torch.int64, device=device), 4, 2)
+    """Run every kernel here once on a small step with vLLM's dtypes (`index_dtype`: `query_start_loc`, `seq_lens` and
+    the block tables), so that Triton compiles them now and not in a first request's step or inside a graph capture,
+    and check each result against its PyTorch reference on the same device: a kernel that disagrees raises here,
+    at the engine's start, instead of serving wrong layouts. Returns the launches run."""
+    from . import reference
+
+    def on(values, dtype=torch.int64):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    qsl = on([0, 5, 5, 12], index_dtype)  # three requests, the second empty
+    kv_base = on([1, 0, 3], index_dtype)
+    tables = [on([[7, 2, 9, 4, 0], [5, 1, 8, 3, 0], [6, 0, 2, 11, 0]], index_dtype)[:, :4] for _ in range(2)]
+    tables[1] = tables[1] + 20
+    kept = on([0, 2, 3, 5, 6, 9, 11, 12, 13, 15, 16, 17])
+    positions = on(list(range(0, 40, 2)))
+    source = on(list(range(100, 120)))
+    checks = []
+    for rows in ({"kept": kept, "positions": positions, "source": source}, {}, {"positions": positions}):
+        checks.append(("layout_rows", layout_rows_triton(qsl, kv_base, tables, 4, 12, **rows),
+                       reference.layout_rows_torch(qsl, kv_base, tables, 4, 12, **rows)))
+    pos, request = checks[0][2][0], checks[0][2][2]
+    context, dropping = on([4, 0, 9]), on([1, 0, 1])
+    checks.append(("window_counts", window_counts_triton(pos, request, qsl, context, dropping, 7, 7),
+                   reference.window_counts_torch(pos, request, qsl, context, dropping, 7)))
     # the decode graphs' kernels, with vLLM's and `vllm.graph_decode.DecodeTables`' dtypes, launched at capture
-    seq_lens = torch.tensor([5, 0], dtype=index_dtype, device=device)
-    removed = torch.zeros(2, dtype=torch.int32, device=device)
-    decode_segment_triton(seq_lens, table, torch.tensor([3, -1], device=device), removed, 16)
-    tail = torch.zeros(2, 4, dtype=torch.int64, device=device)
-    flags = torch.zeros(2, dtype=torch.bool, device=device)
-    for kept_vllm_rows in (None, removed):
-        decode_window_triton(seq_lens, tail, tail[:, 0], flags, 4, kept_vllm_rows)
-    return 5
+    seq_lens = on([9, 0, 13], index_dtype)
+    removed = on([3, 0, 0, 0], torch.int32)
+    slots = on([40, -1, 17, -1])
+    checks.append(("decode_segment", decode_segment_triton(seq_lens, tables[0], slots, removed, 4),
+                   reference.decode_segment_torch(seq_lens, tables[0], slots, removed, 4)))
+    tail = on([[2, 5, 8, -(2 ** 40)], [-(2 ** 40)] * 4, [1, 9, 11, 12], [0] * 4])
+    prompt_end, has = on([9, 0, 12, 0]), on([1, 0, 1, 0], torch.bool)
+    for flags in (None, removed):
+        checks.append(("decode_window", decode_window_triton(seq_lens, tail, prompt_end, has, 6, flags),
+                       reference.decode_window_torch(seq_lens, tail, prompt_end, has, 6, flags)))
+    for name, got, want in checks:
+        flat_got, flat_want = _flatten(got), _flatten(want)
+        if len(flat_got) != len(flat_want) or not all(
+                (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                for a, b in zip(flat_got, flat_want)):
+            raise RuntimeError(f"uniprefill: the Triton kernel {name} disagrees with its PyTorch reference on {device} "
+                               f"(got {flat_got}, expected {flat_want}); refusing to run with it: report this, and set "
+                               "the option \"impl\": \"torch\" meanwhile")
+    return len(checks)
+
+
+def _flatten(result) -> list:
+    out = []
+    for item in result if isinstance(result, tuple) else (result,):
+        out.extend(_flatten(item) if isinstance(item, tuple) else [item])
+    return out
 
 
 @triton.jit(do_not_specialize=["SEQ_LENS", "TABLE", "SLOTS_IN", "REMOVED", "LENS", "SLOTS", "num_reqs", "st_r",

@@ -186,7 +186,20 @@ def test_warm_up_runs_the_kernels_only_where_triton_runs_them():
 
     assert warm_up(torch.device("cpu"), "torch") == 0
     assert warm_up(torch.device("cpu"), "auto") == 0  # the reference runs on the CPU
-    assert warm_up(torch.device("cpu"), "triton") == 5  # the interpreter here (tests/conftest.py)
+    assert warm_up(torch.device("cpu"), "triton") == 7  # the interpreter here (tests/conftest.py)
+
+
+def test_the_warm_up_refuses_a_kernel_that_disagrees_with_its_reference(monkeypatch):
+    """The warm-up (at the engine's first dummy forward) checks every kernel against its PyTorch reference on the
+    device it will serve on: a kernel computing wrong layouts stops the engine's start with the reason, instead of
+    serving wrong answers."""
+    from uniprefill.kernels.layout_rows import kernel as triton_kernels
+    from uniprefill.kernels.layout_rows import warm_up
+
+    real = triton_kernels.decode_segment_triton
+    monkeypatch.setattr(triton_kernels, "decode_segment_triton", lambda *a: (real(*a)[0], real(*a)[1] + 1))
+    with pytest.raises(RuntimeError, match="decode_segment disagrees with its PyTorch reference"):
+        warm_up(torch.device("cpu"), "triton")
 
 
 def _compiled_variants(kernel) -> int:

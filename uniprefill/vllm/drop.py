@@ -286,7 +286,8 @@ class VllmDropRuntime:
         rows = warm_up_layout_rows(q.device, cfg.impl)  # the layouts' row kernels (`vllm.layout`, `vllm.window`)
         self.totals.kernel_warm_ups += 1
         logger.info("uniprefill: compiled the score-and-select kernels before serving (prompts up to %d tokens): "
-                    "%s; the row-layout kernels: %d launches", self.warm_up_max_seqlen, ran, rows)
+                    "%s; the row-layout kernels: %d launches, each equal to its reference", self.warm_up_max_seqlen,
+                    ran, rows)
 
     def _note_forward_without_requests(self) -> None:
         """A forward with attention metadata but no request ids is a dummy run, or a model
