@@ -118,6 +118,9 @@ def decode_window(seq_lens: torch.Tensor, tail: torch.Tensor, prompt_end: torch.
                          f"tail {tuple(tail.shape)} for R = {seq_lens.shape[0]}")
     if tail.stride(1) != 1:
         raise ValueError(f"tail: expected unit column stride, got strides {tail.stride()}")
+    for name, t in (("prompt_end", prompt_end), ("has", has), ("removed", removed)):
+        if t is not None and (t.dim() != 1 or t.shape[0] < seq_lens.shape[0]):
+            raise ValueError(f"{name}: expected [>= {seq_lens.shape[0]}] (one per request), got {tuple(t.shape)}")
     _contiguous(seq_lens=seq_lens, prompt_end=prompt_end, has=has, removed=removed)
     if resolve_impl(impl, seq_lens.device) == "triton":
         from .kernel import decode_window_triton

@@ -105,24 +105,26 @@ def test_the_decode_kernels_equal_their_references(seed):
     absent entries, requests with and without a history, stale rows (a count the clamps must bound), with and
     without `removed` (the `vllm_rows` flags)."""
     gen = torch.Generator().manual_seed(seed)
-    requests, block, window, max_window = int(torch.randint(1, 40, (1,), generator=gen)), (1, 16)[seed % 2], 24, 32
-    seq_lens = torch.randint(1, 400, (requests,), generator=gen, dtype=torch.int32)
+    requests, block, window = int(torch.randint(1, 40, (1,), generator=gen)), (1, 16)[seed % 2], 24
+    max_window = (32, 130)[seed % 2]  # 130: more than one pass of the kernel's 128 entries
+    seq_lens = torch.randint(1, 400, (requests,), generator=gen, dtype=(torch.int32, torch.int64)[seed % 3 == 2])
     seq_lens[torch.rand(requests, generator=gen) < 0.2] = 0  # padding rows of a captured batch
     removed = torch.randint(0, 50, (requests + 5,), generator=gen, dtype=torch.int32)
-    removed[:requests] = torch.minimum(removed[:requests], seq_lens)
+    removed[:requests] = torch.minimum(removed[:requests], seq_lens)  # as the tables hold them; a stale one exceeds:
+    removed[requests - 1] = int(seq_lens[requests - 1]) + 3
     removed[torch.rand(requests + 5, generator=gen) < 0.3] = 0
     table = torch.randint(0, 10 ** 5, (requests + 2, 400 // block + 3), generator=gen, dtype=torch.int32)
     slots = torch.where(seq_lens > 0, torch.randint(0, 10 ** 6, (requests,), generator=gen), -1).long()
     slots = torch.cat([slots, torch.full((3,), -1)])  # vLLM's slot mapping is padded past R
     ref = decode_segment(seq_lens, table, slots, removed, block, impl="torch")
     got = decode_segment(seq_lens, table, slots, removed, block, impl="triton")
-    assert ref[0].dtype == got[0].dtype == torch.int32 and torch.equal(ref[0], got[0])
+    assert ref[0].dtype == got[0].dtype == seq_lens.dtype and torch.equal(ref[0], got[0])
     assert got[1].dtype == torch.int64 and torch.equal(ref[1], got[1])
     tail = torch.full((requests + 4, max_window), -(2 ** 40), dtype=torch.long)
     for r in range(requests):
         n = int(torch.randint(0, max_window + 1, (1,), generator=gen))
         top = int(seq_lens[r]) - int(torch.randint(0, 60, (1,), generator=gen))
-        tail[r, :n] = torch.sort(top - torch.randperm(100, generator=gen)[:n]).values
+        tail[r, :n] = torch.sort(top - torch.randperm(300, generator=gen)[:n]).values
     prompt_end = seq_lens.long() - torch.randint(-3, 30, (requests,), generator=gen)  # some stale (past pos)
     has = torch.rand(requests, generator=gen) < 0.6
     for flags in (None, removed):
@@ -174,6 +176,9 @@ def test_bad_inputs_raise_with_what_was_expected():
         layout_rows(torch.tensor([0, 0, 3, 3, 5, 5], dtype=torch.int32)[::2], base, [table], 16, 5)
     with pytest.raises(ValueError, match="removed: expected a contiguous"):
         decode_segment(qsl[:2], table, torch.zeros(2, dtype=torch.long), torch.zeros(4, dtype=torch.int32)[::2], 16)
+    with pytest.raises(ValueError, match="prompt_end: expected"):  # the kernel would read past it
+        decode_window(torch.ones(8, dtype=torch.int32), torch.zeros(8, 4, dtype=torch.long),
+                      torch.zeros(2, dtype=torch.long), torch.zeros(8, dtype=torch.bool), 4)
     with pytest.raises(ValueError, match="window=0"):
         window_counts(torch.arange(5), torch.zeros(5, dtype=torch.long), qsl, base, base.bool(), 0, max_query_len=3)
     with pytest.raises(ValueError, match="context: expected shape"):

@@ -615,3 +615,31 @@ def test_everything_the_rewrite_inserts_is_an_op_and_every_node_gets_a_fake_valu
     assert {str(n.target) for n in gm.graph.nodes if str(n.target).startswith("uniprefill.")} == ours
     with pytest.raises(RuntimeError, match="outside its forward"):  # the ops need the graph's own forward
         graph_ops.vllm_begin_step(torch.zeros(1))
+
+
+def test_the_row_kernels_are_warmed_up_at_the_first_dummy_forward_without_max_model_len_and_never_in_a_capture(
+        monkeypatch):
+    """The layouts' and decode graphs' row kernels (`kernels.layout_rows`) are compiled and checked at the first
+    dummy forward outside a capture, whether or not the score kernels' warm-up runs (`warm_up_max_seqlen`): a decode
+    graph's capture launches two of them, and a first compile inside a capture must not happen."""
+    from fake_vllm import make_world
+
+    import uniprefill.kernels.layout_rows as layout_rows
+
+    calls = []
+    monkeypatch.setattr(layout_rows, "warm_up", lambda device, impl: calls.append((device.type, impl)) or 7)
+    world = make_world([40], layers=4, groups=1, block=16, kv_heads=2, head_size=16)
+    config = UniPrefillConfig(p=0.9, drop_layers=(1,), impl="triton")
+    runtime = VllmDropRuntime(config, world.names, (1,), lambda: world, lambda name: 16,
+                              request_ids_fn=lambda: world.request_ids)
+    q, k = torch.randn(40, 4, 16), torch.randn(40, 2, 16)
+    world.request_ids = None  # dummy forwards
+    world.cudagraph_runtime_mode = "FULL"  # a capture first: nothing compiled
+    runtime.begin_step()
+    runtime.drop(q, k, 1)
+    assert calls == [] and not runtime.row_kernels_warmed
+    del world.cudagraph_runtime_mode
+    for _ in range(2):
+        runtime.begin_step()
+        runtime.drop(q, k, 1)
+    assert calls == [("cpu", "triton")] and runtime.row_kernels_warmed and runtime.totals.kernel_warm_ups == 0

@@ -129,6 +129,7 @@ class VllmDropRuntime:
         self.totals = DropTotals()
         self._static_rows: torch.Tensor | None = None  # `_all_rows`
         self.windows_warmed: set[str] = set()  # sliding layers whose window kernel ran (`window_attention`)
+        self.row_kernels_warmed = False  # `_warm_up_row_kernels` ran
         self._retired_rows: list[torch.Tensor] = []
         # Attention layers per segment: segment i holds the rows kept after i drop points (the
         # store's `layer_column`; a drop layer's own attention, and so its KV, comes before its drop).
@@ -180,8 +181,11 @@ class VllmDropRuntime:
             # no requests: nothing to drop, every row goes on (as vLLM's attention then writes zeros)
             if not self.step.profiling and ids is None and isinstance(metadata, dict) and name in metadata:
                 self._note_forward_without_requests()
-            if self.warm_up_max_seqlen and not self.totals.kernel_warm_ups and not _capturing_full_graph(context):
-                self._warm_up_kernels(q, k, drop_index)
+            if not _capturing_full_graph(context):
+                if self.warm_up_max_seqlen and not self.totals.kernel_warm_ups:
+                    self._warm_up_kernels(q, k, drop_index)
+                if not self.row_kernels_warmed:  # whatever `warm_up_max_seqlen`: the decode graphs launch them
+                    self._warm_up_row_kernels(q.device)
             self.step.profiling = True
             return torch.arange(q.shape[0], device=q.device)
         if self.step.layout is None:
@@ -281,13 +285,21 @@ class VllmDropRuntime:
                          min_tokens=cfg.effective_min_tokens, max_seqlen=self.warm_up_max_seqlen, p=cfg.p,
                          keep_ratio=cfg.keep_ratio_at(drop_index, len(self.drop_layers)), impl=cfg.impl,
                          selection=cfg.selection)
-        from uniprefill.kernels.layout_rows import warm_up as warm_up_layout_rows
-
-        rows = warm_up_layout_rows(q.device, cfg.impl)  # the layouts' row kernels (`vllm.layout`, `vllm.window`)
         self.totals.kernel_warm_ups += 1
         logger.info("uniprefill: compiled the score-and-select kernels before serving (prompts up to %d tokens): "
-                    "%s; the row-layout kernels: %d launches, each equal to its reference", self.warm_up_max_seqlen,
-                    ran, rows)
+                    "%s", self.warm_up_max_seqlen, ran)
+
+    def _warm_up_row_kernels(self, device: torch.device) -> None:
+        """Compile the layouts' and the decode graphs' row kernels (`kernels.layout_rows`) at the first dummy forward,
+        never inside a capture (vLLM captures its decode graphs after dummy forwards, and the capture path launches
+        two of them), and check each against its reference on this device (a disagreement raises)."""
+        from uniprefill.kernels.layout_rows import warm_up as warm_up_layout_rows
+
+        ran = warm_up_layout_rows(device, self.config.impl)
+        self.row_kernels_warmed = True
+        if ran:
+            logger.info("uniprefill: compiled the row-layout kernels before serving: %d launches, each equal to its "
+                        "reference", ran)
 
     def _note_forward_without_requests(self) -> None:
         """A forward with attention metadata but no request ids is a dummy run, or a model
