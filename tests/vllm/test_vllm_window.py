@@ -12,7 +12,7 @@ import torch
 from test_vllm_metadata import make_batch, random_drop  # tests/vllm is on the path (pyproject.toml)
 from uniprefill.vllm.metadata import DropHistoryStore, DropRecord, RequestDropHistory, compact
 from uniprefill.kernels.paged_window import paged_window_attention
-from uniprefill.vllm.window import row_logical, window_counts
+from uniprefill.vllm.window import window_counts
 
 DROPS, LAYERS = (1, 3), 6
 
@@ -23,7 +23,7 @@ def test_right_aligned_rows_end_where_the_prompt_ends_and_compose():
     layout = batch.layout()
     kept, counts = random_drop(batch, droppers={0}, seed=1)
     right = compact(layout, torch.tensor(kept), torch.tensor(counts), align="right", validate="full")
-    _, logical = row_logical(right)
+    logical = right.row_logical
     k0 = counts[0]
     assert logical[:k0].tolist() == list(range(200 - k0, 200))  # right-aligned: the last kept row stays at 199
     assert logical[k0:].tolist() == [57] + list(range(30))  # the others are where vLLM put them
@@ -39,7 +39,7 @@ def test_right_aligned_rows_end_where_the_prompt_ends_and_compose():
         sub.append(k0 - 1)
     again = compact(right, torch.tensor(sub + list(range(k0, right.num_actual_tokens))),
                     torch.tensor([len(sub), 1, 30]), align="right")
-    _, logical2 = row_logical(again)
+    logical2 = again.row_logical
     assert logical2[:len(sub)].tolist() == list(range(200 - len(sub), 200))
     with pytest.raises(ValueError, match="kv_removed_cpu"):
         compact(layout, torch.tensor(kept), torch.tensor(counts), align="right", kv_removed_cpu=torch.zeros(3))

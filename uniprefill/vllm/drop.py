@@ -46,8 +46,7 @@ from .metadata import DropHistoryStore, SkipReason, drop_eligibility
 
 from .graph_decode import DecodeTables, _capturing_full_graph, _piecewise_graph_step, graph_decode_point
 
-from .window import (keep_whole_where_the_tail_does_not_fit, kernel_plan, row_logical, window_attention_step,
-                     window_counts)
+from .window import keep_whole_where_the_tail_does_not_fit, kernel_plan, window_attention_step, window_counts
 from .drop_records import (  # noqa: F401  (re-exported: the plugin and tests use them from here)
     DropPointRecord, DropTotals, StepDrops, WindowLayer, WindowRows,
 )
@@ -329,7 +328,7 @@ class VllmDropRuntime:
             for name in names:
                 if self.layer_names.index(name) < following:
                     self.step.pending_copies[name] = (right, groups[name], with_context, plans)
-        request, logical = row_logical(right)
+        request, logical = right.row_request, right.row_logical
         plan = kernel_plan(right)  # which window kernel runs which rows, for all the sliding layers
         by_window = {}
         for name in names:

@@ -180,8 +180,9 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
     windowed = {}
     # an engine that drops only for requests bringing their own p (config p = 1, no keep_ratio): vLLM's attention
     # for every row, then the window kernel over the rows of requests that removed KV entries (it reads nothing for
-    # the others: `skip`), so that the other requests' decode keeps standard's bits there (eager steps decide for the whole step: a step holding a request that dropped runs
-    # the window kernel for all); an engine that drops by default runs the window kernel alone
+    # the others: `skip`), so that the other requests' decode keeps standard's bits there (eager steps decide for the
+    # whole step: a step holding a request that dropped runs the window kernel for all); an engine that drops by
+    # default runs the window kernel alone
     exact = keeps_vllm_rows(runtime.config)
     buffer = runtime.graph_decode
     for name in runtime.layer_names[layer + 1:]:

@@ -35,16 +35,12 @@ from __future__ import annotations
 
 import torch
 
-from .graph_decode import _capturing_full_graph, keeps_vllm_rows
 from uniprefill.kernels.layout_rows import window_counts as row_window_counts
 
+from .graph_decode import _capturing_full_graph, keeps_vllm_rows
 from .host_arrays import _ranges, _to_device
 from .layout import TokenLayout
 from .metadata import DropHistoryStore
-
-def row_logical(layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Device ([T], [T]): request and logical KV index of every row of `layout`."""
-    return layout.row_request, layout.row_logical
 
 
 def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
