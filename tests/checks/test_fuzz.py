@@ -68,3 +68,27 @@ def test_a_greedy_divergence_counts_as_a_tie_only_where_the_plain_model_scores_b
     far = int((logits - logits[5]).abs().argmax())  # the token the plain model scores farthest from 5
     wrong = torch.cat([ids, torch.tensor([[far]])], dim=1)
     assert fuzz._tie_at_divergence(model, wrong, ref, mask, 40, torch.float32) is None
+
+
+def test_a_reference_case_that_runs_unaccelerated_for_a_stated_reason_is_checked_against_the_plain_model(
+        monkeypatch):
+    """A p < 1 case whose graph is refused with a reason is not "unexplained": it must equal the plain model, and
+    a wrong answer there is still a mismatch (on transformers 5.17 GPT-OSS's eager masks were refused, and the
+    case was reported "unexplained" although the backend said why)."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def unread_mask(*args, dtype=torch.float32, **kwargs):  # an additive mask whose "zero" is no zero
+        kwargs.pop("allow_is_causal_skip", None)
+        mask = sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+        return torch.where(mask, torch.tensor(0.25, dtype=dtype), torch.finfo(dtype).min)
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "eager", unread_mask)
+    pool = fuzz._Pool()
+    result = fuzz._reference_case(random.Random(5), pool, 11, "gpt-oss", torch.float32)
+    assert result.status == "equal" and result.accelerated == 0, result
+    assert result.reasons and "mask built with" in result.reasons[0], result
+    model, fast = pool.get("gpt-oss", torch.float32, keep_ratio=0.5)
+    forward = fast.forward
+    fast.forward = lambda *a, **k: _perturbed(forward(*a, **k))
+    wrong = fuzz._reference_case(random.Random(5), _SinglePool(model, fast), 11, "gpt-oss", torch.float32)
+    assert wrong.status == "mismatch", wrong

@@ -184,3 +184,48 @@ def test_only_a_per_key_bias_is_read_as_alibi(per_key):
         assert site.kwargs["key_bias"] is not None and site.kwargs["scale"] == 0.25
         torch.testing.assert_close(U.sink_attention(q, k, v, mask, scale=0.25, key_bias=bias),
                                    _bloom_like(q, k, v, bias, mask), atol=ATOL, rtol=0)
+
+
+def _eager_mask_of_transformers_5_17(*args, dtype=torch.float32, **kwargs):
+    """transformers 5.17's `eager_mask`: SDPA's boolean mask made additive with a `torch.tensor(0.0)` zero (later
+    releases build the zero with `torch.zeros(())`)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs.pop("allow_is_causal_skip", None)
+    mask = sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+    if mask is not None:
+        mask = torch.where(mask, torch.tensor(0.0, device=mask.device, dtype=dtype), torch.finfo(dtype).min)
+    return mask
+
+
+@pytest.mark.parametrize("arch", ["llama-eager", "gemma2", "gpt-oss"])
+def test_eager_masks_of_transformers_5_17_are_read(arch, monkeypatch):
+    """On transformers 5.17 (the oldest supported) no eager-attention model was accelerated: its eager masks put a
+    `torch.tensor(0.0)` node where the mask reader expected `torch.zeros(())` (the fuzzer on the GPU box's
+    transformers 5.17, 2026-12-05). With 5.17's mask patched in: the model drops, and at p = 1 equals the plain
+    model, one row and a left-padded batch."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from uniprefill.testing.fuzz import build_model
+
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "eager", _eager_mask_of_transformers_5_17)
+    model = build_model(arch, torch.float32)
+    ids = _ids(2, 150)
+    mask = torch.ones_like(ids)
+    mask[1, :23] = 0
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exact = uniprefill.compile(model, UniPrefillConfig(p=1.0, drop_layers="all", **SMALL))
+        got = exact(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        assert exact.backend.last_unaccelerated is None, exact.backend.last_unaccelerated
+        assert uniprefill.last_drop_report(exact).points
+        ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(got[0], ref[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[1, 23:], ref[1, 23:], atol=ATOL, rtol=0)
+        torch._dynamo.reset()
+        fast = uniprefill.compile(model, UniPrefillConfig(keep_ratio=0.5, drop_layers="all", **SMALL))
+        fast(input_ids=ids[:1], use_cache=False)
+        assert fast.backend.last_unaccelerated is None, fast.backend.last_unaccelerated
+        assert uniprefill.last_drop_report(fast).overall_retention < 0.75
+    torch._dynamo.reset()

@@ -238,11 +238,23 @@ def visible_of_additive(mask):
     vv = example_value(visible)
     if not (isinstance(vv, torch.Tensor) and vv.dtype == torch.bool and vv.dim() == 4):
         return None
-    zero_ok = zero == 0 if isinstance(zero, (int, float)) and not isinstance(zero, bool) else (
-        is_call(zero, "zeros") and isinstance(example_value(zero), torch.Tensor) and example_value(zero).dim() == 0)
-    if not zero_ok or not isinstance(fill, (int, float)) or isinstance(fill, bool) or not fill <= _NEGATIVE_FILL:
+    if not _is_zero(zero) or not isinstance(fill, (int, float)) or isinstance(fill, bool) or not fill <= _NEGATIVE_FILL:
         return None
     return visible
+
+
+def _is_zero(zero) -> bool:
+    """The number 0, or a 0-dim zero tensor built in the graph: `torch.zeros(())` (the eager masks of transformers
+    5.25) or `torch.tensor(0.0)` (5.17's: without it no eager-attention model accelerated on 5.17)."""
+    if isinstance(zero, (int, float)):
+        return zero == 0 and not isinstance(zero, bool)
+    value = example_value(zero)
+    if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return False
+    if is_call(zero, "zeros"):
+        return True
+    return (is_call(zero, "tensor") and len(zero.args) == 1 and isinstance(zero.args[0], (int, float))
+            and not isinstance(zero.args[0], bool) and zero.args[0] == 0)
 
 
 def boolean_form(mask, logits, scores_dtype):

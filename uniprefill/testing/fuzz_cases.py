@@ -317,7 +317,16 @@ def _reference_case(rng, pool, case, arch, dtype) -> CaseResult:
         out = fast(input_ids=ids, use_cache=rng.choice([True, False])).logits[:, -1]
         history = fast.history
         if history is None or not history.points:
-            result.status, result.detail = "unexplained", f"nothing dropped; {result.detail}"
+            reason = fast.backend.last_unaccelerated
+            if reason is None:
+                result.status, result.detail = "unexplained", f"nothing dropped; {result.detail}"
+                return result
+            # not accelerated, and said why: then it must be the plain model's answer
+            result.reasons.append(reason)
+            plain = model(input_ids=ids, use_cache=False).logits[:, -1]
+            bad = _compare_logits(out[:, None], plain[:, None], torch.ones(1, 1), None, torch.float32)
+            if bad:
+                result.status, result.detail = "mismatch", f"unaccelerated, vs the plain model: {bad}; {result.detail}"
             return result
         kept = {p.layer: p.kept_positions(0, length) for p in history.points}
         ref = reference_last_logits(model, ids, kept)
