@@ -125,3 +125,27 @@ def test_tiny_configs_keep_the_default_attention_kind():
     assert (mla.head_dim, mla.qk_rope_head_dim, mla.n_group, mla.topk_group) == (8, 8, 1, 1)
     assert _build("gemma4_assistant")[1].startswith("a drafter")
     assert _build("gemma4")[1].startswith("multimodal")
+
+
+def test_a_mismatch_says_when_torch_compile_itself_changes_the_answer():
+    """transformers 5.17's Doge: its eager forward is not causal, its traced graph is, so uniprefill at p = 1 (a
+    traced graph) differs from the eager model exactly as plain `torch.compile(backend="eager")` does. The census
+    row says so; where uniprefill differs from the compiled model too, it says nothing of the kind."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from uniprefill.testing.census import _compiled_plain_differs
+
+    class TracedDiffers(torch.nn.Module):
+        def forward(self, input_ids, use_cache=False):
+            logits = input_ids.float()[..., None].expand(-1, -1, 4)
+            if not torch.compiler.is_compiling():
+                logits = logits + 1.0
+            return SimpleNamespace(logits=logits)
+
+    model, ids = TracedDiffers(), torch.arange(6)[None]
+    eager = model(input_ids=ids).logits[:, -1]
+    traced = eager - 1.0
+    assert "torch.compile itself changes" in _compiled_plain_differs(model, ids, traced, eager)
+    assert _compiled_plain_differs(model, ids, traced + 0.5, eager) == ""
