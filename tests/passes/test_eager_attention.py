@@ -5,6 +5,7 @@ forced drops give finite logits, and the rewrite counts are exact."""
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import pytest
@@ -229,3 +230,40 @@ def test_eager_masks_of_transformers_5_17_are_read(arch, monkeypatch):
         assert fast.backend.last_unaccelerated is None, fast.backend.last_unaccelerated
         assert uniprefill.last_drop_report(fast).overall_retention < 0.75
     torch._dynamo.reset()
+
+
+def _gptj_like(q, k, v, mask, scale_attn):
+    """transformers 5.17's GPT-J `_attn`: float32 logits divided by a float attribute, then the additive mask."""
+    logits = torch.matmul(q.to(torch.float32), k.to(torch.float32).transpose(-1, -2)) / scale_attn + mask
+    probs = torch.nn.functional.softmax(logits, dim=-1).to(v.dtype)
+    return torch.matmul(torch.nn.functional.dropout(probs, 0.0, False), v)
+
+
+def test_logits_divided_by_a_float_dynamo_made_an_input_are_one_attention_node():
+    """Under `capture_scalar_outputs` (the backend's setting) dynamo turns a float the logits are divided by
+    (GPT-J's `scale_attn` on transformers 5.17) into a SymFloat graph input; the site's scale is its reciprocal,
+    computed in the graph. Before, the pattern was left as plain ops and the model ran unaccelerated."""
+    from uniprefill.passes.sink_attention import canonicalize_sink_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 37, 16, generator=g) for _ in range(3))
+    visible = torch.ones(37, 37, dtype=torch.bool).tril()[None, None]
+    mask = torch.where(visible, torch.zeros(()), torch.finfo(torch.float32).min)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # dynamic, as the backend's restarted trace
+        torch.compile(_gptj_like, backend=capture, dynamic=True)(q, k, v, mask, 4.0)
+    torch._dynamo.reset()
+    gm, example_inputs = graphs[0]
+    divisors = [n for n in gm.graph.nodes if n.target is operator.truediv]
+    assert divisors and isinstance(divisors[0].args[1], torch.fx.Node), "the divisor was not made a graph input"
+    new, with_op, plain = canonicalize_sink_attention(gm)
+    assert (with_op, plain) == (0, 1)
+    site = next(n for n in new.graph.nodes if "scaled_dot_product_attention" in str(n.target))
+    assert isinstance(site.kwargs["scale"], torch.fx.Node) and site.kwargs["scale"].target is operator.truediv
+    torch.testing.assert_close(new(*example_inputs)[0], _gptj_like(q, k, v, mask, 4.0), atol=ATOL, rtol=0)

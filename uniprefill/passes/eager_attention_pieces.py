@@ -16,6 +16,16 @@ from .fx_utils import example_value
 _NEGATIVE_FILL = -1e30  # an additive mask value at most this: "not visible"
 
 
+class Reciprocal:
+    """A site's scale `1 / divisor`, the divisor a SymFloat node: `sink_attention` computes it in the graph."""
+
+    def __init__(self, divisor: fx.Node):
+        self.divisor = divisor
+
+    def __repr__(self) -> str:
+        return f"1 / {self.divisor.name}"
+
+
 # ------------------------------------------------------------------ pattern pieces
 def without_max(combined, chain):
     """`combined - combined.max(dim=-1, keepdim=True).values` -> combined (the softmax ignores it)."""
@@ -133,9 +143,13 @@ def _scores_without_bias(scaled, chain):
         steps = [scaled]
     elif is_call(scaled, "truediv") and len(scaled.args) == 2 and not scaled.kwargs:  # w / sqrt(d) (OpenAI-GPT)
         product, divisor = scaled.args
-        if not (isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and divisor > 0):
+        if isinstance(divisor, fx.Node) and isinstance(example_value(divisor), torch.SymFloat):
+            scale = Reciprocal(divisor)  # a float attribute dynamo made a graph input (GPT-J's `scale_attn`, 5.17)
+        elif isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and divisor > 0:
+            scale = 1.0 / divisor
+        else:
             return None
-        scale, steps = 1.0 / divisor, [scaled]
+        steps = [scaled]
     else:
         batched = batched_scores(scaled, chain)
         if batched is None:

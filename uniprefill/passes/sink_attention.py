@@ -62,6 +62,7 @@ the copy then reads it in the layer's own layout (the kept keys' bias, computed 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ import torch.fx as fx
 from .. import sink_ops  # noqa: F401  (registers uniprefill::sink_attention)
 from .causal_table import table_masked
 from .eager_attention_pieces import (
-    arg_of, before_repeat, boolean_form, casts_to, dropout_off, drops_last_column, is_call, is_last_dim, keys_permuted,
+    Reciprocal, arg_of, before_repeat, boolean_form, casts_to, dropout_off, drops_last_column, is_call, is_last_dim, keys_permuted,
     scores_of, shapes_fit, sinks_of, without_max, visible_of_additive,
 )
 from .eager_attention_forms import bmm_output, is_head_view, through_head_views, without_clamp
@@ -120,7 +121,12 @@ def canonicalize_sink_attention(gm: fx.GraphModule) -> tuple[fx.GraphModule, int
         mapped = lambda a: env[a] if isinstance(a, fx.Node) else a  # noqa: E731
         with graph.inserting_before(old):
             k, mask = _keys_and_mask(graph, site, env)
-        kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False, "scale": mapped(site.scale),
+        scale = mapped(site.scale)
+        if isinstance(site.scale, Reciprocal):
+            with graph.inserting_before(old):
+                scale = graph.call_function(operator.truediv, (1.0, env[site.scale.divisor]))
+            scale.meta["example_value"] = 1.0 / example_value(site.scale.divisor)
+        kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": False, "scale": scale,
                   "enable_gqa": example_value(site.k).shape[1] != example_value(site.q).shape[1]}
         if site.sinks is not None or site.softcap is not None or site.upcast or site.key_bias is not None:
             # the op computes what the eager code computes; SDPA would take the softmax in its own precision
