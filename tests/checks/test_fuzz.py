@@ -92,3 +92,21 @@ def test_a_reference_case_that_runs_unaccelerated_for_a_stated_reason_is_checked
     fast.forward = lambda *a, **k: _perturbed(forward(*a, **k))
     wrong = fuzz._reference_case(random.Random(5), _SinglePool(model, fast), 11, "gpt-oss", torch.float32)
     assert wrong.status == "mismatch", wrong
+
+
+def test_a_reference_case_whose_rewritten_graph_raised_is_an_error(monkeypatch):
+    """A rewritten graph that raises falls back to the original graph (the answer is right, the reason says so):
+    the reference case reports it as an error, as every other kind of case does, not as an explained call."""
+    from uniprefill.backend import UniPrefillBackend
+
+    guarded = UniPrefillBackend._guarded
+
+    def failing(self, original, result):
+        def boom(*args):
+            raise RuntimeError("boom: a bug of the rewrite")
+        result.graph_module = boom
+        return guarded(self, original, result)
+
+    monkeypatch.setattr(UniPrefillBackend, "_guarded", failing)
+    result = fuzz._reference_case(random.Random(5), fuzz._Pool(), 11, "tiny-llama", torch.float32)
+    assert result.status == "error" and "rewritten graph failed" in result.detail, result

@@ -267,7 +267,7 @@ def _is_zero(zero) -> bool:
         return False
     if is_call(zero, "zeros"):
         return True
-    return (is_call(zero, "tensor") and len(zero.args) == 1 and isinstance(zero.args[0], (int, float))
+    return (zero.op == "call_function" and zero.target is torch.tensor and len(zero.args) == 1 and isinstance(zero.args[0], (int, float))
             and not isinstance(zero.args[0], bool) and zero.args[0] == 0)
 
 

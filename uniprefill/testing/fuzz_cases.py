@@ -313,17 +313,21 @@ def _reference_case(rng, pool, case, arch, dtype) -> CaseResult:
     length = rng.randint(MIN_TOKENS + 16, 260)
     ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(case))
     result = CaseResult(case, arch, "reference p<1", "equal", detail=f"length {length}, keep_ratio {ratio}")
+    use_cache = rng.choice([True, False])
     with torch.no_grad():
-        out = fast(input_ids=ids, use_cache=rng.choice([True, False])).logits[:, -1]
+        out = fast(input_ids=ids, use_cache=use_cache).logits[:, -1]
         history = fast.history
         if history is None or not history.points:
             reason = fast.backend.last_unaccelerated
             if reason is None:
                 result.status, result.detail = "unexplained", f"nothing dropped; {result.detail}"
                 return result
+            if kind_of(reason) is Kind.REWRITE_FAILED:  # the rewritten graph raised: a finding, as in every kind
+                result.status, result.detail = "error", f"{reason}; {result.detail}"
+                return result
             # not accelerated, and said why: then it must be the plain model's answer
             result.reasons.append(reason)
-            plain = model(input_ids=ids, use_cache=False).logits[:, -1]
+            plain = model(input_ids=ids, use_cache=use_cache).logits[:, -1]
             bad = _compare_logits(out[:, None], plain[:, None], torch.ones(1, 1), None, torch.float32)
             if bad:
                 result.status, result.detail = "mismatch", f"unaccelerated, vs the plain model: {bad}; {result.detail}"
