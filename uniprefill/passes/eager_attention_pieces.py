@@ -267,8 +267,9 @@ def _is_zero(zero) -> bool:
         return False
     if is_call(zero, "zeros"):
         return True
-    return (zero.op == "call_function" and zero.target is torch.tensor and len(zero.args) == 1 and isinstance(zero.args[0], (int, float))
-            and not isinstance(zero.args[0], bool) and zero.args[0] == 0)
+    tensor_call = zero.op == "call_function" and zero.target is torch.tensor and len(zero.args) == 1
+    number = zero.args[0] if tensor_call else None
+    return isinstance(number, (int, float)) and not isinstance(number, bool) and number == 0
 
 
 def boolean_form(mask, logits, scores_dtype):

@@ -71,8 +71,8 @@ import torch.fx as fx
 from .. import sink_ops  # noqa: F401  (registers uniprefill::sink_attention)
 from .causal_table import table_masked
 from .eager_attention_pieces import (
-    Reciprocal, arg_of, before_repeat, boolean_form, casts_to, dropout_off, drops_last_column, is_call, is_last_dim, keys_permuted,
-    scores_of, shapes_fit, sinks_of, without_max, visible_of_additive,
+    Reciprocal, arg_of, before_repeat, boolean_form, casts_to, dropout_off, drops_last_column, is_call, is_last_dim,
+    keys_permuted, scores_of, shapes_fit, sinks_of, without_max, visible_of_additive,
 )
 from .eager_attention_forms import bmm_output, is_head_view, through_head_views, without_clamp
 from .fx_utils import ancestors, example_value, is_sink_attention, is_table_mask
