@@ -259,7 +259,8 @@ def visible_of_additive(mask):
 
 def _is_zero(zero) -> bool:
     """The number 0, or a 0-dim zero tensor built in the graph: `torch.zeros(())` (the eager masks of transformers
-    5.25) or `torch.tensor(0.0)` (5.17's: without it no eager-attention model accelerated on 5.17)."""
+    5.25), `torch.tensor(0.0)` (5.17's: without it no eager-attention model accelerated on 5.17) or
+    `torch.full((), 0.0)` (Doge's dynamic mask, `kept_key_bias`)."""
     if isinstance(zero, (int, float)):
         return zero == 0 and not isinstance(zero, bool)
     value = example_value(zero)
@@ -267,8 +268,13 @@ def _is_zero(zero) -> bool:
         return False
     if is_call(zero, "zeros"):
         return True
-    tensor_call = zero.op == "call_function" and zero.target is torch.tensor and len(zero.args) == 1
-    number = zero.args[0] if tensor_call else None
+    call = zero.op == "call_function"
+    if call and zero.target is torch.tensor and len(zero.args) == 1:
+        number = zero.args[0]
+    elif call and zero.target is torch.full and len(zero.args) == 2 and zero.args[0] in ((), []):
+        number = zero.args[1]
+    else:
+        return False
     return isinstance(number, (int, float)) and not isinstance(number, bool) and number == 0
 
 

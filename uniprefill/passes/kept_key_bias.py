@@ -114,23 +114,11 @@ def _bias_and_visible(mask: fx.Node, qv, kv):
         nodes, additive = [hidden, additive], whole
     else:
         nodes = [hidden]
-    visible = visible_of_additive(additive) or _visible_of_where_full(additive)
+    visible = visible_of_additive(additive)
     vis = example_value(visible) if visible is not None else None
     if not (isinstance(vis, torch.Tensor) and vis.shape[-2:] == (n_q, n_k)):
         return None
     return bias, visible, [mask, grown, *nodes, additive]
-
-
-def _visible_of_where_full(mask):
-    """`where(visible, full((), 0.0), most negative)` (Doge's bool -> additive) -> `visible`, else None."""
-    if not (is_call(mask, "where") and len(mask.args) == 3 and is_call(mask.args[1], "full")):
-        return None
-    visible, zero, fill = mask.args
-    vv, zv = example_value(visible), example_value(zero)
-    if not (isinstance(vv, torch.Tensor) and vv.dtype == torch.bool and vv.dim() == 4 and isinstance(zv, torch.Tensor)
-            and zv.dim() == 0 and zero.args[:2] == ((), 0.0) and isinstance(fill, float) and fill <= _NEGATIVE_FILL):
-        return None
-    return visible
 
 
 def _per_token(bias: fx.Node, values: fx.Node, tokens) -> bool:
