@@ -15,6 +15,8 @@
 # (profile_prefill.py --own-process; files profile-RUN-own.*). TRACE=1 with it adds the engine process's allocator and
 # GC counters over the timed prefills and one more prefill under vLLM's own profiler (--trace-dir /tmp/trace-RUN: the
 # traces stay on the box, their summaries go into the JSON).
+# PER_ROW_TOO=0 leaves the p095 run's second pass with the per-row window kernel out.
+# LENGTH=16384 profiles a prompt of that many tokens instead of 32000 (files profile-RUN-16384*).
 #   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS="p095 p095unsplit" SKIP_BENCH=1 bash ... OUT_DIR
 set -uo pipefail
 OUT="${1:?usage: gemma_profile.sh OUT_DIR}"
@@ -26,12 +28,14 @@ bash "$ROOT/scripts/gpu/vllm/box_refresh_uniprefill.sh" > /dev/null
   2>&1 | tee "$OUT/paged-window.log" | tail -6
 P095='{"p": 0.95, "vllm_drop": true}'
 for run in ${RUNS:-standard p095}; do
-  tag="$run"; [[ "${OWN_PROCESS:-0}" == 1 ]] && tag="$run-own"
-  args=(--model-dir /tmp/gemma-270m --length 32000 --out "$OUT/profile-$tag.json")
+  length="${LENGTH:-32000}" tag="$run"
+  [[ "$length" == 32000 ]] || tag="$run-$length"
+  [[ "${OWN_PROCESS:-0}" == 1 ]] && tag="$tag-own"
+  args=(--model-dir /tmp/gemma-270m --length "$length" --out "$OUT/profile-$tag.json")
   envs=()
   case "$run" in
     standard) ;;
-    p095) args+=(--uniprefill "$P095" --per-row-too) ;;
+    p095) args+=(--uniprefill "$P095"); [[ "${PER_ROW_TOO:-1}" == 1 ]] && args+=(--per-row-too) ;;
     p095unsplit) args+=(--uniprefill "$P095"); envs=(UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1) ;;
     *) echo "unknown run $run (standard | p095 | p095unsplit)" >&2; exit 2 ;;
   esac
@@ -43,10 +47,12 @@ for run in ${RUNS:-standard p095}; do
   echo "$tag: exit $? in $(( $(date +%s) - start )) s"
   grep -E "Traceback|Error" "$OUT/profile-$tag.log" | head -3 | cut -c1-300
 done
+suffix=""; [[ "${LENGTH:-32000}" == 32000 ]] || suffix="-$LENGTH"
 for own in "" -own; do
   for run in p095 p095unsplit; do
-    [[ -f "$OUT/profile-standard$own.json" && -f "$OUT/profile-$run$own.json" ]] || continue
-    echo "== standard$own -> $run$own"
-    python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" --compare "$OUT/profile-standard$own.json" "$OUT/profile-$run$own.json"
+    base="$OUT/profile-standard$suffix$own.json" other="$OUT/profile-$run$suffix$own.json"
+    [[ -f "$base" && -f "$other" ]] || continue
+    echo "== standard$suffix$own -> $run$suffix$own"
+    python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" --compare "$base" "$other"
   done
 done
