@@ -128,13 +128,15 @@ def _(out, input):
     return None
 
 
-def _load_dump():
+def _load_dump(dtype: torch.dtype = torch.float32):
+    """The dumped GraphModule class (its bf16 casts made `dtype`) and its layer-name placeholders."""
     with tarfile.open(DUMP) as tar:
         code = tar.extractfile("vllm-dump/graph-0.py").read().decode()
         meta = json.load(tar.extractfile("vllm-dump/graph-0.json"))
     code = code.replace("torch.ops.vllm.", f"torch.ops.{NS}.").replace("torch.ops._C.", f"torch.ops.{NS}.")
     code = code.replace("device(type='cuda', index=0)", "device(type='cpu')")
-    code = code.replace("torch.bfloat16", "torch.float32")  # fp32 throughout: differences are then bugs, not rounding
+    if dtype != torch.bfloat16:  # fp32 throughout: differences are then bugs, not rounding
+        code = code.replace("torch.bfloat16", str(dtype))
     namespace = {"torch": torch, "device": torch.device, "vllm_utils_torch_utils_LayerName": str}
     exec(compile(code, "vllm-dump/graph-0.py", "exec", dont_inherit=True), namespace)  # noqa: S102  (our dump)
     layer_names = {p["target"]: p["example"]["LayerName"] for p in meta["placeholders"]
@@ -145,7 +147,7 @@ def _load_dump():
 class VllmGemmaBackbone(torch.nn.Module):
     """The dumped forward with its lifted parameters owned here: forward(input_ids, positions)."""
 
-    def __init__(self, dumped_cls, layer_names: dict[str, str]) -> None:
+    def __init__(self, dumped_cls, layer_names: dict[str, str], dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.dumped = dumped_cls()
         self.layer_names = layer_names
@@ -170,7 +172,7 @@ class VllmGemmaBackbone(torch.nn.Module):
                 value = 0.1 * torch.randn(shape, generator=gen)
             else:
                 value = torch.randn(shape, generator=gen) / max(shape[-1], 1) ** 0.5
-            self.weights[name] = value.float()
+            self.weights[name] = value.to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         args = []
@@ -190,10 +192,10 @@ class VllmGemmaBackbone(torch.nn.Module):
         return self.dumped.forward(*args)[0]
 
 
-def new_world(query_lens: list[int]):
+def new_world(query_lens: list[int], dtype: torch.dtype = torch.float32):
     """vLLM's KV-cache groups for this model: layer i in group i % 6 ({0, 6, 12}, ...)."""
     return make_world(query_lens, layers=LAYERS, groups=GROUPS, block=BLOCK, kv_heads=KV_HEADS, head_size=HEAD,
-                      request_prefix="r")
+                      dtype=dtype, request_prefix="r")
 
 
 def window_layer(name: str) -> WindowLayer:

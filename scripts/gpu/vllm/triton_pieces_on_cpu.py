@@ -1,6 +1,7 @@
 """Inductor's Triton code for the pieces of a rewritten mode-3 graph, generated on a CPU-only machine.
 
     python scripts/gpu/vllm/triton_pieces_on_cpu.py [--unbacked] [--drops 1,2] [--json] [--out pieces.txt]
+    python scripts/gpu/vllm/triton_pieces_on_cpu.py --gemma [--unbacked] [--json]
 
 A diagnosis aid for vLLM p = 1 parity (docs/results/vllm-defaults-h200-2026-12-04/): it runs the fake
 vLLM of tests/vllm (split at the attention ops and uniprefill's splitting ops, each piece compiled by
@@ -9,7 +10,10 @@ Inductor's CPU backend set to Triton and Triton's driver stubbed, so Inductor ge
 kernels a GPU would get without compiling or running them. It prints each compiled piece's kernels and
 compares the RMSNorm kernels of the pieces after the drop point (layer 1) with those of the piece before
 it. `--unbacked` compiles the pieces for the drop's unbacked row count (uniprefill before
-`backed_rows.py`). Relies on private Inductor and Triton internals (written against torch 2.13).
+`backed_rows.py`). `--gemma` compiles vLLM's REAL Gemma-3-270M graph instead (the H200 dump of
+`tests/vllm/test_vllm_real_graph.py`, in bf16, sliding windows, drops after layers 5, 11 and 17) twice, as
+standard vLLM and at p = 1, and compares every kernel of the one with the kernel at the same place in the other.
+Relies on private Inductor and Triton internals (written against torch 2.13).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT / "tests" / "vllm"), str(ROOT / "tests"), str(Path(__file__).resolve().parent)]
 
 
 def stub_triton(codes: list[str]) -> None:
@@ -73,15 +77,81 @@ def kernels(code: str) -> dict[str, str]:
     return out
 
 
+def normalised_kernels(codes: list[str]) -> list[tuple[str, str]]:
+    """(name, source) of every kernel in `codes`, in order; names, hashes and the tiling-score metadata (size
+    hints, which differ by one between a row count and the next) blanked."""
+    from diff_kernels import _BLANKS
+
+    out = []
+    for code in codes:
+        for name, body in kernels(code).items():
+            for pattern, blank in _BLANKS:
+                body = pattern.sub(blank, body)
+            out.append((name, re.sub(r"'tiling_scores': \{[^}]*\}", "'tiling_scores': S", body)))
+    return out
+
+
+def gemma_report(codes: list[str], unbacked: bool) -> dict:
+    """Standard vs p = 1 on vLLM's real Gemma-3-270M graph: kernel counts and the places whose code differs."""
+    import test_vllm_real_graph as real
+    from fake_vllm_compile import FakeVllmBackend, fake_mode3_config
+    from uniprefill.vllm import backed_rows, piecewise
+    from uniprefill.vllm.plugin import VllmHooks
+
+    hooks = VllmHooks(context_fn=lambda: real.WORLD.context, request_ids_fn=lambda: real.WORLD.context.request_ids,
+                      num_prompt_tokens_fn=lambda: None, listeners=types.SimpleNamespace(add=lambda runtime: None),
+                      window_layer_fn=real.window_layer)
+    VllmHooks.from_vllm = classmethod(lambda cls: hooks)
+    piecewise.install(FakeVllmBackend)
+    if unbacked:
+        backed_rows.back_kept_row_counts = lambda gm: backed_rows.BackedRows({})
+    backbone = real.VllmGemmaBackbone(*real._load_dump(torch.bfloat16), dtype=torch.bfloat16).eval()
+    splitting = [f"{real.NS}::unified_attention_with_output", f"{real.NS}::unified_kv_cache_update"]
+    sliding = (tuple(i for i in range(real.LAYERS) if i not in real.FULL), real.WINDOW)
+    p1 = {"p": 1.0, "block_size": real.BLOCK, "last_q": 32, "sink": 32, "min_tokens": 64, "vllm_drop": True,
+          "drop_layers": list(real.FULL)}
+    query_lens = [300, 40, 220]
+    ids = torch.randint(0, real.VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(0))
+    positions = torch.cat([torch.arange(q) for q in query_lens])
+    generated = {}
+    for name, settings in (("standard", None), ("p1", p1)):
+        torch._dynamo.reset()
+        codes.clear()
+        config = fake_mode3_config(settings, layers=real.LAYERS, block=real.BLOCK, splitting_ops=splitting,
+                                   sliding=sliding)
+        compiled = torch.compile(backbone, backend=lambda gm, example: FakeVllmBackend(config)(gm, example),
+                                 dynamic=True, fullgraph=True)
+        real.WORLD.context = real.new_world(query_lens, torch.bfloat16)
+        try:
+            with torch.no_grad():
+                compiled(ids.to(torch.int32), positions)
+        except Exception as error:  # the stubbed kernels refuse to run, once every piece is compiled
+            if "stub kernel" not in str(error):
+                raise
+        generated[name] = normalised_kernels([code for code in codes if "def call" in code])
+    standard, ours = generated["standard"], generated["p1"]
+    differing = [i for i, (a, b) in enumerate(zip(standard, ours)) if a[1] != b[1]]
+    return {"row_counts": "unbacked" if unbacked else "backed", "kernels": [len(standard), len(ours)],
+            "differing": differing, "first_difference": None if not differing else
+            [standard[differing[0]][0], ours[differing[0]][0]]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--unbacked", action="store_true", help="compile the pieces for unbacked row counts")
     parser.add_argument("--out", type=Path, default=None, help="write the generated modules here")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead (tests read it)")
     parser.add_argument("--drops", default="1", help="drop layers, comma-separated (default 1; the model has 4)")
+    parser.add_argument("--gemma", action="store_true", help="vLLM's real Gemma-3-270M graph, standard vs p = 1")
     args = parser.parse_args()
     codes: list[str] = []
     stub_triton(codes)
+    if args.gemma:
+        report = gemma_report(codes, args.unbacked)
+        print(json.dumps(report) if args.json else
+              f"row counts: {report['row_counts']}; kernels standard / p = 1: {report['kernels']}; "
+              f"{len(report['differing'])} differ (first: {report['first_difference']})")
+        return 0
 
     from torch import nn
 
