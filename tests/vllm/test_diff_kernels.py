@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -55,3 +56,22 @@ def test_names_and_symbols_do_not_count_a_size_hint_does(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "shared 1; only in the first 1, only in the second 1" in out
     assert "-    size_hints={'x': 16384, 'r0_': 1024}," in out and "+    size_hints={'x': 8192, 'r0_': 1024}," in out
+
+
+def test_launch_configs_of_the_same_kernel_are_compared(tmp_path, capsys):
+    def with_configs(path: Path, configs: dict) -> Path:
+        with tarfile.open(path, "w:gz") as tar:
+            for stem, config in configs.items():
+                data = json.dumps(config).encode()
+                info = tarfile.TarInfo(f"./ab/{stem}.best_config")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return path
+
+    base = {"XBLOCK": 8, "R0_BLOCK": 1024, "num_warps": 4, "num_stages": 1}
+    a = with_configs(tmp_path / "a.tar.gz", {"cabc": {**base, "time_taken_ms": 3}, "cdef": base, "conly": base})
+    b = with_configs(tmp_path / "b.tar.gz", {"cabc": {**base, "time_taken_ms": 9}, "cdef": {**base, "num_warps": 8}})
+    diff_kernels.main([str(a), str(b), "--show", "1"])
+    out = capsys.readouterr().out
+    assert "same source: 2, 1 differ" in out  # the timing is not the config; a kernel on one side only is not compared
+    assert "cdef" in out and "'num_warps': 8" in out

@@ -35,7 +35,8 @@
 #          2026-12-04's tiled default) | p095unsplit (p095 with the A/B aid UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1: decode
 #          rows on one program each of the window kernel, as before 2026-12-05's split-KV default)
 # DUMP_CODE=1 gives each engine a fresh vLLM cache (VLLM_CACHE_ROOT=OUT_DIR/cache-RUN) and keeps the Python
-# Inductor generated there (the Triton kernels of every piece) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
+# Inductor generated there (the Triton kernels of every piece) and the launch configs its autotuner picked
+# (`*.best_config`) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
 # SKIP_NEEDLES=1 leaves the needle prompts out; LOGPROBS=1 records the parity tokens' logprobs
 # (compare_engines.py then says where two runs' numbers first part: the prefill or a decode step);
 # SEQUENTIAL=1 generates the parity prompts one at a time (no batch composition in the comparison). Both for
@@ -98,7 +99,7 @@ for name in "$@"; do
   echo "$name: exit $? in $(( $(date +%s) - start )) s"
   grep -E "Traceback|Error" "$OUT/$name.log" | head -3 | cut -c1-300
   if [[ "${DUMP_CODE:-0}" == 1 ]]; then
-    (cd "$OUT/cache-$name" && find . -name "*.py" -print0 | tar -czf "$OUT/code-$name.tar.gz" --null -T -)
+    (cd "$OUT/cache-$name" && find . \( -name "*.py" -o -name "*.best_config" \) -print0 | tar -czf "$OUT/code-$name.tar.gz" --null -T -)
     echo "$name: $(tar -tzf "$OUT/code-$name.tar.gz" | wc -l) generated files in code-$name.tar.gz"
   fi
   if [[ "$variant" != standard && -f "$OUT/$model-standard.json" ]]; then

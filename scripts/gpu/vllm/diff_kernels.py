@@ -8,7 +8,10 @@ symbol names and the source-file hashes are blanked, so two kernels that compute
 same launch heuristics compare equal whatever they were called. Prints how many distinct kernels each
 side has, how many they share, and, with --show N, the first N kernels found on one side only, each
 beside its nearest match on the other side (a unified diff), so that a size hint, a block size or a
-reduction order that differs can be read off.
+reduction order that differs can be read off. Where the archives hold Inductor's `*.best_config` files (the
+launch config its autotuner picked for a kernel, beside the kernel's file; `defaults_grid.sh` DUMP_CODE=1 keeps
+them since 2026-12-05), it also says how many kernels both engines compiled from the same source got another
+launch config (block sizes, warps, stages: a reduction's summation order can follow them).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import io
+import json
 import re
 import tarfile
 from collections import Counter
@@ -47,6 +51,20 @@ def kernels(archive: Path) -> Counter:
     return found
 
 
+_TIMINGS = ("time_taken_ms", "triton_cache_hash")  # not the config itself
+
+
+def launch_configs(archive: Path) -> dict[str, dict]:
+    """Kernel file stem (its source hash) -> the launch config Inductor's autotuner picked for it."""
+    found = {}
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.endswith(".best_config"):
+                config = json.load(tar.extractfile(member))
+                found[Path(member.name).stem] = {k: v for k, v in config.items() if k not in _TIMINGS}
+    return found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", type=Path)
@@ -62,6 +80,13 @@ def main(argv=None) -> int:
         print("\n".join(difflib.unified_diff(nearest.splitlines(), kernel.splitlines(), args.a.name, args.b.name,
                                              lineterm="", n=1)))
         print("-" * 80)
+    configs_a, configs_b = launch_configs(args.a), launch_configs(args.b)
+    both = sorted(set(configs_a) & set(configs_b))
+    if both:
+        differ = [stem for stem in both if configs_a[stem] != configs_b[stem]]
+        print(f"launch configs of kernels both compiled from the same source: {len(both)}, {len(differ)} differ")
+        for stem in differ[:args.show]:
+            print(f"  {stem}: {configs_a[stem]} -> {configs_b[stem]}")
     return 0
 
 
