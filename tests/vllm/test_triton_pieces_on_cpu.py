@@ -43,7 +43,8 @@ def test_pieces_after_the_drop_get_the_rmsnorm_kernels_of_the_piece_before_it(fl
 
 
 def test_vllms_real_gemma_graph_at_p1_gets_standard_vllms_kernels():
-    """vLLM's real Gemma-3-270M graph (the H200 dump, bf16, sliding windows, drops after layers 5, 11 and 17),
+    """vLLM's real Gemma-3-270M graph (the H200 dump of mode 2, whose rotary and GELU are vLLM's kernels where mode 3
+    has PyTorch ops; bf16, sliding windows, drops after layers 5, 11 and 17),
     compiled as standard vLLM and at p = 1: the same Triton kernels in the same places, line for line (the
     tiling-score metadata aside). With unbacked row counts (`--unbacked`, run 2026-12-05) 50 of them differ and
     p = 1 has 148 kernels against 73. So where Gemma-3-270M at p = 1 parts from standard vLLM on the GPU (109 of
