@@ -10,7 +10,7 @@ Inductor's CPU backend set to Triton and Triton's driver stubbed, so Inductor ge
 kernels a GPU would get without compiling or running them. It prints each compiled piece's kernels and
 compares the RMSNorm kernels of the pieces after the drop point (layer 1) with those of the piece before
 it. `--unbacked` compiles the pieces for the drop's unbacked row count (uniprefill before
-`backed_rows.py`). `--gemma` compiles vLLM's REAL Gemma-3-270M graph instead (the H200 dump of
+`backed_rows.py`). `--gemma` compiles vLLM's REAL Gemma-3-270M graph instead (the H200 dump of mode 2 in
 `tests/vllm/test_vllm_real_graph.py`, in bf16, sliding windows, drops after layers 5, 11 and 17) twice, as
 standard vLLM and at p = 1, and compares every kernel of the one with the kernel at the same place in the other.
 Relies on private Inductor and Triton internals (written against torch 2.13).
