@@ -75,3 +75,38 @@ def test_launch_configs_of_the_same_kernel_are_compared(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "same source: 2, 1 differ" in out  # the timing is not the config; a kernel on one side only is not compared
     assert "cdef" in out and "'num_warps': 8" in out
+
+
+def test_launch_configs_of_the_same_body_are_compared_whatever_the_decorator(tmp_path, capsys):
+    """Two engines compile one reduction under other size hints, one of them with a benchmark harness after it
+    (its own file): other sources, the same arithmetic; their launch configs are compared (a set per body)."""
+    harness = "\n\ndef get_args():\n    return 1,\n\n\ndef call(args):\n    pass\n"
+
+    def engine(path: Path, hint: int, name: str, configs: list[dict], extra: str = "") -> Path:
+        kernel = (f"@triton_heuristics.reduction(\n    size_hints={{'x': {hint}, 'r0_': 256}},\n)\n@triton.jit\n"
+                  f"def {name}(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr, R0_BLOCK : tl.constexpr):\n"
+                  "    tmp4 = tl.sum(_tmp4, 1)[:, None]\n")
+        with tarfile.open(path, "w:gz") as tar:
+            for index, config in enumerate(configs):
+                for member, data in ((f"./f{index}/c{index}.py", kernel + extra),
+                                     (f"./f{index}/{index:064x}.best_config", json.dumps(config))):
+                    info = tarfile.TarInfo(member)
+                    info.size = len(data.encode())
+                    tar.addfile(info, io.BytesIO(data.encode()))
+        return path
+
+    tuned = {"XBLOCK": 64, "R0_BLOCK": 64, "num_warps": 16, "num_stages": 1}
+    a = engine(tmp_path / "a.tar.gz", 65536, "triton_red_fused_1", [tuned], harness)
+    b = engine(tmp_path / "b.tar.gz", 32768, "triton_red_fused_3", [{**tuned, "R0_BLOCK": 4, "num_warps": 8},
+                                                                     {**tuned, "time_taken_ms": 5}])
+    (body_a, (name_a, configs_a)), = diff_kernels.launch_configs_by_body(a).items()
+    (body_b, (_, configs_b)), = diff_kernels.launch_configs_by_body(b).items()
+    assert body_a == body_b and "get_args" not in body_a and name_a == "triton_red_fused_1"
+    assert configs_a == [tuned] and len(configs_b) == 2  # the timing is not the config: one copy of `tuned`
+    diff_kernels.main([str(a), str(b), "--show", "1"])
+    out = capsys.readouterr().out
+    assert "only in the first 1, only in the second 1" in out  # other sources: the decorators differ
+    assert "same body: 1, 1 differ" in out and "'R0_BLOCK': 4" in out
+    c = engine(tmp_path / "c.tar.gz", 16384, "triton_red_fused_1", [tuned, tuned])
+    diff_kernels.main([str(a), str(c)])
+    assert "same body: 1, 0 differ" in capsys.readouterr().out  # one config, whatever the pieces compiled

@@ -108,6 +108,9 @@ def main(argv=None) -> int:
     parser.add_argument("--inductor", default=None,
                         help="JSON of Inductor options for inductor_compile_config (a control run: what uniprefill's "
                              "hook changes there, without uniprefill)")
+    parser.add_argument("--compile-ranges-endpoints", default=None,
+                        help="comma-separated compilation_config.compile_ranges_endpoints (a control run: a step budget "
+                             "raised past vLLM's default, with vLLM's default kept as the end of a compiled range)")
     parser.add_argument("--parity", type=int, default=0)
     parser.add_argument("--parity-tokens", type=int, default=16)
     parser.add_argument("--parity-sequential", action="store_true",
@@ -175,6 +178,8 @@ def main(argv=None) -> int:
     if args.uniprefill is not None:
         inductor["uniprefill"] = json.loads(args.uniprefill)
     compilation: dict = {"cudagraph_mode": args.cudagraph_mode} if args.cudagraph_mode else {}
+    if args.compile_ranges_endpoints:
+        compilation["compile_ranges_endpoints"] = [int(x) for x in args.compile_ranges_endpoints.split(",")]
     if inductor:
         compilation["inductor_compile_config"] = inductor
     if compilation:

@@ -21,7 +21,9 @@
 #   VARIANT standard | again (a second standard engine) | onestep (standard with max_num_batched_tokens 33791, the
 #          budget uniprefill's one-step prefill gives a dropping engine of 32K context at max_num_seqs 1024: gemma,
 #          llama32k; the same step composition as p095 / keep03, to tell the budget's effect from the drop's; an
-#          engine at p = 1 keeps vLLM's budget) | nocombo (standard with Inductor's
+#          engine at p = 1 keeps vLLM's budget) | onestepsplit (onestep with vLLM's default budget, 16384 for `LLM` on
+#          an H200, kept as the end of a compiled range: steps up to it run a graph compiled as standard's; gemma)
+#          | p095split (p095 with the same range end) | nocombo (standard with Inductor's
 #          benchmark_combo_kernel off, as uniprefill's hook sets it) | p1 | p095 | p099 | keep03 (the option:
 #          {"p": 1.0} / {"p": 0.95} / {"p": 0.99} / {"keep_ratio": 0.3, "drop_layers": [7]}, each with
 #          "vllm_drop": true) | p099chunk2k (p099 with max_num_batched_tokens 2048: prompts chunked, the last
@@ -33,7 +35,9 @@
 #          aid UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK=1: Inductor's benchmark_combo_kernel left on) | p095perrow (p095
 #          with the A/B aid UNIPREFILL_DEBUG_PER_ROW_WINDOW=1: the per-row window kernel in prefill steps, as before
 #          2026-12-04's tiled default) | p095unsplit (p095 with the A/B aid UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1: decode
-#          rows on one program each of the window kernel, as before 2026-12-05's split-KV default)
+#          rows on one program each of the window kernel, as before 2026-12-05's split-KV default) | det (standard with
+#          Inductor's deterministic mode: reduction launch configs picked without timing) | p1det (p1 with the same;
+#          compared with det, not standard: the rewrite's arithmetic apart from the autotuner's timing-based choices)
 # DUMP_CODE=1 gives each engine a fresh vLLM cache (VLLM_CACHE_ROOT=OUT_DIR/cache-RUN) and keeps the Python
 # Inductor generated there (the Triton kernels of every piece) and the launch configs its autotuner picked
 # (`*.best_config`) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
@@ -80,6 +84,8 @@ for name in "$@"; do
   case "$variant" in
     again) ;;
     onestep) args+=(--max-num-batched-tokens 33791) ;;  # standard with the step budget uniprefill's one-step prefill sets
+    onestepsplit) args+=(--max-num-batched-tokens 33791 --compile-ranges-endpoints 16384) ;;
+    p095split) args+=(--uniprefill "${SETTINGS[p095]}" --compile-ranges-endpoints 16384) ;;
     p1keepplan) args+=(--uniprefill "${SETTINGS[p1]}"); envs=(UNIPREFILL_DEBUG_KEEP_FA3_PLAN=1) ;;
     p1last) args+=(--uniprefill '{"p": 1.0, "vllm_drop": true, "drop_layers": [28]}') ;;
     p1nohint) args+=(--uniprefill "${SETTINGS[p1]}" --inductor '{"unbacked_symint_fallback": 8192}') ;;
@@ -87,6 +93,8 @@ for name in "$@"; do
     p095perrow) args+=(--uniprefill "${SETTINGS[p095]}"); envs=(UNIPREFILL_DEBUG_PER_ROW_WINDOW=1) ;;
     p095unsplit) args+=(--uniprefill "${SETTINGS[p095]}"); envs=(UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1) ;;
     nocombo) args+=(--inductor '{"benchmark_combo_kernel": false}') ;;
+    det) args+=(--inductor '{"deterministic": true}') ;;
+    p1det) args+=(--uniprefill "${SETTINGS[p1]}" --inductor '{"deterministic": true}') ;;
     p099chunk2k) args+=(--uniprefill "${SETTINGS[p099]}" --max-num-batched-tokens 2048) ;;
     p095chunk2k) args=($(without_throughput "${args[@]}")); args+=(--uniprefill "${SETTINGS[p095]}" --max-num-batched-tokens 2048) ;;
     keep03onestep) args+=(--uniprefill "${SETTINGS[keep03]}" --max-num-batched-tokens 32768) ;;
@@ -102,8 +110,9 @@ for name in "$@"; do
     (cd "$OUT/cache-$name" && find . \( -name "*.py" -o -name "*.best_config" \) -print0 | tar -czf "$OUT/code-$name.tar.gz" --null -T -)
     echo "$name: $(tar -tzf "$OUT/code-$name.tar.gz" | wc -l) generated files in code-$name.tar.gz"
   fi
-  if [[ "$variant" != standard && -f "$OUT/$model-standard.json" ]]; then
-    python3 -P "$ROOT/scripts/gpu/vllm/compare_engines.py" "$OUT/$model-standard.json" "$OUT/$name.json" \
+  baseline=standard; [[ "$variant" == p1det ]] && baseline=det  # like against like: both in deterministic mode
+  if [[ "$variant" != standard && -f "$OUT/$model-$baseline.json" ]]; then
+    python3 -P "$ROOT/scripts/gpu/vllm/compare_engines.py" "$OUT/$model-$baseline.json" "$OUT/$name.json" \
       --out "$OUT/compare-$name.json" | python3 -c "import json,sys; d=json.load(sys.stdin); p=d['parity']
 print('$name:', 'parity', p and (p['identical'], p['prompts']), 'repeat', p and p.get('repeat'), 'throughput', [(r['length'], r['batch'], r['ratio']) for r in d['throughput']], 'drops', str(d['drop_totals'])[:300])"
     if [[ -f "$OUT/$model-standard.needles.jsonl" && -f "$OUT/$name.needles.jsonl" ]]; then

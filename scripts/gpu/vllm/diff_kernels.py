@@ -11,7 +11,11 @@ beside its nearest match on the other side (a unified diff), so that a size hint
 reduction order that differs can be read off. Where the archives hold Inductor's `*.best_config` files (the
 launch config its autotuner picked for a kernel, beside the kernel's file; `defaults_grid.sh` DUMP_CODE=1 keeps
 them since 2026-12-05), it also says how many kernels both engines compiled from the same source got another
-launch config (block sizes, warps, stages: a reduction's summation order can follow them).
+launch config (block sizes, warps, stages: a reduction's summation order can follow them), and the same for
+kernels with the same body (the `@triton.jit` function, normalised as above) whatever their decorators: two
+engines that compile one kernel under different size hints or benchmark harnesses have other sources but the
+same arithmetic, and only the launch config can then part their numbers (Gemma-3-270M at p = 1, H200,
+2026-12-05: the q/k RMSNorm reductions got R0_BLOCK 4 and 8 against standard vLLM's 64).
 """
 
 from __future__ import annotations
@@ -34,21 +38,28 @@ _BLANKS = [(re.compile(r"\b[su]\d+\b"), "SYM"), (re.compile(r"\bks\d+\b"), "ksN"
            (re.compile(r"'backend_hash': '[^']*'"), "'backend_hash': H")]
 
 
-def kernels(archive: Path) -> Counter:
-    """Normalised kernel sources of one archive, counted."""
-    found: Counter = Counter()
+def _normalised(source: str, name: str) -> str:
+    source = source.replace(name, "KERNEL")
+    for pattern, blank in _BLANKS:
+        source = pattern.sub(blank, source)
+    return source.strip()
+
+
+def _kernels_by_file(archive: Path):
+    """(member path, kernel name, its source) for every kernel in the archive's Python files."""
     with tarfile.open(archive) as tar:
         for member in tar.getmembers():
             if not member.isfile() or not member.name.endswith(".py"):
                 continue
             text = io.TextIOWrapper(tar.extractfile(member), encoding="utf-8", errors="replace").read()
             for match in _KERNEL.finditer(text):
-                source, name = match.group(1), match.group(2)
-                normalised = source.replace(name, "KERNEL")
-                for pattern, blank in _BLANKS:
-                    normalised = pattern.sub(blank, normalised)
-                found[normalised.strip()] += 1
-    return found
+                source = match.group(1)
+                yield member.name, match.group(2), source[:source.index("@triton.jit")] + _body(source)
+
+
+def kernels(archive: Path) -> Counter:
+    """Normalised kernel sources of one archive, counted."""
+    return Counter(_normalised(source, name) for _, name, source in _kernels_by_file(archive))
 
 
 _TIMINGS = ("time_taken_ms", "triton_cache_hash")  # not the config itself
@@ -63,6 +74,40 @@ def launch_configs(archive: Path) -> dict[str, dict]:
                 config = json.load(tar.extractfile(member))
                 found[Path(member.name).stem] = {k: v for k, v in config.items() if k not in _TIMINGS}
     return found
+
+
+def launch_configs_by_body(archive: Path) -> dict[str, tuple[str, list[dict]]]:
+    """Normalised kernel body -> (a name Inductor gave it, the distinct launch configs picked for it). A
+    `*.best_config` belongs to the kernel file in its folder (Inductor writes it there); folders holding
+    several kernel files, or a file with several kernels, are left out (which kernel it tuned is not known)."""
+    configs = launch_configs(archive)
+    folders: dict[str, list[str]] = {}
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.endswith(".best_config"):
+                folders.setdefault(str(Path(member.name).parent), []).append(Path(member.name).stem)
+    per_file: dict[str, list[tuple[str, str]]] = {}
+    for path, name, source in _kernels_by_file(archive):
+        per_file.setdefault(path, []).append((name, _normalised(_body(source), name)))  # the decorator aside
+    files_in: Counter = Counter(str(Path(path).parent) for path in per_file)
+    found: dict[str, tuple[str, list[dict]]] = {}
+    for path, kernels_here in per_file.items():
+        folder = str(Path(path).parent)
+        if len(kernels_here) != 1 or files_in[folder] != 1 or folder not in folders:
+            continue
+        name, body = kernels_here[0]
+        known, picked = found.get(body, (name, []))
+        found[body] = (max(known, name, key=len), picked)  # Inductor names a combined kernel's parts `triton_`
+        picked.extend(json.dumps(configs[stem], sort_keys=True) for stem in folders[folder])
+    return {body: (name, [json.loads(c) for c in sorted(set(picked))]) for body, (name, picked) in found.items()}
+
+
+def _body(source: str) -> str:
+    """The `@triton.jit` function of a kernel's source: its `def` and the indented lines after it (a kernel
+    file of its own goes on with a benchmark harness, which is not the kernel)."""
+    lines = source[source.index("@triton.jit"):].splitlines()
+    end = next((i for i, line in enumerate(lines[2:], 2) if line and not line[0].isspace()), len(lines))
+    return "\n".join(lines[:end])
 
 
 def main(argv=None) -> int:
@@ -87,6 +132,13 @@ def main(argv=None) -> int:
         print(f"launch configs of kernels both compiled from the same source: {len(both)}, {len(differ)} differ")
         for stem in differ[:args.show]:
             print(f"  {stem}: {configs_a[stem]} -> {configs_b[stem]}")
+    bodies_a, bodies_b = launch_configs_by_body(args.a), launch_configs_by_body(args.b)
+    same_body = sorted(set(bodies_a) & set(bodies_b))
+    if same_body:
+        differ = [body for body in same_body if bodies_a[body][1] != bodies_b[body][1]]
+        print(f"launch configs of kernels with the same body: {len(same_body)}, {len(differ)} differ")
+        for body in differ[:args.show]:
+            print(f"  {bodies_a[body][0]}: {bodies_a[body][1]} -> {bodies_b[body][1]}")
     return 0
 
 
