@@ -88,7 +88,8 @@ def launch_configs_by_body(archive: Path) -> dict[str, tuple[str, list[dict]]]:
                 folders.setdefault(str(Path(member.name).parent), []).append(Path(member.name).stem)
     per_file: dict[str, list[tuple[str, str]]] = {}
     for path, name, source in _kernels_by_file(archive):
-        per_file.setdefault(path, []).append((name, _normalised(_body(source), name)))  # the decorator aside
+        body = source[source.index("@triton.jit"):]  # the decorator aside
+        per_file.setdefault(path, []).append((name, _normalised(body, name)))
     files_in: Counter = Counter(str(Path(path).parent) for path in per_file)
     found: dict[str, tuple[str, list[dict]]] = {}
     for path, kernels_here in per_file.items():
