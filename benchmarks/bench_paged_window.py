@@ -41,6 +41,12 @@ def _time(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# (query rows x heads per program, warps, entries per loop step or None: the launcher's, stages or None: Triton's)
+TILED_VARIANTS = ((32, 4, None, None), (64, 4, None, None), (64, 8, None, None), (128, 8, None, None),
+                  (128, 8, 64, None), (128, 8, 16, None), (128, 8, 32, 2), (128, 8, 32, 3), (64, 4, 64, 2),
+                  (128, 4, 32, None))
+
+
 def run_one(rows: int, args) -> dict:
     from uniprefill.kernels.paged_window import (paged_window_attention, paged_window_attention_torch,
                                                  paged_window_attention_triton)
@@ -75,15 +81,17 @@ def run_one(rows: int, args) -> dict:
     distance = logical[:, None] - logical[None, :]
     mask = (distance >= 0) & (distance < args.window)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    variants = {}  # the tiled kernel's tuning knobs: query rows x heads per program, warps
-    for tile_rows, warps in ((32, 4), (64, 4), (64, 8), (128, 8)):
+    variants = {}  # the tiled kernel's tuning knobs: query rows x heads per program, warps, entries a step, stages
+    for tile_rows, warps, block_n, stages in TILED_VARIANTS:
+        name = f"rows{tile_rows}-warps{warps}" + (f"-n{block_n}" if block_n else "") + (f"-s{stages}" if stages else "")
         try:
-            def one(tile_rows=tile_rows, warps=warps):
-                return paged_window_attention_triton(*call, **kw, tiled=True, tile_rows=tile_rows, num_warps=warps)
+            def one(tile_rows=tile_rows, warps=warps, block_n=block_n, stages=stages):
+                return paged_window_attention_triton(*call, **kw, tiled=True, tile_rows=tile_rows, num_warps=warps,
+                                                     tile_block_n=block_n, num_stages=stages)
             rel = ((one().float() - ref.float()).norm() / ref.float().norm()).item()
-            variants[f"rows{tile_rows}-warps{warps}"] = {"ms": _time(one, args.repeats), "rel_err": rel}
+            variants[name] = {"ms": _time(one, args.repeats), "rel_err": rel}
         except Exception as error:  # e.g. out of shared memory at this tile
-            variants[f"rows{tile_rows}-warps{warps}"] = f"{type(error).__name__}: {str(error)[:200]}"
+            variants[name] = f"{type(error).__name__}: {str(error)[:200]}"
     return {
         "tiled_variants_ms": variants,
         "rows": rows, "rel_err": err, "rel_err_per_row": errors[False], "rel_err_tiled": errors[True],

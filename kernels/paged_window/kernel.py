@@ -203,12 +203,14 @@ def paged_window_tiled_kernel(
 def paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                                   *, window: int, scale: float, softcap: float | None = None,
                                   block_n: int = 64, tiled: bool = False, tile_rows: int | None = None,
-                                  num_warps: int | None = None, splits: int = 1,
+                                  tile_block_n: int | None = None, num_warps: int | None = None,
+                                  num_stages: int | None = None, splits: int = 1,
                                   out: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernels (see the module docstring); same contract as the reference. `tiled`: the tiled kernel
-    instead of the per-row one; `tile_rows` (query rows x heads per program) and `num_warps` are its tuning
-    knobs (benchmarks/bench_paged_window.py compares them). Their defaults: 128 and 8 at head sizes of 256 (the
-    fastest of four on the H200 at Gemma-3's shapes), 64 and 4 below (not timed). `splits` (a power of two; per-row
+    instead of the per-row one; `tile_rows` (query rows x heads per program), `tile_block_n` (entries per loop
+    step), `num_warps` and `num_stages` are its tuning knobs (benchmarks/bench_paged_window.py compares them).
+    Their defaults: 128, 32, 8 and Triton's at head sizes of 256 (the fastest of four row / warp pairs on the H200
+    at Gemma-3's shapes; the entries per step and the stages not timed), 64, `block_n`, 4 below (not timed). `splits` (a power of two; per-row
     kernel): each row's entries over that many programs, merged by `paged_window_combine_kernel` (split-KV, for
     steps of few rows: a decode step at batch 1 is otherwise one program per KV head). `out`: written in place of
     a new tensor (its own strides). `skip` (per-row kernel, with `out`): rows left as `out` holds them."""
@@ -232,8 +234,9 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),
             float(scale), float(softcap or 0.0),
             CACHE_BLOCK=key_cache.shape[1], GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=dim,
-            BLOCK_D=block_d, BLOCK_N=32 if block_d >= 256 else block_n, USE_SOFTCAP=bool(softcap),
+            BLOCK_D=block_d, BLOCK_N=tile_block_n or (32 if block_d >= 256 else block_n), USE_SOFTCAP=bool(softcap),
             FP32_DOT=fp32_dot, num_warps=num_warps or (8 if block_d >= 256 else 4),
+            **({"num_stages": num_stages} if num_stages else {}),
         )
         return out
     if splits < 1 or splits & (splits - 1):

@@ -90,13 +90,14 @@ def test_window_counts_match_the_position_rule(window, impl):
     assert max(got) <= window
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton-per-row", "triton-tiled", "triton-tiled-128", "triton-split",
-                                  "triton-split-tiles"])
+@pytest.mark.parametrize("impl", ["torch", "triton-per-row", "triton-tiled", "triton-tiled-128", "triton-tiled-n16",
+                                  "triton-split", "triton-split-tiles"])
 def test_paged_window_attention_matches_a_dense_reference(impl):
     """The reference (one chunk and chunks of 3 rows) and both Triton kernels (CPU interpreter
     here) against a per-row loop; softcap on and off; strided caches as vLLM's views are. Rows of
     three requests in random order, so a tile of the tiled kernel (64 or 128 query rows x heads, the latter
-    its default at head size 256) holds several requests and gaps between its rows' runs; the per-row kernel
+    its default at head size 256; and with loop steps of 16 entries, several a window) holds several requests and
+    gaps between its rows' runs; the per-row kernel
     also split over 4 programs a row (tiles of 16 entries: two splits see entries, two none) and over 2 (tiles of 4
     entries: up to 3 tiles a split); every cache entry outside all runs is NaN (freed blocks hold anything):
     reading one would show."""
@@ -132,6 +133,7 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
                 out = paged_window_attention_triton(*moved, window=window, scale=scale, softcap=cap,
                                                     tiled=impl.startswith("triton-tiled"),
                                                     tile_rows=128 if impl == "triton-tiled-128" else None,
+                                                    tile_block_n=16 if impl == "triton-tiled-n16" else None,
                                                     **split).cpu()
             for t in range(rows):
                 idx = torch.arange(int(logical[t]) - int(count[t]) + 1, int(logical[t]) + 1)
