@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .continuation import (
-    check_step_mask, continue_token_by_token, recurrent_layers, removed_nothing, step_kwargs_not_taken,
+    check_step_mask, continue_token_by_token, removed_nothing, step_kwargs_not_taken,
 )
 from .history import DropHistory
 
@@ -214,7 +214,7 @@ def _continue_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor, kwa
     """Several new tokens on a batch prefilled row by row (a batched chat's next turn): each row continues its
     own cache as a batch of one would. A row whose cache is whole (too short to drop, or nothing removed) runs
     the plain model over all the tokens; a compacted row continues token by token
-    (`continuation.continue_token_by_token`), or raises where the model keeps a recurrent state."""
+    (`continuation.continue_token_by_token`; recurrent layers too: `continuation.recurrent_layers`)."""
     count = ids.shape[1]
     check_step_mask(kwargs.get("attention_mask"), count)
     cache_key, common = _row_kwargs(kwargs)
@@ -227,12 +227,6 @@ def _continue_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor, kwa
             if row.history is not None:
                 row.history.decoded += count
             continue
-        stateful = recurrent_layers(model)
-        if stateful:
-            raise NotImplementedError(
-                f"{count} tokens at once on row {r}'s cache, which a drop compacted: layers {stateful[:8]} keep a "
-                "recurrent or convolutional state, whose several-token step one-token decode steps need not "
-                "reproduce; feed the tokens one at a time")
         one_token = functools.partial(_one_token, decode_step, row.history)
         outs.append(continue_token_by_token(one_token, ids[r:r + 1], step))
     caches.steps += count

@@ -86,10 +86,12 @@ def check_step_mask(mask, count: int) -> None:
 
 def recurrent_layers(model) -> list[int]:
     """Layers whose cache is a running state (recurrent or convolutional mixers, `LayerKind.LINEAR` / `OTHER`). A
-    step of several tokens through such a state is the model's own code path, which one-token steps need not
-    reproduce: tiny Jamba's plain three-token step differs from its three one-token steps by 9e-4 (fuzzer round 6c).
-    So several tokens on such a model's compacted cache raise rather than give another answer than the plain
-    model's."""
+    step of several tokens through such a state is the model's own code path: on a compacted cache uniprefill runs
+    those tokens as one-token decode steps (`continue_token_by_token`), which give what the plain model's one-token
+    steps and its forward over the whole sequence give. The plain model's several-token step agrees with them to
+    rounding on tiny Qwen3-Next, Qwen3.5, LFM2 and GraniteMoeHybrid (5e-7), not on tiny Jamba, whose several-token
+    step through a cached Mamba state is 2e-4 off its own whole-sequence forward (9e-4 off its one-token steps in the
+    fuzzer's round 6c, which had such continuations raise until 2026-12-05)."""
     from ..models.layer_kinds import LayerKind, layer_kinds
 
     return [i for i, kind in enumerate(layer_kinds(model.config)) if kind in (LayerKind.LINEAR, LayerKind.OTHER)]

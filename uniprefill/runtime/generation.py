@@ -34,8 +34,7 @@ from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
     _DECODE_STATE, ATTENTION_NAME, _attention_implementation, decode_kernels,
 )
 from .continuation import (
-    check_step_mask, continue_token_by_token, fixed_size_cache, multi_token_generation, recurrent_layers,
-    removed_nothing,
+    check_step_mask, continue_token_by_token, fixed_size_cache, multi_token_generation, removed_nothing,
 )
 from .history import DropHistory
 
@@ -118,13 +117,7 @@ class UniPrefillModel(torch.nn.Module):
             if ids is None:
                 raise NotImplementedError("after a dropped prefill decode steps take input_ids (the cache holds only "
                                           "the kept tokens)")
-            if ids.dim() == 2 and ids.shape[1] > 1:
-                stateful = recurrent_layers(self.model)
-                if stateful:
-                    raise NotImplementedError(
-                        f"{ids.shape[1]} tokens at once on a cache a drop compacted: layers {stateful[:8]} keep a "
-                        "recurrent or convolutional state, whose several-token step one-token decode steps need not "
-                        "reproduce; feed the tokens one at a time")
+            if ids.dim() == 2 and ids.shape[1] > 1:  # recurrent layers too (`continuation.recurrent_layers`)
                 return continue_token_by_token(lambda **step: self._decode_step(history, step["input_ids"], **step),
                                                ids, kwargs)
             check_step_mask(kwargs.get("attention_mask"), 1)

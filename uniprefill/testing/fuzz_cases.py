@@ -6,8 +6,9 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
 * `_forward_case`: one or more forward calls (arguments by keyword or position, padding,
   masks, position ids, caches, `logits_to_keep`, a second model alternating);
 * `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, several
-  sequences, an explicit cache); a first differing token that the plain model scores as a tie
-  counts as "tie" (`_tie_at_divergence`);
+  sequences, an explicit cache, a static cache, prompt lookup, a chat's next turn on the returned
+  cache); a first differing token that the plain model scores as a tie counts as "tie"
+  (`_tie_at_divergence`);
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
   or several tokens through forward;
 * `_reference_case`: forced retention against the eager reference (Llama, Gemma-3, GPT-OSS).
@@ -15,6 +16,7 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import random
 from dataclasses import dataclass, field
@@ -167,7 +169,7 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
 
     model, fast = pool.get(arch, dtype, p=1.0)
     mode = rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache", "static cache",
-                       "prompt lookup"])
+                       "prompt lookup", "next turn"])
     rows = rng.choice([1, 2])
     rows = 1 if mode == "prompt lookup" else rows  # transformers' assisted generation takes one row
     length = rng.randint(MIN_TOKENS, 160)
@@ -194,22 +196,26 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
         kwargs.update(do_sample=False, prompt_lookup_num_tokens=rng.choice([2, 3]))
     else:
         kwargs.update(do_sample=False)
+    turn = torch.randint(3, model.config.vocab_size, (rows, rng.randint(1, 80)),
+                         generator=torch.Generator().manual_seed(case + 1)) if mode == "next turn" else None
     result = CaseResult(case, arch, f"generate {mode}", "equal",
-                        detail=f"rows {rows}, length {length}, padding {padding}, {mode}")
+                        detail=f"rows {rows}, length {length}, padding {padding}, {mode}"
+                               + (f" (+{turn.shape[1]} tokens)" if turn is not None else ""))
     seed = rng.randrange(1 << 30)
     with torch.no_grad():
         try:
             torch.manual_seed(seed)
             extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
-            ref = model.generate(**kwargs, **extra)
+            ref = model.generate(**kwargs, **extra) if turn is None else _next_turn(model, kwargs, turn)
         except Exception as exc:  # noqa: BLE001
             result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
             return result
         torch.manual_seed(seed)
         extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
-        out = fast.generate(**kwargs, **extra)
+        out = fast.generate(**kwargs, **extra) if turn is None else _next_turn(fast, kwargs, turn)
     tie = None
-    if not torch.equal(out, ref) and out.shape == ref.shape and mode in ("greedy", "explicit cache", "beam"):
+    if not torch.equal(out, ref) and out.shape == ref.shape and mode in ("greedy", "explicit cache", "beam",
+                                                                         "next turn"):
         tie = _tie_at_divergence(model, out, ref, mask, length, dtype)
     if not torch.equal(out, ref) and tie is None:
         result.status = "mismatch"
@@ -224,6 +230,17 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
     elif fast.backend.last_unaccelerated:
         result.reasons.append(fast.backend.last_unaccelerated)
     return result
+
+
+def _next_turn(target, kwargs: dict, turn: torch.Tensor) -> torch.Tensor:
+    """A chat's next turn through `generate` (transformers' cache re-use): greedy on the prompt, then greedy again
+    on its output followed by `turn`, given the first call's cache. The second call's sequences (both turns)."""
+    first = target.generate(**kwargs, return_dict_in_generate=True)  # kwargs: greedy
+    ids = torch.cat([first.sequences, turn], dim=1)
+    mask = torch.cat([kwargs["attention_mask"], torch.ones(ids.shape[0], ids.shape[1] - kwargs["input_ids"].shape[1],
+                                                           dtype=kwargs["attention_mask"].dtype)], dim=1)
+    return target.generate(input_ids=ids, attention_mask=mask, past_key_values=first.past_key_values,
+                           max_new_tokens=kwargs["max_new_tokens"], pad_token_id=0, do_sample=False)
 
 
 def _tie_at_divergence(model, out, ref, mask, length: int, dtype) -> str | None:
@@ -276,15 +293,14 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
             (out, mine), (ref, theirs) = (out.logits, out.past_key_values), (ref.logits, ref.past_key_values)
         bad = _compare_logits(out, ref, mask, None, dtype)
         accelerated = _accelerated(fast)
+        # a model with recurrent layers: the plain model fed each step's tokens one at a time too (a compacted cache
+        # continues so, `continuation.recurrent_layers`; the plain several-token step may differ, tiny Jamba's)
+        one_at_a_time = copy.deepcopy(theirs) if recurrent_layers(model) else None
         for step in range(rng.randint(1, 3)):
             if bad:
                 break
             token = ref[:, -1:].argmax(-1)
             width = rng.choice([1, 1, 3])
-            if width > 1 and rows == 1 and not bool(mask.all()) and recurrent_layers(model):
-                width = 1  # a padded prompt leaves the layers after a drop point without its pads: compacted, and
-                # several tokens on such a model's compacted cache raise (by design); unpadded at p = 1 (or a batch's
-                # rows, each without its pads) the plain model continues
             if width > 1:
                 token = torch.cat([token, torch.randint(3, model.config.vocab_size, (rows, width - 1),
                                                         generator=torch.Generator().manual_seed(case + step))], dim=1)
@@ -292,6 +308,11 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
             out = fast(input_ids=token, attention_mask=mask, past_key_values=mine, use_cache=True).logits
             ref = model(input_ids=token, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
             bad = _compare_logits(out, ref, torch.ones_like(token), None, dtype)
+            if one_at_a_time is not None:
+                steps = torch.cat([model(input_ids=token[:, i:i + 1], past_key_values=one_at_a_time, use_cache=True,
+                                         attention_mask=mask[:, :mask.shape[1] - width + 1 + i]).logits
+                                   for i in range(width)], dim=1)
+                bad = bad and _compare_logits(out, steps, torch.ones_like(token), None, dtype)
             if bad:
                 bad = f"decode step {step + 1}: {bad}"
     if bad:
