@@ -194,6 +194,22 @@ def test_plain_torch_compile_call_that_fills_a_cache_runs_unaccelerated_with_the
 
 
 @torch.no_grad()
+def test_plain_torch_compile_of_a_batch_of_three_rows_with_a_hole_in_its_mask_equals_the_plain_model():
+    """Plain torch.compile traces the batch as the number 3; the check of what the mask computes evaluated it on 2
+    rows against a padding input of 3 and the compile raised ("The size of tensor a (2) must match the size of
+    tensor b (3)"; the fuzzer, drawing plain torch.compile calls, found it on 2026-12-05)."""
+    model = _llama()
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": (1, 2), **SMALL})
+    ids = _ids(3, 300)
+    mask = torch.ones(3, 300)
+    mask[1, 40:63] = 0  # a hole inside row 1, a float mask
+    out = compiled(input_ids=ids, attention_mask=mask, use_cache=False)
+    ref = model(input_ids=ids, attention_mask=mask, use_cache=False)
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], ref.logits[real], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
 def test_plain_torch_compile_of_forward_then_generate_equals_the_plain_model():
     """transformers' documented idiom: the prefill fills a cache, so it runs unaccelerated
     (with the reason) and the decode continues a complete cache."""

@@ -51,7 +51,8 @@ def mask_mismatch(gm: fx.GraphModule, mask: fx.Node, window: int, reads_padding:
             env[node] = graph.node_copy(node, lambda a: env[a])
     graph.output(env[mask])
     module = fx.GraphModule(gm, graph)
-    rows = 1 if axes.batch == 1 else 2
+    batch = sympy.sympify(axes.batch)
+    rows = int(batch) if batch.is_number else 2  # a batch traced as a number stays that (plain torch.compile: 3)
     for n in _LENGTHS:
         bind = {axes.seq: n, axes.batch: rows, **{s: (n if to == axes.seq else rows) for s, to in axes.aliases}}
         try:
