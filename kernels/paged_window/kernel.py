@@ -210,10 +210,10 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
     instead of the per-row one; `tile_rows` (query rows x heads per program), `tile_block_n` (entries per loop
     step), `num_warps` and `num_stages` are its tuning knobs (benchmarks/bench_paged_window.py compares them).
     Their defaults: 128, 32, 8 and Triton's at head sizes of 256 (the fastest of four row / warp pairs on the H200
-    at Gemma-3's shapes; the entries per step and the stages not timed), 64, `block_n`, 4 below (not timed). `splits` (a power of two; per-row
-    kernel): each row's entries over that many programs, merged by `paged_window_combine_kernel` (split-KV, for
-    steps of few rows: a decode step at batch 1 is otherwise one program per KV head). `out`: written in place of
-    a new tensor (its own strides). `skip` (per-row kernel, with `out`): rows left as `out` holds them."""
+    at Gemma-3's shapes; the entries per step and the stages not timed), 64, `block_n`, 4 below (not timed).
+    `splits` (a power of two; per-row kernel): each row's entries over that many programs, merged by
+    `paged_window_combine_kernel` (split-KV, for steps of few rows: a decode step at batch 1 is otherwise one
+    program per KV head). `out`: written in place of a new tensor (its own strides). `skip` (per-row kernel, with `out`): rows left as `out` holds them."""
     tokens, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
