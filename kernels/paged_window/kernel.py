@@ -213,7 +213,8 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
     at Gemma-3's shapes; the entries per step and the stages not timed), 64, `block_n`, 4 below (not timed).
     `splits` (a power of two; per-row kernel): each row's entries over that many programs, merged by
     `paged_window_combine_kernel` (split-KV, for steps of few rows: a decode step at batch 1 is otherwise one
-    program per KV head). `out`: written in place of a new tensor (its own strides). `skip` (per-row kernel, with `out`): rows left as `out` holds them."""
+    program per KV head). `out`: written in place of a new tensor (its own strides). `skip` (per-row kernel, with
+    `out`): rows left as `out` holds them."""
     tokens, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
