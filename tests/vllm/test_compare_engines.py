@@ -57,3 +57,19 @@ def test_throughput_points_pair_by_length_and_batch_with_the_time_outside_the_en
     assert "engine_span_ratio" not in rows[0]
     assert rows[1]["engine_span_ratio"] == 1.25
     assert rows[1]["call_to_queued_s"] == [0.01, 0.02] and rows[1]["first_token_to_return_s"] == [0.04, 0.06]
+
+
+def test_throughput_rows_carry_the_fastest_calls_ratio_and_each_engines_spread(tmp_path):
+    standard = {"throughput": {"points": [{"length": 8192, "batch": 1, "tokens_per_s": 100.0,
+                                           "seconds_each": [0.2, 0.1, 0.15]}]}}
+    other = {"throughput": {"points": [{"length": 8192, "batch": 1, "tokens_per_s": 120.0,
+                                        "seconds_each": [0.08, 0.16, 0.1]}]}}
+    row = compare_engines.throughput(standard, other)[0]
+    assert row["ratio_fastest"] == 1.25  # 0.1 s against 0.08 s
+    assert row["calls_spread"] == [2.0, 2.0]
+    # a gzipped run is read as it is
+    import gzip
+    (tmp_path / "s.json.gz").write_bytes(gzip.compress(json.dumps(standard).encode()))
+    (tmp_path / "o.json").write_text(json.dumps(other))
+    assert compare_engines.main([str(tmp_path / "s.json.gz"), str(tmp_path / "o.json"), "--out", str(tmp_path / "c.json")]) == 0
+    assert json.loads((tmp_path / "c.json").read_text())["throughput"][0]["ratio_fastest"] == 1.25

@@ -6,14 +6,21 @@ Parity: per prompt, equal token ids or the first position where they differ (pro
 match); with OTHER's `--parity-repeat` pass, how many of its outputs equal its first pass's and standard's
 (standard's repeat pass where it ran one; standard's own agreement between its two passes beside it), and how
 many prompt tokens came from the prefix cache. Throughput: per (length, batch) point present in both, OTHER's prefill tokens/s over
-STANDARD's, the engine-side prefill span ratio, and decode ms per token of each.
+STANDARD's (ratio of the medians), the ratio of the two fastest calls and each engine's spread (slowest call over
+fastest), the engine-side prefill span ratio, and decode ms per token of each. Gzipped runs are read as they are.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
+
+
+def load(path: Path) -> dict:
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
 
 
 def parity(a: dict, b: dict) -> dict | None:
@@ -86,6 +93,9 @@ def throughput(a: dict, b: dict) -> list[dict]:
             continue
         row = {"length": p["length"], "batch": p["batch"], "standard_tokens_per_s": q["tokens_per_s"],
                "tokens_per_s": p["tokens_per_s"], "ratio": round(p["tokens_per_s"] / q["tokens_per_s"], 3)}
+        if p.get("seconds_each") and q.get("seconds_each"):  # the timed calls (median taken above)
+            row["ratio_fastest"] = round(min(q["seconds_each"]) / min(p["seconds_each"]), 3)
+            row["calls_spread"] = [round(max(e) / min(e), 3) for e in (q["seconds_each"], p["seconds_each"])]
         ea, eb = q.get("engine", {}), p.get("engine", {})
         if ea.get("available") and eb.get("available"):
             row["engine_span_ratio"] = round(ea["span_s"] / eb["span_s"], 3)
@@ -105,7 +115,7 @@ def main(argv=None) -> int:
     parser.add_argument("other", type=Path)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    a, b = json.loads(args.standard.read_text()), json.loads(args.other.read_text())
+    a, b = load(args.standard), load(args.other)
     summary = {"standard": str(args.standard), "other": str(args.other), "other_uniprefill": b.get("uniprefill"),
                "settled": {"standard": a.get("settled"), "other": b.get("settled")},
                "engine_init_s": {"standard": a.get("engine_init_s"), "other": b.get("engine_init_s")},

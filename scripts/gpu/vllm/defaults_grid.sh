@@ -23,8 +23,9 @@
 #          llama32k; the same step composition as p095 / keep03, to tell the budget's effect from the drop's; an
 #          engine at p = 1 keeps vLLM's budget) | onestepsplit (onestep with vLLM's default budget, 16384 for `LLM` on
 #          an H200, kept as the end of a compiled range: steps up to it run a graph compiled as standard's; gemma)
-#          | p095split (p095 with the same range end) | nocombo (standard with Inductor's
-#          benchmark_combo_kernel off, as uniprefill's hook sets it) | p1 | p095 | p099 | keep03 (the option:
+#          | p095split (p095 with the same range end) | nocombo (standard with Inductor's combo kernels on and
+#          benchmark_combo_kernel off, as uniprefill's hook sets it; the run in vllm-gemma-p1-controls-h200-2026-12-05
+#          gave only benchmark_combo_kernel, which made vLLM leave combo kernels off altogether) | p1 | p095 | p099 | keep03 (the option:
 #          {"p": 1.0} / {"p": 0.95} / {"p": 0.99} / {"keep_ratio": 0.3, "drop_layers": [7]}, each with
 #          "vllm_drop": true) | p099chunk2k (p099 with max_num_batched_tokens 2048: prompts chunked, the last
 #          chunk drops; p095chunk2k the same at p = 0.95, no throughput) | keep03onestep (keep03 with max_num_batched_tokens 32768: prompts in one step) |
@@ -36,7 +37,8 @@
 #          with the A/B aid UNIPREFILL_DEBUG_PER_ROW_WINDOW=1: the per-row window kernel in prefill steps, as before
 #          2026-12-04's tiled default) | p095unsplit (p095 with the A/B aid UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1: decode
 #          rows on one program each of the window kernel, as before 2026-12-05's split-KV default) | det (standard with
-#          Inductor's deterministic mode: reduction launch configs picked without timing) | p1det (p1 with the same;
+#          Inductor's deterministic mode, with benchmark_combo_kernel off, which that mode refuses: reduction
+#          launch configs picked without timing) | p1det (p1 with the same;
 #          compared with det, not standard: the rewrite's arithmetic apart from the autotuner's timing-based choices)
 # DUMP_CODE=1 gives each engine a fresh vLLM cache (VLLM_CACHE_ROOT=OUT_DIR/cache-RUN) and keeps the Python
 # Inductor generated there (the Triton kernels of every piece) and the launch configs its autotuner picked
@@ -92,9 +94,13 @@ for name in "$@"; do
     p1combo) args+=(--uniprefill "${SETTINGS[p1]}"); envs=(UNIPREFILL_DEBUG_KEEP_COMBO_BENCHMARK=1) ;;
     p095perrow) args+=(--uniprefill "${SETTINGS[p095]}"); envs=(UNIPREFILL_DEBUG_PER_ROW_WINDOW=1) ;;
     p095unsplit) args+=(--uniprefill "${SETTINGS[p095]}"); envs=(UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1) ;;
-    nocombo) args+=(--inductor '{"benchmark_combo_kernel": false}') ;;
-    det) args+=(--inductor '{"deterministic": true}') ;;
-    p1det) args+=(--uniprefill "${SETTINGS[p1]}" --inductor '{"deterministic": true}') ;;
+    # vLLM sets combo_kernels and benchmark_combo_kernel only where the user gives neither: name both
+    nocombo) args+=(--inductor '{"combo_kernels": true, "benchmark_combo_kernel": false}') ;;
+    # deterministic mode refuses vLLM's benchmark_combo_kernel (an untimed-choice mode: standard vLLM fails to start
+    # with it, H100 2026-12-05), so both engines turn it off; uniprefill's hook does so in a rewritten graph anyway
+    det) args+=(--inductor '{"deterministic": true, "combo_kernels": true, "benchmark_combo_kernel": false}') ;;
+    p1det) args+=(--uniprefill "${SETTINGS[p1]}"
+                  --inductor '{"deterministic": true, "combo_kernels": true, "benchmark_combo_kernel": false}') ;;
     p099chunk2k) args+=(--uniprefill "${SETTINGS[p099]}" --max-num-batched-tokens 2048) ;;
     p095chunk2k) args=($(without_throughput "${args[@]}")); args+=(--uniprefill "${SETTINGS[p095]}" --max-num-batched-tokens 2048) ;;
     keep03onestep) args+=(--uniprefill "${SETTINGS[keep03]}" --max-num-batched-tokens 32768) ;;
