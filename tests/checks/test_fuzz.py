@@ -110,3 +110,46 @@ def test_a_reference_case_whose_rewritten_graph_raised_is_an_error(monkeypatch):
     monkeypatch.setattr(UniPrefillBackend, "_guarded", failing)
     result = fuzz._reference_case(random.Random(5), fuzz._Pool(), 11, "tiny-llama", torch.float32)
     assert result.status == "error" and "rewritten graph failed" in result.detail, result
+
+
+class _PlainPool:
+    """A pool whose plain-torch.compile door hands out a given (model, compiled) pair."""
+
+    def __init__(self, model, compiled):
+        self.entry = (model, compiled)
+
+    def get_plain(self, *args, **kwargs):
+        return self.entry
+
+
+def test_the_plain_torch_compile_door_equals_the_plain_model_and_accounts_for_every_call():
+    """Through `torch.compile(model, backend="uniprefill")` and `model.compile(...)`: every case equal (or the plain
+    model refused the input), and some calls ran the rewritten graph."""
+    pool = fuzz._Pool()
+    results = [fuzz._plain_compile_case(random.Random(seed), pool, seed, "tiny-llama", torch.float32)
+               for seed in range(8)]
+    assert {r.status for r in results} <= {"equal", "invalid"}, [(r.status, r.detail) for r in results]
+    assert sum(r.accelerated for r in results) >= 1, [(r.kind, r.reasons) for r in results]
+    assert {r.kind for r in results} == {"forward (torch.compile)", "generate (model.compile)"}
+
+
+def test_the_plain_torch_compile_door_reports_wrong_logits_and_calls_that_never_reached_the_backend():
+    import copy
+
+    model = fuzz.build_model("tiny-llama", torch.float32)
+    compiled = torch.compile(copy.deepcopy(model), backend="uniprefill", options={"p": 1.0, **fuzz.SETTINGS})
+    original = compiled.forward
+    compiled.forward = lambda *a, **k: _perturbed(original(*a, **k))
+    forward_seed = next(s for s in range(50) if random.Random(s).random() >= 0.25)  # a forward case, not generate
+    wrong = fuzz._plain_compile_case(random.Random(forward_seed), _PlainPool(model, compiled), 1, "tiny-llama",
+                                     torch.float32)
+    assert wrong.status == "mismatch", wrong
+    # a "compiled" model that never reaches uniprefill's backend (as dynamo runs a frame past its recompile limit):
+    # a call long enough to drop without a report or a reason is unexplained, never counted as explained
+    uncompiled = copy.deepcopy(model)
+    statuses = [fuzz._plain_compile_case(random.Random(s), _PlainPool(model, uncompiled), s, "tiny-llama",
+                                         torch.float32) for s in range(6)]
+    assert any(r.status == "unexplained" for r in statuses), [(r.status, r.reasons) for r in statuses]
+    assert all(r.status == "unexplained" or r.reasons == ["shorter than min_tokens"] * len(r.reasons)
+               for r in statuses if r.status != "invalid"), [(r.status, r.reasons) for r in statuses]
+    assert not any(r.accelerated for r in statuses)

@@ -8,7 +8,8 @@ not at all, position ids none / offset / strided / packed documents, `input_ids`
 `inputs_embeds`, `use_cache`, `logits_to_keep`, dtype), or a generation mode (greedy,
 seeded sampling, beam search, `num_return_sequences`, an explicit cache object), or a
 prefill into a cache object passed in followed by one-token steps through the same forward,
-and checks:
+or the same random forward calls (and `generate`) through plain `torch.compile(model,
+backend="uniprefill")` (`fuzz_plain_compile`), and checks:
 
 * at p = 1 the compiled model equals the plain model: logits at every real token within the
   dtype's tolerance, generated tokens exactly. Where greedy or beam tokens first differ and the
@@ -40,6 +41,7 @@ from .fuzz_cases import (  # noqa: F401  (re-exported: tests and the CLI use the
     _EXTRA_ARCHS, ARCHS, MIN_TOKENS, REFERENCE_ARCHS, SETTINGS, TOLERANCE, CaseResult, _decode_case, _forward_case,
     _generate_case, _reference_case, _tie_at_divergence,
 )
+from .fuzz_plain_compile import RECOMPILE_LIMIT, _plain_compile_case  # noqa: F401
 
 @dataclass
 class FuzzSummary:
@@ -144,21 +146,44 @@ class _Pool:
 
     def get(self, arch: str, dtype: torch.dtype, **options):
         import uniprefill
-        from uniprefill.models.layer_kinds import LayerKind, layer_kinds
 
         key = (arch, dtype, tuple(sorted(options.items())))
         if key not in self.entries:
             model = self.entries.get((arch, dtype, "model")) or build_model(arch, dtype)
             self.entries[(arch, dtype, "model")] = model
-            kinds = layer_kinds(model.config)
-            drops = tuple(i for i, k in enumerate(kinds) if k == LayerKind.FULL)[:2] or "all"
-            config = uniprefill.UniPrefillConfig(drop_layers=drops, **SETTINGS, **options)
+            config = uniprefill.UniPrefillConfig(drop_layers=_first_full_layers(model), **SETTINGS, **options)
             self.entries[key] = (model, uniprefill.compile(model, config))
+        return self.entries[key]
+
+    def get_plain(self, arch: str, dtype: torch.dtype, door: str):
+        """(plain model, a copy compiled by plain torch.compile): `door` "module" is `torch.compile(copy,
+        backend="uniprefill", options=...)`, "in place" is `copy.compile(backend="uniprefill", options=...)`."""
+        import copy
+
+        key = (arch, dtype, "plain", door)
+        if key not in self.entries:
+            model = self.entries.get((arch, dtype, "model")) or build_model(arch, dtype)
+            self.entries[(arch, dtype, "model")] = model
+            twin = copy.deepcopy(model)
+            options = {"p": 1.0, "drop_layers": _first_full_layers(model), **SETTINGS}
+            if door == "module":
+                compiled = torch.compile(twin, backend="uniprefill", options=options)
+            else:
+                twin.compile(backend="uniprefill", options=options)
+                compiled = twin
+            self.entries[key] = (model, compiled)
         return self.entries[key]
 
     def clear(self) -> None:
         self.entries.clear()
         torch._dynamo.reset()
+
+
+def _first_full_layers(model):
+    """The drop points every pooled model uses: its first two full-attention layers ("all" where none)."""
+    from uniprefill.models.layer_kinds import LayerKind, layer_kinds
+
+    return tuple(i for i, k in enumerate(layer_kinds(model.config)) if k == LayerKind.FULL)[:2] or "all"
 
 
 def run_case(rng: random.Random, pool: _Pool, case: int, archs=ARCHS) -> CaseResult:
@@ -172,6 +197,8 @@ def run_case(rng: random.Random, pool: _Pool, case: int, archs=ARCHS) -> CaseRes
             return _generate_case(rng, pool, case, arch, dtype)
         if roll < 0.35:
             return _decode_case(rng, pool, case, arch, dtype)
+        if roll < 0.45:
+            return _plain_compile_case(rng, pool, case, arch, dtype)
         return _forward_case(rng, pool, case, arch, dtype)
     except Exception as exc:  # noqa: BLE001  (an exception of the compiled path is a finding)
         return CaseResult(case, arch, "?", "error", f"{type(exc).__name__}: {exc}"[:500])

@@ -1,0 +1,127 @@
+"""The fuzzer's plain-`torch.compile` door: the same random calls as `_forward_case`, through
+`torch.compile(model, backend="uniprefill", options=...)` (the module dynamo returns), and `generate`
+through `model.compile(backend="uniprefill", ...)`, the in-place form whose `generate` reaches the
+compiled forward.
+
+What is checked is what `_forward_case` checks: at p = 1 the logits equal the plain model's at every
+real token, and a call long enough to drop either ran the rewritten graph or says why
+(`backend.last_unaccelerated`). The backend's latest report is cleared before each call, so a call that
+reached no graph of this backend (dynamo ran it uncompiled) leaves nothing and counts as unexplained.
+Under plain torch.compile a call that fills a cache (`use_cache` left at its default, and every
+`generate`) runs unaccelerated by design, with that reason.
+
+Dynamo runs a frame uncompiled once it has compiled it `recompile_limit` (8) times; the fuzzer's random
+argument forms pass that within a few cases, and such a call neither reaches the backend nor can be told
+apart from one the backend lost. So this door's calls run with the limit at `RECOMPILE_LIMIT`, and the
+pool is reset every `fresh_every` cases. What a user meets past the default limit (plain answers,
+unaccelerated, a stale `last_drop_report`) is documented in the README.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..unaccelerated import Kind, kind_of
+from .fuzz_cases import MIN_TOKENS, CaseResult, _call, _compare_logits, _random_inputs
+
+RECOMPILE_LIMIT = 64
+
+
+def _clear_reports(compiled) -> None:
+    from ..backend import _backend_of
+
+    try:
+        backend = _backend_of(compiled)
+    except ValueError:  # not run yet: nothing to clear
+        return
+    backend.recorder.last = None
+    backend.last_unaccelerated = None
+
+
+def _outcome(compiled, length: int, result: CaseResult) -> str | None:
+    """None when the call is accounted for (accelerated, or a reason); else the failure's status."""
+    from ..backend import _backend_of
+
+    try:
+        backend = _backend_of(compiled)
+    except ValueError:
+        backend = None
+    history = backend.recorder.last if backend is not None else None
+    reason = backend.last_unaccelerated if backend is not None else None
+    if kind_of(reason) is Kind.REWRITE_FAILED:
+        result.detail = f"{reason}; {result.detail}"
+        return "error"
+    if history is not None and history.points:
+        result.accelerated += 1
+    elif reason:
+        result.reasons.append(str(reason))
+    elif length >= MIN_TOKENS:
+        result.detail = f"ran without reaching the backend and without a reason; {result.detail}"
+        return "unexplained"
+    else:
+        result.reasons.append("shorter than min_tokens")
+    return None
+
+
+def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
+    if rng.random() < 0.25:
+        return _plain_compile_generate(rng, pool, case, arch, dtype)
+    result = CaseResult(case, arch, "forward (torch.compile)", "equal")
+    model, compiled = pool.get_plain(arch, dtype, "module")
+    for step in range(rng.randint(1, 3)):
+        call = _random_inputs(rng, model, dtype)
+        kwargs, spec = call["kwargs"], call["spec"]
+        result.detail = f"call {step + 1}: {spec}"
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            try:
+                ref = _call(model, model, kwargs, spec["positional"]).logits
+            except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
+                result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
+                return result
+            _clear_reports(compiled)
+            out = _call(compiled, model, kwargs, spec["positional"]).logits
+        bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype)
+        if bad:
+            result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
+            return result
+        failure = _outcome(compiled, spec["length"], result)
+        if failure:
+            result.status = failure
+            return result
+    return result
+
+
+def _plain_compile_generate(rng, pool, case, arch, dtype) -> CaseResult:
+    """`generate` on a model compiled in place: greedy or beam, padded or not; tokens must equal the plain
+    model's. Its calls fill caches, so they run unaccelerated with that reason (checked: never silently)."""
+    model, compiled = pool.get_plain(arch, dtype, "in place")
+    rows = rng.choice([1, 2])
+    length = rng.randint(MIN_TOKENS, 160)
+    ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(case))
+    mask = torch.ones_like(ids)
+    if rows > 1 and rng.random() < 0.5:
+        mask[1, : rng.randint(1, length // 3)] = 0
+    beams = rng.choice([1, 1, 2])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=rng.randint(2, 4), pad_token_id=0,
+                  do_sample=False, num_beams=beams)
+    result = CaseResult(case, arch, "generate (model.compile)", "equal",
+                        detail=f"rows {rows}, length {length}, beams {beams}, left-padded {bool((mask == 0).any())}")
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        try:
+            ref = model.generate(**kwargs)
+        except Exception as exc:  # noqa: BLE001
+            result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
+            return result
+        _clear_reports(compiled)
+        out = compiled.generate(**kwargs)
+    if not torch.equal(out, ref):
+        from .fuzz_cases import _tie_at_divergence
+
+        tie = _tie_at_divergence(model, out, ref, mask, length, dtype) if out.shape == ref.shape else None
+        result.status = "tie" if tie else "mismatch"
+        result.detail = f"{tie or f'tokens {out[:, length:].tolist()} vs {ref[:, length:].tolist()}'}; {result.detail}"
+        return result
+    failure = _outcome(compiled, length, result)
+    if failure:
+        result.status = failure
+    return result
