@@ -378,3 +378,20 @@ def test_position_ids_of_a_row_by_row_batch_continuation_are_the_plain_models(co
         got = fast(input_ids=new, attention_mask=longer, past_key_values=mine, position_ids=positions).logits
         ref = model(input_ids=new, attention_mask=longer, past_key_values=theirs, position_ids=positions).logits
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_generate_from_a_left_padded_batch_of_inputs_embeds_is_prefilled_row_by_row_and_equals_the_plain_model(arch):
+    """`generate(inputs_embeds=...)` on a batch of several rows: each row's embeddings, pads stripped, drop in a
+    prefill of their own (as a batch of input_ids does). Before, such a batch ran unaccelerated, and its reason
+    told the user to use uniprefill.compile, which they were using."""
+    model, fast = _compiled(arch, "p1")
+    ids, mask = _padded_batch()
+    embeds = model.get_input_embeddings()(ids).detach()
+    kwargs = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = model.generate(**kwargs)
+        got = fast.generate(**kwargs)
+    assert torch.equal(got, ref)
+    assert fast.row_histories is not None and all(h is not None and h.points for h in fast.row_histories)
+    assert fast.backend.last_unaccelerated is None or fast.backend.last_unaccelerated.kind is Kind.NOTHING_TO_DROP

@@ -141,24 +141,26 @@ def _row_kwargs(kwargs) -> tuple[str, dict]:
     return cache_key, common
 
 
-def prefill_rows(model, prefill, last_history, ids: torch.Tensor, kwargs: dict) -> tuple[object, list]:
+def prefill_rows(model, prefill, last_history, ids: torch.Tensor | None, kwargs: dict) -> tuple[object, list]:
     """Each row of a left-padded batch, pads stripped, through `prefill(row_ids, input_ids=..., cache=...)` (the
     wrapper's dropped prefill) into a cache of its own; `last_history()` is the history that prefill recorded. The
-    batch's output (logits right-aligned, `RowCaches`) and the rows' histories (None: the row did not drop)."""
+    batch's output (logits right-aligned, `RowCaches`) and the rows' histories (None: the row did not drop).
+    A batch given as `inputs_embeds` (`ids` None; `generate(inputs_embeds=...)`) passes each row's embeddings."""
     from transformers import DynamicCache
 
     cache_key, common = _row_kwargs(kwargs)
-    rows, length = ids.shape
+    embeds = kwargs.get("inputs_embeds") if ids is None else None
+    rows, length = (ids if ids is not None else embeds).shape[:2]
     pads = left_pad_counts(kwargs.get("attention_mask"), rows, length)
     outs, states = [], []
     for r in range(rows):
         cache = DynamicCache(config=model.config)
-        row_ids = ids[r:r + 1, pads[r]:]
-        extra = {}
+        row_ids = ids[r:r + 1, pads[r]:] if ids is not None else None
+        extra = {"input_ids": row_ids} if ids is not None else {"inputs_embeds": embeds[r:r + 1, pads[r]:]}
         if kwargs.get("position_ids") is not None:
             positions = kwargs["position_ids"]
             extra["position_ids"] = positions[min(r, positions.shape[0] - 1):][:1, pads[r]:]
-        out = prefill(row_ids, input_ids=row_ids, **{cache_key: cache}, **common, **extra)
+        out = prefill(row_ids, **{cache_key: cache}, **common, **extra)
         history = last_history()
         states.append(Row(cache, history if history is not None and history.points else None,
                           0 if kwargs.get("position_ids") is not None else pads[r]))

@@ -85,7 +85,8 @@ class UniPrefillModel(torch.nn.Module):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, RowCaches):
             return self._decode_rows(cache, ids, kwargs)
-        rows = 0 if ids is None or ids.dim() != 2 else ids.shape[0]
+        tokens = ids if ids is not None else kwargs.get("inputs_embeds")  # [rows, length(, hidden)]
+        rows = 0 if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 else tokens.shape[0]
         empty_cache = cache is None or _cache_length(cache) == 0
         fixed = fixed_size_cache(cache) if empty_cache else None
         if fixed is not None:
@@ -149,9 +150,9 @@ class UniPrefillModel(torch.nn.Module):
         if cache is not None and not from_generate:
             return ("a cache object was passed in for a batch of several rows: row-by-row prefill gives every row a "
                     "cache of its own and would leave the object passed in empty")
-        ids = kwargs["input_ids"]
+        tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
         try:
-            left_pad_counts(kwargs.get("attention_mask"), ids.shape[0], ids.shape[1])
+            left_pad_counts(kwargs.get("attention_mask"), tokens.shape[0], tokens.shape[1])
         except ValueError as exc:
             return f"{exc} (a batch of several rows that fills a cache is prefilled row by row)"
         return None
@@ -270,8 +271,8 @@ class UniPrefillModel(torch.nn.Module):
 
 # keyword arguments a row-by-row batch understands; generation's own bookkeeping
 # (positions, cache positions, the padded mask) is rebuilt per row from the row's cache
-_ROW_KWARGS = frozenset({"input_ids", "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep",
-                         "cache_position", "position_ids", "return_dict"})
+_ROW_KWARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "cache", "past_key_values", "use_cache",
+                         "logits_to_keep", "cache_position", "position_ids", "return_dict"})
 
 
 def _as_keywords(model, args: tuple, kwargs: dict, method=None) -> dict:

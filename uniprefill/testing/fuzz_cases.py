@@ -7,7 +7,7 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
   masks, position ids, caches, `logits_to_keep`, a second model alternating);
 * `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, several
   sequences, an explicit cache, a static cache, prompt lookup, a chat's next turn on the returned
-  cache); a first differing token that the plain model scores as a tie counts as "tie"
+  cache, the prompt given as `inputs_embeds`); a first differing token that the plain model scores as a tie counts as "tie"
   (`_tie_at_divergence`);
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
   or several tokens through forward;
@@ -169,7 +169,7 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
 
     model, fast = pool.get(arch, dtype, p=1.0)
     mode = rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache", "static cache",
-                       "prompt lookup", "next turn"])
+                       "prompt lookup", "next turn", "inputs_embeds"])
     rows = rng.choice([1, 2])
     rows = 1 if mode == "prompt lookup" else rows  # transformers' assisted generation takes one row
     length = rng.randint(MIN_TOKENS, 160)
@@ -196,6 +196,8 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
         kwargs.update(do_sample=False, prompt_lookup_num_tokens=rng.choice([2, 3]))
     else:
         kwargs.update(do_sample=False)
+    if mode == "inputs_embeds":  # generate returns only the new tokens then
+        kwargs["inputs_embeds"] = model.get_input_embeddings()(kwargs.pop("input_ids")).detach()
     turn = torch.randint(3, model.config.vocab_size, (rows, rng.randint(1, 80)),
                          generator=torch.Generator().manual_seed(case + 1)) if mode == "next turn" else None
     result = CaseResult(case, arch, f"generate {mode}", "equal",
@@ -219,7 +221,8 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
         tie = _tie_at_divergence(model, out, ref, mask, length, dtype)
     if not torch.equal(out, ref) and tie is None:
         result.status = "mismatch"
-        result.detail = f"tokens {out[:, length:].tolist()} vs {ref[:, length:].tolist()}; {result.detail}"
+        new = slice(0 if mode == "inputs_embeds" else length, None)
+        result.detail = f"tokens {out[:, new].tolist()} vs {ref[:, new].tolist()}; {result.detail}"
     elif tie is not None:
         result.status, result.detail = "tie", f"{tie}; {result.detail}"
         result.accelerated = int(_accelerated(fast))
