@@ -395,3 +395,31 @@ def test_generate_from_a_left_padded_batch_of_inputs_embeds_is_prefilled_row_by_
     assert torch.equal(got, ref)
     assert fast.row_histories is not None and all(h is not None and h.points for h in fast.row_histories)
     assert fast.backend.last_unaccelerated is None or fast.backend.last_unaccelerated.kind is Kind.NOTHING_TO_DROP
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_steps_given_as_inputs_embeds_continue_a_cache_as_the_same_tokens_given_as_input_ids(arch, setting):
+    """One token, then three, as embeddings (a soft prompt, a multimodal turn) on the cache of a prefill, alone and
+    on a batch prefilled row by row: the logits of the same tokens given as input_ids, and at p = 1 the plain
+    model's. Before, every such step raised NotImplementedError, at p = 1 too."""
+    model, fast = _compiled(arch, setting)
+    embed = model.get_input_embeddings()
+    one, three = _ids(1, 1, seed=3).clamp(min=1), _ids(1, 3, seed=4).clamp(min=1)
+    with torch.no_grad():
+        filled = fast(input_ids=_ids(1, 300).clamp(min=1), use_cache=True).past_key_values
+        twin = copy.deepcopy(filled)
+        for new in (one, three):
+            got = fast(inputs_embeds=embed(new), past_key_values=filled, use_cache=True).logits
+            torch.testing.assert_close(got, fast(input_ids=new, past_key_values=twin, use_cache=True).logits,
+                                       atol=0, rtol=0)
+        ids, mask = _padded_batch()
+        rows = fast(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        plain = model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        for new in (_ids(2, 3, seed=5).clamp(min=1), _ids(2, 1, seed=6).clamp(min=1)):
+            mask = torch.cat([mask, torch.ones_like(new)], dim=1)
+            got = fast(inputs_embeds=embed(new), attention_mask=mask, past_key_values=rows, use_cache=True).logits
+            ref = model(inputs_embeds=embed(new), attention_mask=mask, past_key_values=plain, use_cache=True).logits
+            if setting == "p1":
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+            assert got.shape == ref.shape and torch.isfinite(got).all()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .continuation import (
-    check_step_mask, continue_token_by_token, removed_nothing, step_kwargs_not_taken,
+    check_step_mask, continue_token_by_token, new_tokens, removed_nothing, step_kwargs_not_taken,
 )
 from .history import DropHistory
 
@@ -180,11 +180,12 @@ def _row_positions(positions: torch.Tensor | None, r: int, row: Row) -> dict:
 def decode_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor | None, kwargs: dict):
     """The next tokens of every row of a batch `prefill_rows` filled: one token (a decode step; a row without a
     history runs the plain model), or several (`_continue_rows`). `decode_step(history, ids, **step)` is the
-    wrapper's one-token decode on a compacted cache."""
-    if ids is None or ids.dim() != 2 or ids.shape[0] != len(caches.rows):
+    wrapper's one-token decode on a compacted cache. The tokens come as `input_ids` or as `inputs_embeds`."""
+    key, ids = new_tokens(kwargs)
+    if ids is None or ids.dim() != (2 if key == "input_ids" else 3) or ids.shape[0] != len(caches.rows):
         raise NotImplementedError(
             f"a batch prefilled row by row continues with steps of all its {len(caches.rows)} rows as keyword "
-            f"arguments (got input_ids of shape {None if ids is None else tuple(ids.shape)})")
+            f"arguments (got {key} of shape {None if ids is None else tuple(ids.shape)})")
     extra = step_kwargs_not_taken(kwargs)
     if extra:
         raise NotImplementedError(f"a batch prefilled row by row continues each row on its own cache, which does "
@@ -199,7 +200,7 @@ def decode_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor | None,
     outs = []
     positions = kwargs.get("position_ids")
     for r, row in enumerate(caches.rows):
-        step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common, **_row_positions(positions, r, row)}
+        step = {key: ids[r:r + 1], cache_key: row.cache, **common, **_row_positions(positions, r, row)}
         if row.history is None:
             outs.append(type(model).forward(model, **step))
         else:
@@ -209,7 +210,7 @@ def decode_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor | None,
 
 
 def _one_token(decode_step, history, **step):
-    return decode_step(history, step["input_ids"], **step)
+    return decode_step(history, new_tokens(step)[1], **step)
 
 
 def _continue_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor, kwargs: dict):
@@ -217,13 +218,14 @@ def _continue_rows(model, decode_step, caches: RowCaches, ids: torch.Tensor, kwa
     own cache as a batch of one would. A row whose cache is whole (too short to drop, or nothing removed) runs
     the plain model over all the tokens; a compacted row continues token by token
     (`continuation.continue_token_by_token`; recurrent layers too: `continuation.recurrent_layers`)."""
+    key = new_tokens(kwargs)[0]
     count = ids.shape[1]
     check_step_mask(kwargs.get("attention_mask"), count)
     cache_key, common = _row_kwargs(kwargs)
     positions = kwargs.get("position_ids")
     outs = []
     for r, row in enumerate(caches.rows):
-        step = {"input_ids": ids[r:r + 1], cache_key: row.cache, **common, **_row_positions(positions, r, row)}
+        step = {key: ids[r:r + 1], cache_key: row.cache, **common, **_row_positions(positions, r, row)}
         if row.history is None or removed_nothing(row.history):
             outs.append(type(model).forward(model, **step))
             if row.history is not None:

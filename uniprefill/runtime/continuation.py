@@ -98,8 +98,18 @@ def recurrent_layers(model) -> list[int]:
 
 
 # what a continuation split into one-token steps passes on, per token (`continue_token_by_token`)
-_STEP_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "cache_position", "cache", "past_key_values",
-                          "use_cache", "logits_to_keep", "return_dict"})
+_STEP_KWARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position", "cache",
+                          "past_key_values", "use_cache", "logits_to_keep", "return_dict"})
+
+
+def new_tokens(kwargs: dict) -> tuple[str, torch.Tensor | None]:
+    """The new tokens of a call and the keyword they came by: `input_ids` ([rows, count]), else `inputs_embeds`
+    ([rows, count, hidden]: a soft prompt, a multimodal turn), else ("input_ids", None)."""
+    if kwargs.get("input_ids") is not None:
+        return "input_ids", kwargs["input_ids"]
+    if kwargs.get("inputs_embeds") is not None:
+        return "inputs_embeds", kwargs["inputs_embeds"]
+    return "input_ids", None
 
 
 def step_kwargs_not_taken(kwargs: dict) -> list[str]:
@@ -111,11 +121,13 @@ def step_kwargs_not_taken(kwargs: dict) -> list[str]:
 
 def continue_token_by_token(decode_step, ids, kwargs: dict):
     """Several new tokens (a chat's next turn reusing the cache, a chunked continuation) on a cache a drop
-    compacted: one decode step per token (`decode_step(input_ids=..., **step)`, the runtime's decode), each token
+    compacted: one decode step per token (`decode_step(input_ids=..., **step)`, the runtime's decode; or
+    `inputs_embeds=...` where the tokens came as embeddings, `ids` then [1, count, hidden]), each token
     attending over the kept prompt keys, the decoded ones and the new ones before it: what the same tokens fed one
     at a time give. The logits of all of them come back as one call's would (`logits_to_keep` applied after)."""
+    key = new_tokens(kwargs)[0]
     extra = step_kwargs_not_taken(kwargs)
-    if extra or ids.dim() != 2 or ids.shape[0] != 1:
+    if extra or ids.dim() != (2 if key == "input_ids" else 3) or ids.shape[0] != 1:
         raise NotImplementedError(
             f"a continuation of {tuple(ids.shape)} tokens on a cache a drop compacted runs as one-token decode steps, "
             f"which do not take {extra or 'several rows'}")
@@ -125,7 +137,7 @@ def continue_token_by_token(decode_step, ids, kwargs: dict):
     outs = []
     for i in range(count):
         step = {k: v for k, v in kwargs.items() if k != "logits_to_keep"}
-        step["input_ids"] = ids[:, i:i + 1]
+        step[key] = ids[:, i:i + 1]
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:  # covers the cached tokens and these
             step["attention_mask"] = mask[:, :mask.shape[1] - (count - 1 - i)]
         if isinstance(positions, torch.Tensor):

@@ -34,7 +34,8 @@ from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
     _DECODE_STATE, ATTENTION_NAME, _attention_implementation, decode_kernels,
 )
 from .continuation import (
-    check_step_mask, continue_token_by_token, fixed_size_cache, multi_token_generation, removed_nothing,
+    check_step_mask, continue_token_by_token, fixed_size_cache, multi_token_generation, new_tokens,
+    removed_nothing,
 )
 from .history import DropHistory
 
@@ -109,20 +110,21 @@ class UniPrefillModel(torch.nn.Module):
                 # a cache that no drop compacted (the plain model's, or an undropped prefill's):
                 # every layer holds every token, so the plain model continues it exactly
                 return self._eager(kwargs)
-            if ids is not None and ids.dim() == 2 and ids.shape[1] > 1 and removed_nothing(history):
+            key, tokens = new_tokens(kwargs)  # input_ids, or inputs_embeds (a soft prompt, a multimodal turn)
+            if tokens is None:
+                raise NotImplementedError("after a dropped prefill decode steps take input_ids or inputs_embeds")
+            several = tokens.dim() == (2 if key == "input_ids" else 3) and tokens.shape[1] > 1
+            if several and removed_nothing(history):
                 # several tokens on a cache whose drop points kept every token (p = 1): the plain model continues
                 # it exactly; the history counts them, for one-token steps after
                 out = self._eager(kwargs)
-                history.decoded += ids.shape[1]
+                history.decoded += tokens.shape[1]
                 return out
-            if ids is None:
-                raise NotImplementedError("after a dropped prefill decode steps take input_ids (the cache holds only "
-                                          "the kept tokens)")
-            if ids.dim() == 2 and ids.shape[1] > 1:  # recurrent layers too (`continuation.recurrent_layers`)
-                return continue_token_by_token(lambda **step: self._decode_step(history, step["input_ids"], **step),
-                                               ids, kwargs)
+            if several:  # recurrent layers too (`continuation.recurrent_layers`)
+                return continue_token_by_token(lambda **step: self._decode_step(history, new_tokens(step)[1], **step),
+                                               tokens, kwargs)
             check_step_mask(kwargs.get("attention_mask"), 1)
-            return self._decode_step(history, ids, **kwargs)
+            return self._decode_step(history, tokens, **kwargs)
         return self._prefill(ids, **kwargs)
 
     def _eager(self, kwargs):

@@ -10,7 +10,7 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
   cache, the prompt given as `inputs_embeds`); a first differing token that the plain model scores as a tie counts as "tie"
   (`_tie_at_divergence`);
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
-  or several tokens through forward;
+  or several tokens through forward (as `input_ids`, or as `inputs_embeds`);
 * `_reference_case`: forced retention against the eager reference (Llama, Gemma-3, GPT-OSS).
 """
 
@@ -283,8 +283,10 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
         mask[-1, : rng.randint(1, length // 3)] = 0
     elif rows > 1 and rng.random() < 0.3:  # a last row too short to drop
         mask[-1, : length - rng.randint(4, 15)] = 0
+    by_embeds = rng.random() < 0.2  # the steps' tokens given as inputs_embeds (a soft prompt, a multimodal turn)
     result = CaseResult(case, arch, "forward + decode steps", "equal",
-                        detail=f"rows {rows}, length {length}, pads {int((mask == 0).sum())}")
+                        detail=f"rows {rows}, length {length}, pads {int((mask == 0).sum())}"
+                               + (", steps as inputs_embeds" if by_embeds else ""))
     with torch.no_grad():
         if rows == 1:
             mine, theirs = DynamicCache(config=model.config), DynamicCache(config=model.config)
@@ -308,8 +310,9 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
                 token = torch.cat([token, torch.randint(3, model.config.vocab_size, (rows, width - 1),
                                                         generator=torch.Generator().manual_seed(case + step))], dim=1)
             mask = torch.cat([mask, torch.ones_like(token)], dim=1)
-            out = fast(input_ids=token, attention_mask=mask, past_key_values=mine, use_cache=True).logits
-            ref = model(input_ids=token, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
+            new = {"inputs_embeds": model.get_input_embeddings()(token)} if by_embeds else {"input_ids": token}
+            out = fast(**new, attention_mask=mask, past_key_values=mine, use_cache=True).logits
+            ref = model(**new, attention_mask=mask, past_key_values=theirs, use_cache=True).logits
             bad = _compare_logits(out, ref, torch.ones_like(token), None, dtype)
             if one_at_a_time is not None:
                 steps = torch.cat([model(input_ids=token[:, i:i + 1], past_key_values=one_at_a_time, use_cache=True,
