@@ -64,6 +64,23 @@ class UniPrefillBackend:
         # prompt length would be traced again (passes.plan.LengthSpecialized): callers that
         # own the model (UniPrefillModel) then run it eagerly instead of recompiling per length
         self.stop_compiling: Unaccelerated | None = None
+        # the string entry point's graphs record each call in the backend of the model whose parameters the call
+        # passes (`_owner_of`): dynamo runs one compiled graph for every model of a class compiled with equal
+        # options. None: every call records here (uniprefill.compile, a backend object passed to torch.compile)
+        self.owner_of = None
+
+    def for_another_model(self) -> UniPrefillBackend:
+        """A backend for a model whose calls run this backend's graphs: the same settings and graph reports, its own
+        drop recorder, latest reason and call count."""
+        other = UniPrefillBackend(self.config, self.decodes_caches, self.why_no_decode)
+        other.graphs, other.graphs_with_layers, other.stop_compiling = self.graphs, self.graphs_with_layers, \
+            self.stop_compiling
+        other.owner_of = self.owner_of
+        return other
+
+    def _sink(self, args) -> UniPrefillBackend:
+        """The backend that records this call (itself, unless `owner_of` routes it)."""
+        return self if self.owner_of is None else self.owner_of(args, self)
 
     def uuid(self) -> str:
         """The rewrite's code and this backend's settings (`passes.pass_uuid`), for compile caches."""
@@ -113,8 +130,9 @@ class UniPrefillBackend:
 
     def _counted(self, forward, reason: Unaccelerated):
         def run(*args):
-            self.graph_calls += 1
-            self.last_unaccelerated = reason.prefixed("graph not rewritten: ")
+            sink = self._sink(args)
+            sink.graph_calls += 1
+            sink.last_unaccelerated = reason.prefixed("graph not rewritten: ")
             return forward(*args)
 
         return run
@@ -125,9 +143,10 @@ class UniPrefillBackend:
         piece (the embedding) runs before dynamo traces the next graph, so only a later piece, with
         still no graph of layers, warns (or raises under `strict`)."""
         def run(*args):
-            self.graph_calls += 1
+            sink = self._sink(args)
+            sink.graph_calls += 1
             if not self.graphs_with_layers:
-                self.last_unaccelerated = reason.prefixed("graph not rewritten: ")
+                sink.last_unaccelerated = reason.prefixed("graph not rewritten: ")
             if not self.graphs_with_layers and len(self.graphs) > 1:
                 if self.config.strict:
                     raise RuntimeError(f"uniprefill cannot rewrite this graph: {reason}")
@@ -145,8 +164,9 @@ class UniPrefillBackend:
 
         def run(*args):
             tokens = args[tokens_pos]
-            self.recorder.last = None
-            self.graph_calls += 1
+            sink = self._sink(args)
+            sink.recorder.last = None
+            sink.graph_calls += 1
             why = self._unsound_call(result, args, tokens.shape[0], tokens.shape[1], min_tokens)
             if why is None and result.returns_cache and not self.decodes_caches:
                 why = Unaccelerated(self.why_no_decode, Kind.CACHE_NOT_DECODABLE)
@@ -154,10 +174,10 @@ class UniPrefillBackend:
                 from .passes.kept_key_bias import NO_DECODE_REASON  # a bias decode steps do not model
 
                 why = Unaccelerated(NO_DECODE_REASON, Kind.CACHE_NOT_DECODABLE)
-            self.last_unaccelerated = why
+            sink.last_unaccelerated = why
             if why is None:
                 try:
-                    with recording_into(self.recorder):  # the graph's recorder ops write here
+                    with recording_into(sink.recorder):  # the graph's recorder ops write here
                         return rewritten(*args)
                 except Exception as exc:  # noqa: BLE001
                     # a bug of the rewrite (a graph it should have refused): never the user's
@@ -167,7 +187,7 @@ class UniPrefillBackend:
                         raise
                     why = Unaccelerated(f"{REWRITE_FAILED}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
                                         Kind.REWRITE_FAILED)
-                    self.last_unaccelerated = why
+                    sink.last_unaccelerated = why
                     self._warn(f"uniprefill: {why}; this call runs unaccelerated (please report it)")
                     return original(*args)
             if why.kind is not Kind.NOTHING_TO_DROP:
@@ -215,34 +235,44 @@ class UniPrefillBackend:
         return windows
 
 
-# The backends that the string entry point made, by the model's input-embedding weight (held
-# weakly: an entry goes with its model). `torch.compile(model, backend="uniprefill")` hands the
-# backend a graph and weights, never the module, and returns a module that holds no reference
-# to the backend; this map is how one compiled model gets one backend (one drop recorder, every
-# graph's report) and how `last_drop_report(compiled)` finds it. The only module-level state.
-_BY_EMBEDDING = WeakIdKeyDictionary()
+# The backends that the string entry point made, by each parameter of the model (held weakly: an
+# entry goes with its model). `torch.compile(model, backend="uniprefill")` hands the backend a
+# graph and its inputs, never the module, and returns a module that holds no reference to the
+# backend; this map is how one compiled model gets one backend (one drop recorder, every graph's
+# report) and how `last_drop_report(compiled)` finds it. Every parameter, not only the input
+# embedding's weight: a graph traced from `inputs_embeds` holds no embedding lookup, and it must
+# join (or start) the same backend. The only module-level state.
+_BY_PARAMETER = WeakIdKeyDictionary()
 
 
 def uniprefill_backend(gm: fx.GraphModule, example_inputs, options=None, mode=None):
     """Entry point for `torch.compile(model, backend="uniprefill", options={...})`."""
     config = UniPrefillConfig.from_options(options)
-    weight = _embedding_weight(gm, example_inputs)
-    backend = _BY_EMBEDDING.get(weight) if weight is not None else None
+    parameters = [x for x in example_inputs if isinstance(x, torch.nn.Parameter)]  # dynamo lifts them to inputs
+    backend = next((b for b in map(_BY_PARAMETER.get, parameters) if b is not None), None)
     if backend is None or backend.config != config:
         backend = UniPrefillBackend(config)
-        if weight is not None:
-            _BY_EMBEDDING[weight] = backend
+        backend.owner_of = _owner_of
+    for parameter in parameters:
+        _BY_PARAMETER[parameter] = backend
     return backend(gm, example_inputs)
 
 
-def _embedding_weight(gm: fx.GraphModule, example_inputs):
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "embedding" in str(node.target) and len(node.args) > 1:
-            weight = node.args[1]
-            if weight in placeholders and isinstance(example_inputs[placeholders.index(weight)], torch.Tensor):
-                return example_inputs[placeholders.index(weight)]
-    return None
+def _owner_of(args, compiling: UniPrefillBackend) -> UniPrefillBackend:
+    """The backend that records a call of a graph the string entry point compiled: the one registered for the
+    parameters the call passes. Dynamo reuses a compiled graph for another model of the same class compiled
+    with equal options (the parameters are graph inputs), so without this a second model's calls would be
+    reported as the first's, and its own report would not exist. A model met first at run time gets a backend
+    of its own, sharing the compiling one's settings and graph reports."""
+    parameters = [a for a in args if isinstance(a, torch.nn.Parameter)]
+    if not parameters:
+        return compiling
+    owner = _BY_PARAMETER.get(parameters[0])
+    if owner is None or owner.config != compiling.config:
+        owner = compiling.for_another_model()
+        for parameter in parameters:
+            _BY_PARAMETER[parameter] = owner
+    return owner
 
 
 def compile(model: torch.nn.Module, config: UniPrefillConfig | None = None, **options):
@@ -306,9 +336,8 @@ def _backend_of(compiled) -> UniPrefillBackend:
     if isinstance(backend, UniPrefillBackend):
         return backend
     module = getattr(compiled, "_orig_mod", compiled)
-    embeddings = getattr(module, "get_input_embeddings", None)
-    weight = getattr(embeddings(), "weight", None) if callable(embeddings) else None
-    backend = _BY_EMBEDDING.get(weight) if weight is not None else None
+    parameters = module.parameters() if isinstance(module, torch.nn.Module) else ()
+    backend = next((b for b in map(_BY_PARAMETER.get, parameters) if b is not None), None)
     if backend is None:
         raise ValueError("this model was not compiled with uniprefill.compile(...) or "
                          "torch.compile(..., backend=\"uniprefill\"), or has not run yet")

@@ -164,6 +164,50 @@ def test_plain_torch_compile_drops_from_its_first_call_without_recompiling_per_l
 
 
 @torch.no_grad()
+def test_plain_torch_compile_of_two_models_of_one_class_reports_each_models_own_calls():
+    """Dynamo runs one compiled graph for two models of a class compiled with equal options (their parameters are
+    graph inputs). Each model's `last_drop_report` is its own latest call's, not the other's; before, the second
+    model's calls were reported as the first's and its own report raised "has not run yet"."""
+    import copy
+
+    options = {"keep_ratio": 0.3, "drop_layers": (1, 2), **SMALL}
+    first, second = _llama(), _llama()
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    compiled = {name: torch.compile(model, backend="uniprefill", options=dict(options))
+                for name, model in (("first", first), ("second", second))}
+    plain = {"first": first, "second": second}
+    for name, length in (("first", 300), ("second", 333), ("first", 257), ("second", 290)):
+        ids = _ids(1, length)
+        compiled[name](input_ids=ids, use_cache=False)
+        assert uniprefill.last_drop_report(compiled[name]).seq_len == length, name
+        other = "second" if name == "first" else "first"
+        if (other, length) != ("second", 300):  # the second has run after the first call
+            assert uniprefill.last_drop_report(compiled[other]).seq_len != length, f"{name}'s call reported as {other}'s"
+    assert [r.rewritten for r in uniprefill.graph_reports(compiled["second"])] == [True]
+    # each model's answers are its own (the graph reads the parameters it is given)
+    ids = _ids(1, 300)
+    for name in compiled:
+        reference = copy.deepcopy(plain[name])
+        eager = uniprefill.compile(reference, UniPrefillConfig(**options))(input_ids=ids, use_cache=False)
+        torch.testing.assert_close(_last(compiled[name](input_ids=ids, use_cache=False)), _last(eager), atol=ATOL,
+                                   rtol=0)
+
+
+@torch.no_grad()
+def test_plain_torch_compile_reports_a_first_call_given_inputs_embeds():
+    """A graph traced from `inputs_embeds` holds no embedding lookup; the backend finds its model by any parameter,
+    so `last_drop_report` works when such a call comes first (before, it raised "has not run yet")."""
+    model = _llama()
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": (1, 2), **SMALL})
+    embeds = model.get_input_embeddings()(_ids(1, 300))
+    out = compiled(inputs_embeds=embeds, use_cache=False)
+    torch.testing.assert_close(_last(out), _last(model(inputs_embeds=embeds, use_cache=False)), atol=ATOL, rtol=0)
+    assert uniprefill.last_drop_report(compiled).seq_len == 300
+
+
+@torch.no_grad()
 def test_plain_torch_compile_drops_from_the_first_call_of_a_model_that_embeds_a_view_of_its_ids():
     """GPT-2 embeds `input_ids.view(-1, N)`: the first-call restart finds the token input all the same."""
     from transformers import GPT2Config
