@@ -157,7 +157,8 @@ class _Pool:
 
     def get_plain(self, arch: str, dtype: torch.dtype, door: str):
         """(plain model, a copy compiled by plain torch.compile): `door` "module" is `torch.compile(copy,
-        backend="uniprefill", options=...)`, "in place" is `copy.compile(backend="uniprefill", options=...)`."""
+        backend="uniprefill", options=...)`, "module twin" the same of another copy (a second model of the class),
+        "in place" is `copy.compile(backend="uniprefill", options=...)`."""
         import copy
 
         key = (arch, dtype, "plain", door)
@@ -166,7 +167,7 @@ class _Pool:
             self.entries[(arch, dtype, "model")] = model
             twin = copy.deepcopy(model)
             options = {"p": 1.0, "drop_layers": _first_full_layers(model), **SETTINGS}
-            if door == "module":
+            if door in ("module", "module twin"):
                 compiled = torch.compile(twin, backend="uniprefill", options=options)
             else:
                 twin.compile(backend="uniprefill", options=options)

@@ -67,11 +67,14 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
     if rng.random() < 0.25:
         return _plain_compile_generate(rng, pool, case, arch, dtype)
     result = CaseResult(case, arch, "forward (torch.compile)", "equal")
-    model, compiled = pool.get_plain(arch, dtype, "module")
+    # a third of the cases alternate with a second model of the class, compiled apart with equal options: dynamo
+    # runs both through one graph, and each must report its own calls
+    doors = ["module"] + (["module twin"] if rng.random() < 0.3 else [])
     for step in range(rng.randint(1, 3)):
+        model, compiled = pool.get_plain(arch, dtype, doors[step % len(doors)])
         call = _random_inputs(rng, model, dtype)
         kwargs, spec = call["kwargs"], call["spec"]
-        result.detail = f"call {step + 1}: {spec}"
+        result.detail = f"call {step + 1} ({doors[step % len(doors)]}): {spec}"
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             try:
                 ref = _call(model, model, kwargs, spec["positional"]).logits
