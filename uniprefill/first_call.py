@@ -4,8 +4,9 @@ Without `dynamic=True`, dynamo traces the first call with static shapes: the pro
 is a constant of the graph, so the kept-token count (data-dependent) cannot replace it.
 Rewriting literal lengths back into symbols would be guesswork (a hidden size can equal
 the prompt length). Instead the backend asks dynamo for the graph it would have traced with
-`dynamic=True`: it marks the token axis of the call's own input tensors as dynamic
-(`torch._dynamo.maybe_mark_dynamic`, the public marking) and restarts the analysis of the
+`dynamic=True`: it marks the token axis of the call's own input tensors as dynamic, and the
+row axis where the first call is a batch of several rows (`torch._dynamo.maybe_mark_dynamic`,
+the public marking), and restarts the analysis of the
 frame. Dynamo then traces once more, now with a symbolic length, and the rewrite applies
 from this first call on; later lengths reuse that graph (no recompile per length).
 
@@ -69,11 +70,18 @@ def restart_with_dynamic_length(gm: fx.GraphModule, example_inputs) -> None:
     found = token_length(gm)
     if found is None:
         return
-    _, length = found
+    token_input, length = found
+    # a batch of several rows: its row count too, else the graph holds it as a constant (a reshape to (3, length,
+    # heads, dim)) that packing the rows into one sequence cannot follow
+    rows = example_value(token_input).shape[0]
+    rows = rows if isinstance(rows, int) and rows > 1 else None
     marked = False
     for _, tensor in user_inputs(gm, example_inputs):
-        for dim in ((0,) if tensor.dim() == 1 else range(1, min(tensor.dim(), 3))):
-            if tensor.shape[dim] == length and dim not in getattr(tensor, "_dynamo_weak_dynamic_indices", ()):
+        dims = [d for d in ((0,) if tensor.dim() == 1 else range(1, min(tensor.dim(), 3))) if tensor.shape[d] == length]
+        if rows is not None and tensor.dim() >= 2 and tensor.shape[0] == rows:
+            dims.append(0)
+        for dim in dims:
+            if dim not in getattr(tensor, "_dynamo_weak_dynamic_indices", ()):
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
                 marked = True
     if marked:  # never twice for the same tensors: if dynamo still traced statically, give up

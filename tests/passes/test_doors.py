@@ -163,6 +163,26 @@ def test_plain_torch_compile_drops_from_its_first_call_without_recompiling_per_l
     assert [r.rewritten for r in reports] == [True], "one dynamic graph for every length"
 
 
+@pytest.mark.parametrize("rows", [2, 3])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@torch.no_grad()
+def test_plain_torch_compile_whose_first_call_is_a_batch_drops_from_it(arch, rows):
+    """A first call of several rows: dynamo's static first trace holds the row count as a constant (a reshape to
+    (rows, length, heads, dim)), which packing the rows into one sequence cannot follow, so the rewritten graph
+    raised and every call fell back to the plain graph ("the rewritten graph failed", found by the fuzzer's
+    plain torch.compile door). The restart now marks the row axis dynamic too."""
+    build, drops = MODELS[arch]
+    model = build()
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": drops, **SMALL})
+    for batch, length in ((rows, 300), (1, 333), (rows + 1, 257)):
+        ids = _ids(batch, length)
+        out = compiled(input_ids=ids, use_cache=False)
+        torch.testing.assert_close(out.logits, model(input_ids=ids, use_cache=False).logits, atol=ATOL, rtol=0)
+        backend = uniprefill.backend._backend_of(compiled)
+        assert backend.last_unaccelerated is None, backend.last_unaccelerated
+        assert uniprefill.last_drop_report(compiled).seq_len == length
+
+
 @torch.no_grad()
 def test_plain_torch_compile_of_two_models_of_one_class_reports_each_models_own_calls():
     """Dynamo runs one compiled graph for two models of a class compiled with equal options (their parameters are
