@@ -153,3 +153,24 @@ def test_the_plain_torch_compile_door_reports_wrong_logits_and_calls_that_never_
     assert all(r.status == "unexplained" or r.reasons == ["shorter than min_tokens"] * len(r.reasons)
                for r in statuses if r.status != "invalid"), [(r.status, r.reasons) for r in statuses]
     assert not any(r.accelerated for r in statuses)
+
+
+def test_bf16_logits_of_a_batch_prefilled_row_by_row_count_as_a_tie_only_where_the_plain_model_parts_from_itself():
+    """GPT-OSS in bf16 on a left-padded batch: the plain model's batched logits part from its own rows run one at a
+    time by more than the tolerance (rounding in another order); the compiled model, which prefills such a batch
+    row by row, equals the latter. That is a tie, counted apart; logits off both are still a mismatch."""
+    import uniprefill
+
+    model = fuzz.build_model("gpt-oss", torch.bfloat16)
+    fast = uniprefill.compile(model, uniprefill.UniPrefillConfig(p=1.0, drop_layers=fuzz._first_full_layers(model),
+                                                                 **fuzz.SETTINGS))
+    ids = torch.randint(3, 128, (3, 228), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :50], mask[1, :10], mask[2, :100] = 0, 0, 0
+    kwargs = dict(input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        ref, out = model(**kwargs).logits, fast(**kwargs).logits
+    assert fast.row_histories is not None
+    assert fuzz._compare_logits(out, ref, mask, None, torch.bfloat16) is not None  # the plain batch disagrees
+    assert "rounding" in fuzz._rows_alone_tie(model, fast, out, ref, mask, kwargs, torch.bfloat16)
+    assert fuzz._rows_alone_tie(model, fast, out + 0.5, ref, mask, kwargs, torch.bfloat16) is None

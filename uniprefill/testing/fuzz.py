@@ -15,7 +15,9 @@ backend="uniprefill")` (`fuzz_plain_compile`), and checks:
   dtype's tolerance, generated tokens exactly. Where greedy or beam tokens first differ and the
   plain model scores the two tokens within that tolerance, rounding flipped a tie (row-by-row
   prefill of a padded batch computes the same logits in another order; seen in bf16): the case
-  counts as "tie", apart from "equal", with the gap in its detail;
+  counts as "tie", apart from "equal", with the gap in its detail. Likewise for the logits of a bf16
+  batch the compiled model prefilled row by row, where they equal the plain model's own rows run one
+  at a time and the plain model's batched logits part from those by more than the tolerance too;
 * at p < 1 (Llama and Gemma-3, one row) the last logits equal the eager reference
   (`uniprefill.testing.eager_reference`) on the positions the drop history reports;
 * a call long enough to drop that ran unaccelerated says why (`backend.last_unaccelerated`).
@@ -39,7 +41,7 @@ import torch
 
 from .fuzz_cases import (  # noqa: F401  (re-exported: tests and the CLI use them from here)
     _EXTRA_ARCHS, ARCHS, MIN_TOKENS, REFERENCE_ARCHS, SETTINGS, TOLERANCE, CaseResult, _decode_case, _forward_case,
-    _generate_case, _reference_case, _tie_at_divergence,
+    _compare_logits, _generate_case, _reference_case, _rows_alone_tie, _tie_at_divergence,
 )
 from .fuzz_plain_compile import RECOMPILE_LIMIT, _plain_compile_case  # noqa: F401
 

@@ -145,6 +145,10 @@ def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
             fast.backend.last_unaccelerated = None
             out = _call(fast, model, kwargs, spec["positional"]).logits
         bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype)
+        tie = _rows_alone_tie(model, fast, out, ref, call["mask"], kwargs, dtype) if bad else None
+        if tie:
+            result.status, result.detail = "tie", f"{bad}; {tie}; {result.detail}"
+            return result
         if bad:
             result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
             return result
@@ -162,6 +166,26 @@ def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
         else:
             result.reasons.append("shorter than min_tokens")
     return result
+
+
+def _rows_alone_tie(model, fast, out, ref, mask, kwargs, dtype) -> str | None:
+    """Where the compiled model prefilled a bf16 batch row by row (a batch that fills a cache) and its logits part
+    from the plain model's batched ones: the plain model run the same way, each row alone with its pads stripped,
+    is the plain model's other answer. When it parts from the plain batch by more than the tolerance too, and the
+    compiled logits equal it, rounding is the difference (the "tie" of `_tie_at_divergence`, for logits): the gap."""
+    from ..runtime.batched import prefill_rows
+
+    if dtype is not torch.bfloat16 or fast.row_histories is None:
+        return None
+    with torch.no_grad():
+        alone, _ = prefill_rows(model, lambda _ids, **step: type(model).forward(model, **step), lambda: None,
+                                kwargs.get("input_ids"), kwargs)
+    keep = kwargs.get("logits_to_keep")
+    own_gap = _compare_logits(alone.logits, ref, mask, keep, dtype)
+    if own_gap is None or _compare_logits(out, alone.logits, mask, keep, dtype) is not None:
+        return None
+    return (f"equal to the plain model's rows run one at a time, whose own batched bf16 logits part from them as "
+            f"much ({own_gap}): rounding")
 
 
 def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
