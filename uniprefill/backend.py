@@ -264,13 +264,13 @@ def _owner_of(args, compiling: UniPrefillBackend) -> UniPrefillBackend:
     with equal options (the parameters are graph inputs), so without this a second model's calls would be
     reported as the first's, and its own report would not exist. A model met first at run time gets a backend
     of its own, sharing the compiling one's settings and graph reports."""
-    parameters = [a for a in args if isinstance(a, torch.nn.Parameter)]
-    if not parameters:
+    first = next((a for a in args if isinstance(a, torch.nn.Parameter)), None)  # every call: no list built
+    if first is None:
         return compiling
-    owner = _BY_PARAMETER.get(parameters[0])
+    owner = _BY_PARAMETER.get(first)
     if owner is None or owner.config != compiling.config:
         owner = compiling.for_another_model()
-        for parameter in parameters:
+        for parameter in (a for a in args if isinstance(a, torch.nn.Parameter)):
             _BY_PARAMETER[parameter] = owner
     return owner
 
