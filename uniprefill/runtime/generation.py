@@ -86,7 +86,7 @@ class UniPrefillModel(torch.nn.Module):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if isinstance(cache, RowCaches):
             return self._decode_rows(cache, ids, kwargs)
-        tokens = ids if ids is not None else kwargs.get("inputs_embeds")  # [rows, length(, hidden)]
+        tokens = new_tokens(kwargs)[1]  # [rows, length] ids or [rows, length, hidden] embeddings
         rows = 0 if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2 else tokens.shape[0]
         empty_cache = cache is None or _cache_length(cache) == 0
         fixed = fixed_size_cache(cache) if empty_cache else None
@@ -152,7 +152,7 @@ class UniPrefillModel(torch.nn.Module):
         if cache is not None and not from_generate:
             return ("a cache object was passed in for a batch of several rows: row-by-row prefill gives every row a "
                     "cache of its own and would leave the object passed in empty")
-        tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+        tokens = new_tokens(kwargs)[1]
         try:
             left_pad_counts(kwargs.get("attention_mask"), tokens.shape[0], tokens.shape[1])
         except ValueError as exc:
