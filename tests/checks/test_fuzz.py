@@ -174,3 +174,16 @@ def test_bf16_logits_of_a_batch_prefilled_row_by_row_count_as_a_tie_only_where_t
     assert fuzz._compare_logits(out, ref, mask, None, torch.bfloat16) is not None  # the plain batch disagrees
     assert "rounding" in fuzz._rows_alone_tie(model, fast, out, ref, mask, kwargs, torch.bfloat16)
     assert fuzz._rows_alone_tie(model, fast, out + 0.5, ref, mask, kwargs, torch.bfloat16) is None
+
+
+@pytest.mark.parametrize("mode", ["chunked prefill", "mask inferred", "stop tokens", "processors", "beam"])
+def test_the_generate_modes_equal_the_plain_model_and_explain_every_unaccelerated_call(mode):
+    """Each of these `generate` modes at p = 1, on a transformer and a sliding-window hybrid, over several seeds:
+    equal to the plain model (or a tie), and a call that ran unaccelerated says why."""
+    pool = fuzz._Pool()
+    results = [fuzz._generate_case(random.Random(seed), pool, seed, arch, torch.float32, mode=mode)
+               for arch in ("tiny-llama", "tiny-gemma3") for seed in range(3)]
+    assert {r.status for r in results} <= {"equal", "tie"}, [(r.status, r.detail) for r in results]
+    assert all(r.accelerated or r.reasons for r in results), [(r.detail, r.reasons) for r in results]
+    if mode == "chunked prefill":
+        assert any("prefill_chunk_size" in why for r in results for why in r.reasons), [r.reasons for r in results]

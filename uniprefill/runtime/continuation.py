@@ -1,7 +1,7 @@
 """Which continuations of a prefill the drop-history runtime can serve, decided before the prefill.
 
 A prefill that drops leaves caches holding only the kept tokens; the runtime then continues them
-one token at a time (`UniPrefillModel._decode_step`). Two ordinary doors of transformers need
+one token at a time (`UniPrefillModel._decode_step`). Three ordinary doors of transformers need
 more, and the prefill must know before it drops, since a compacted cache cannot be undone:
 
 * fixed-size caches (`StaticCache`, `cache_implementation="static"`, and every cache whose layers
@@ -10,9 +10,12 @@ more, and the prefill must know before it drops, since a compacted cache cannot 
 * generation that feeds several tokens per step (assisted generation: `assistant_model`,
   `prompt_lookup_num_tokens`, `assistant_early_exit`, multi-token prediction `use_mtp`): the
   candidates are checked in one forward over the compacted cache, which the runtime's one-token
-  decode does not model.
+  decode does not model;
+* chunked prefill (`prefill_chunk_size` shorter than the prompt): the drop needs the whole prompt in one
+  forward, and the chunks after a dropped first one would continue its compacted cache token by token.
 
-Such calls run the plain model, unaccelerated, saying why (`Kind.CACHE_NOT_DECODABLE`). A prefill
+Such calls run the plain model, unaccelerated, saying why (`Kind.CACHE_NOT_DECODABLE`); assisted generation on a
+cache a drop already compacted raises (it crops the cache to reject candidates). A prefill
 that removed nothing (p = 1) leaves every cache whole: a continuation of several tokens on it runs
 the plain model, exactly (`removed_nothing`).
 """
@@ -65,6 +68,22 @@ def multi_token_generation(model, kwargs: dict) -> str | None:
             return None  # transformers falls back to its base mode (beam search, ...) and warns
     return (f"assisted generation ({', '.join(named)}) checks several candidate tokens per forward, and "
             "decode after a drop runs one token per step: the call runs unaccelerated")
+
+
+def chunked_prefill(model, kwargs: dict, prompt_length: int) -> str | None:
+    """Why `model.generate(**kwargs)` would prefill a prompt of `prompt_length` uncached tokens in several forwards
+    (transformers' `prefill_chunk_size`; None: in one). The drop scores the last queries of the whole prompt in one
+    forward; a dropped first chunk would score that chunk's own queries, and every later chunk would continue the
+    compacted cache one token at a time (hundreds of times slower than the chunk's forward)."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    size = kwargs["prefill_chunk_size"] if "prefill_chunk_size" in kwargs else getattr(config, "prefill_chunk_size",
+                                                                                        None)
+    if size is None or prompt_length <= size:
+        return None
+    return (f"chunked prefill (prefill_chunk_size={size}) splits the {prompt_length}-token prompt into several "
+            "forwards, and the drop needs the whole prompt in one: the call runs unaccelerated (leave "
+            "prefill_chunk_size unset to accelerate; after the first drop layer, the drop itself cuts the "
+            "prefill's activation memory)")
 
 
 def removed_nothing(history: DropHistory) -> bool:

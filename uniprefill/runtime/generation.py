@@ -34,7 +34,7 @@ from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
     _DECODE_STATE, ATTENTION_NAME, _attention_implementation, decode_kernels,
 )
 from .continuation import (
-    check_step_mask, continue_token_by_token, fixed_size_cache, multi_token_generation, new_tokens,
+    check_step_mask, chunked_prefill, continue_token_by_token, fixed_size_cache, multi_token_generation, new_tokens,
     removed_nothing,
 )
 from .history import DropHistory
@@ -106,6 +106,12 @@ class UniPrefillModel(torch.nn.Module):
                 raise RuntimeError(
                     "this cache holds fewer tokens in later layers than in earlier ones (a dropped prefill filled "
                     "it) but carries no drop history: continue it with the UniPrefillModel that filled it")
+            if history is not None and removed_nothing(history) \
+                    and _cache_length(cache) != history.seq_len + history.decoded:
+                # a whole cache that the plain model extended since (assisted generation, a direct model call): the
+                # history no longer counts its tokens, and the plain model continues it exactly, now and after
+                delattr(cache, HISTORY_ATTRIBUTE)
+                history = None
             if history is None:
                 # a cache that no drop compacted (the plain model's, or an undropped prefill's):
                 # every layer holds every token, so the plain model continues it exactly
@@ -131,6 +137,9 @@ class UniPrefillModel(torch.nn.Module):
         return type(self.model).forward(self.model, **kwargs)
 
     def _unaccelerated(self, why: Unaccelerated) -> None:
+        # the call drops nothing: the reports say so, not the previous call's drop
+        self.backend.recorder.last = None
+        object.__setattr__(self, "row_histories", None)
         self.backend.last_unaccelerated = why
         if self.backend.config.strict:
             raise RuntimeError(f"uniprefill cannot accelerate this call: {why}")
@@ -249,10 +258,21 @@ class UniPrefillModel(torch.nn.Module):
             named = _as_keywords(model, args, kwargs, type(model).generate)
         except TypeError:  # a generate taking *args (GraniteSpeech's): the assisted options are keywords anyway
             named = kwargs
+        cache = named.get("past_key_values")
+        history = getattr(cache, HISTORY_ATTRIBUTE, None)
         several = multi_token_generation(model, named)
-        if several is not None:  # decided before any prefill drops: the plain model's generate, unrouted
-            self._unaccelerated(Unaccelerated(several, Kind.CACHE_NOT_DECODABLE))
-            return type(model).generate(model, *args, **kwargs)
+        if history is not None and not removed_nothing(history):  # a cache a drop compacted: only we continue it
+            if several is not None:
+                raise ValueError(
+                    f"{several.split(' checks')[0]} cannot continue a cache a dropped prefill compacted: it checks "
+                    "several candidate tokens per forward and crops the cache to reject them, which a cache holding "
+                    "fewer tokens in later layers cannot follow. Continue it without assistance, or prefill the "
+                    "prompt with p = 1 (or with assistance, which then runs the plain model)")
+        else:
+            why = several or chunked_prefill(model, named, _prompt_length(named) - _cache_length(cache))
+            if why is not None:  # decided before any prefill drops: the plain model's generate, unrouted
+                self._unaccelerated(Unaccelerated(why, Kind.CACHE_NOT_DECODABLE))
+                return type(model).generate(model, *args, **kwargs)
 
         @functools.wraps(forward)
         def routed(*a, **k):
@@ -270,6 +290,27 @@ class UniPrefillModel(torch.nn.Module):
                 if self._routing == 0:
                     del model.forward
 
+
+    def generate_batch(self, *args, **kwargs):
+        """transformers' continuous batching, on the plain model, unaccelerated (see `_CONTINUOUS_BATCHING`)."""
+        self._unaccelerated(Unaccelerated(_CONTINUOUS_BATCHING, Kind.CACHE_NOT_DECODABLE))
+        return self.model.generate_batch(*args, **kwargs)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """transformers' continuous batching manager, for the plain model, unaccelerated."""
+        self._unaccelerated(Unaccelerated(_CONTINUOUS_BATCHING, Kind.CACHE_NOT_DECODABLE))
+        return self.model.init_continuous_batching(*args, **kwargs)
+
+    def continuous_batching_context_manager(self, *args, **kwargs):
+        """transformers' continuous batching manager, for the plain model, unaccelerated."""
+        self._unaccelerated(Unaccelerated(_CONTINUOUS_BATCHING, Kind.CACHE_NOT_DECODABLE))
+        return self.model.continuous_batching_context_manager(*args, **kwargs)
+
+
+_CONTINUOUS_BATCHING = (
+    "transformers' continuous batching (generate_batch) packs requests into one paged cache whose blocks every "
+    "layer shares, which a drop cannot compact per layer: it runs the plain model, unaccelerated (use generate, "
+    "or uniprefill's vLLM option for serving)")
 
 # keyword arguments a row-by-row batch understands; generation's own bookkeeping
 # (positions, cache positions, the padded mask) is rebuilt per row from the row's cache
@@ -364,6 +405,12 @@ def _output_cache(out):
     """The cache object a forward returned (ModelOutput or tuple), or None."""
     items = out.values() if hasattr(out, "values") else (out if isinstance(out, tuple) else ())
     return next((item for item in items if hasattr(item, "get_seq_length")), None)
+
+
+def _prompt_length(kwargs: dict) -> int:
+    """The token count of a `generate` call's prompt (`inputs`, `input_ids` or `inputs_embeds`; 0 if none)."""
+    tokens = kwargs["inputs"] if isinstance(kwargs.get("inputs"), torch.Tensor) else new_tokens(kwargs)[1]
+    return tokens.shape[1] if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 else 0
 
 
 def _cache_length(cache) -> int:

@@ -6,7 +6,8 @@ hybrids included), a call sequence and the arguments of each call (batch 1-3, pa
 none / left / holes / an all-pad row, mask bool / int / float passed by keyword, position or
 not at all, position ids none / offset / strided / packed documents, `input_ids` or
 `inputs_embeds`, `use_cache`, `logits_to_keep`, dtype), or a generation mode (greedy,
-seeded sampling, beam search, `num_return_sequences`, an explicit cache object), or a
+seeded sampling, beam search, `num_return_sequences`, an explicit cache object, chunked prefill, an inferred
+mask, stop tokens, logits processors), or a
 prefill into a cache object passed in followed by one-token steps through the same forward,
 or the same random forward calls (and `generate`) through plain `torch.compile(model,
 backend="uniprefill")` (`fuzz_plain_compile`), and checks:

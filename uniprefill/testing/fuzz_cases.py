@@ -7,7 +7,8 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
   masks, position ids, caches, `logits_to_keep`, a second model alternating);
 * `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, several
   sequences, an explicit cache, a static cache, prompt lookup, a chat's next turn on the returned
-  cache, the prompt given as `inputs_embeds`); a first differing token that the plain model scores as a tie counts as "tie"
+  cache, the prompt given as `inputs_embeds`, chunked prefill, the mask left for `generate` to infer from pad
+  tokens, stop tokens that end rows early, logits processors reading the prompt); a first differing token that the plain model scores as a tie counts as "tie"
   (`_tie_at_divergence`);
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
   or several tokens through forward (as `input_ids`, or as `inputs_embeds`);
@@ -188,12 +189,13 @@ def _rows_alone_tie(model, fast, out, ref, mask, kwargs, dtype) -> str | None:
             f"much ({own_gap}): rounding")
 
 
-def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
+def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> CaseResult:
     from transformers import DynamicCache
 
     model, fast = pool.get(arch, dtype, p=1.0)
-    mode = rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache", "static cache",
-                       "prompt lookup", "next turn", "inputs_embeds"])
+    mode = mode or rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache", "static cache",
+                       "prompt lookup", "next turn", "inputs_embeds", "chunked prefill", "mask inferred",
+                       "stop tokens", "processors"])
     rows = rng.choice([1, 2])
     rows = 1 if mode == "prompt lookup" else rows  # transformers' assisted generation takes one row
     length = rng.randint(MIN_TOKENS, 160)
@@ -211,13 +213,25 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
     if mode == "sample":
         kwargs.update(do_sample=True, top_k=0, top_p=1.0)
     elif mode == "beam":
-        kwargs.update(num_beams=rng.choice([2, 3]), do_sample=False)
+        beams = rng.choice([2, 3])
+        kwargs.update(num_beams=beams, num_return_sequences=rng.randint(1, beams), do_sample=False)
     elif mode == "return_sequences":
         kwargs.update(do_sample=True, num_return_sequences=2, top_k=0)
     elif mode == "static cache":
         kwargs.update(do_sample=False, cache_implementation="static")
     elif mode == "prompt lookup":
         kwargs.update(do_sample=False, prompt_lookup_num_tokens=rng.choice([2, 3]))
+    elif mode == "chunked prefill":  # transformers' prefill_chunk_size: several prefill forwards, or one
+        kwargs.update(do_sample=False, prefill_chunk_size=rng.choice([16, 48, length]))
+    elif mode == "mask inferred":  # no attention_mask: generate infers it from the pad tokens (ids hold none else)
+        kwargs.update(do_sample=False, input_ids=ids.masked_fill(mask == 0, 0))
+        del kwargs["attention_mask"]
+    elif mode == "stop tokens":  # an eighth of the vocabulary ends a row: rows stop early, one before the other
+        kwargs.update(do_sample=False, eos_token_id=rng.sample(range(3, model.config.vocab_size),
+                                                               max(1, model.config.vocab_size // 8)))
+    elif mode == "processors":  # logits processors that read the prompt's tokens
+        kwargs.update(do_sample=False, repetition_penalty=rng.choice([1.2, 2.0]), no_repeat_ngram_size=2,
+                      min_new_tokens=2)
     else:
         kwargs.update(do_sample=False)
     if mode == "inputs_embeds":  # generate returns only the new tokens then
@@ -241,7 +255,8 @@ def _generate_case(rng, pool, case, arch, dtype) -> CaseResult:
         out = fast.generate(**kwargs, **extra) if turn is None else _next_turn(fast, kwargs, turn)
     tie = None
     if not torch.equal(out, ref) and out.shape == ref.shape and mode in ("greedy", "explicit cache", "beam",
-                                                                         "next turn"):
+                                                                         "next turn", "chunked prefill",
+                                                                         "mask inferred"):
         tie = _tie_at_divergence(model, out, ref, mask, length, dtype)
     if not torch.equal(out, ref) and tie is None:
         result.status = "mismatch"
