@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from uniprefill.testing import fuzz
+from uniprefill.testing import fuzz, fuzz_reference
 
 
 def test_fuzz_slice_has_no_mismatch_and_explains_every_unaccelerated_call():
@@ -187,3 +187,23 @@ def test_the_generate_modes_equal_the_plain_model_and_explain_every_unaccelerate
     assert all(r.accelerated or r.reasons for r in results), [(r.detail, r.reasons) for r in results]
     if mode == "chunked prefill":
         assert any("prefill_chunk_size" in why for r in results for why in r.reasons), [r.reasons for r in results]
+
+
+@pytest.mark.parametrize("mode", fuzz_reference.DECODE_MODES)
+@pytest.mark.parametrize("arch", fuzz.REFERENCE_ARCHS)
+def test_decode_steps_after_a_drop_equal_the_eager_reference_and_a_wrong_step_is_a_mismatch(arch, mode):
+    pool = fuzz._Pool()
+    model, fast = pool.get(arch, torch.float32, keep_ratio=0.4)
+    ids = torch.randint(3, model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(2))
+    result = fuzz_reference._decode_after_drop(random.Random(1), model, fast, 3, arch, ids, 0.4, mode=mode)
+    assert result.status == "equal" and result.accelerated == 1, result
+    forward = type(model).forward
+
+    def off_after_the_prefill(self, *args, **kwargs):  # every decode step (the eager path) off by 1e-2
+        out = forward(self, *args, **kwargs)
+        return _perturbed(out) if kwargs.get("uniprefill_decode") is not None else out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(model), "forward", off_after_the_prefill)
+        wrong = fuzz_reference._decode_after_drop(random.Random(1), model, fast, 3, arch, ids, 0.4, mode=mode)
+    assert wrong.status == "mismatch" and "eager reference" in wrong.detail, wrong

@@ -12,7 +12,8 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
   (`_tie_at_divergence`);
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
   or several tokens through forward (as `input_ids`, or as `inputs_embeds`);
-* `_reference_case`: forced retention against the eager reference (Llama, Gemma-3, GPT-OSS).
+* `_reference_case` (`fuzz_reference`): forced retention against the eager reference (Llama, Gemma-3, GPT-OSS),
+  the prefill's last logits or decode steps after it.
 """
 
 from __future__ import annotations
@@ -368,40 +369,4 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
         result.accelerated = 1
     elif fast.backend.last_unaccelerated:
         result.reasons.append(fast.backend.last_unaccelerated)
-    return result
-
-
-def _reference_case(rng, pool, case, arch, dtype) -> CaseResult:
-    from .eager_reference import reference_last_logits
-
-    ratio = rng.choice([0.3, 0.5, 0.8])
-    model, fast = pool.get(arch, torch.float32, keep_ratio=ratio)
-    length = rng.randint(MIN_TOKENS + 16, 260)
-    ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(case))
-    result = CaseResult(case, arch, "reference p<1", "equal", detail=f"length {length}, keep_ratio {ratio}")
-    use_cache = rng.choice([True, False])
-    with torch.no_grad():
-        out = fast(input_ids=ids, use_cache=use_cache).logits[:, -1]
-        history = fast.history
-        if history is None or not history.points:
-            reason = fast.backend.last_unaccelerated
-            if reason is None:
-                result.status, result.detail = "unexplained", f"nothing dropped; {result.detail}"
-                return result
-            if kind_of(reason) is Kind.REWRITE_FAILED:  # the rewritten graph raised: a finding, as in every kind
-                result.status, result.detail = "error", f"{reason}; {result.detail}"
-                return result
-            # not accelerated, and said why: then it must be the plain model's answer
-            result.reasons.append(reason)
-            plain = model(input_ids=ids, use_cache=use_cache).logits[:, -1]
-            bad = _compare_logits(out[:, None], plain[:, None], torch.ones(1, 1), None, torch.float32)
-            if bad:
-                result.status, result.detail = "mismatch", f"unaccelerated, vs the plain model: {bad}; {result.detail}"
-            return result
-        kept = {p.layer: p.kept_positions(0, length) for p in history.points}
-        ref = reference_last_logits(model, ids, kept)
-    result.accelerated = 1
-    bad = _compare_logits(out[:, None], ref[:, None], torch.ones(1, 1), None, torch.float32)
-    if bad:
-        result.status, result.detail = "mismatch", f"vs the eager reference: {bad}; {result.detail}"
     return result
