@@ -49,15 +49,23 @@ def fixed_size_cache(cache) -> str | None:
 
 def multi_token_generation(model, kwargs: dict) -> str | None:
     """Why `model.generate(**kwargs)` would feed several tokens per step after the prefill (None: one token per
-    step). Reads the call's generation config as transformers does: `generation_config` or the model's, updated
+    step)."""
+    named = assisted_options(model, kwargs)
+    if not named:
+        return None
+    return (f"assisted generation ({', '.join(named)}) checks several candidate tokens per forward, and "
+            "decode after a drop runs one token per step: the call runs unaccelerated")
+
+
+def assisted_options(model, kwargs: dict) -> list[str]:
+    """The assisted-generation options that make `model.generate(**kwargs)` run assisted generation (empty: it does
+    not). Reads the call's generation config as transformers does: `generation_config` or the model's, updated
     with the call's keyword arguments."""
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     named = [k for k in _ASSISTED
              if (kwargs[k] if k in kwargs else getattr(config, k, None) if k != "assistant_model" else None)
              not in (None, False)]
-    if not named:
-        return None
-    if config is not None:
+    if named and config is not None:
         config = copy.deepcopy(config)
         config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
         try:
@@ -65,9 +73,8 @@ def multi_token_generation(model, kwargs: dict) -> str | None:
         except Exception:  # noqa: BLE001  (an invalid config: transformers' own generate will say so)
             mode = None
         if mode is not None and getattr(mode, "value", mode) != "assisted_generation":
-            return None  # transformers falls back to its base mode (beam search, ...) and warns
-    return (f"assisted generation ({', '.join(named)}) checks several candidate tokens per forward, and "
-            "decode after a drop runs one token per step: the call runs unaccelerated")
+            return []  # transformers falls back to its base mode (beam search, ...) and warns
+    return named
 
 
 def chunked_prefill(model, kwargs: dict, prompt_length: int) -> str | None:

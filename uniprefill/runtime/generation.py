@@ -34,8 +34,8 @@ from .decode_attention import (  # noqa: F401  (decode_kernels re-exported)
     _DECODE_STATE, ATTENTION_NAME, _attention_implementation, decode_kernels,
 )
 from .continuation import (
-    check_step_mask, chunked_prefill, continue_token_by_token, fixed_size_cache, multi_token_generation, new_tokens,
-    removed_nothing,
+    assisted_options, check_step_mask, chunked_prefill, continue_token_by_token, fixed_size_cache,
+    multi_token_generation, new_tokens, removed_nothing,
 )
 from .history import DropHistory
 
@@ -260,16 +260,18 @@ class UniPrefillModel(torch.nn.Module):
             named = kwargs
         cache = named.get("past_key_values")
         history = getattr(cache, HISTORY_ATTRIBUTE, None)
-        several = multi_token_generation(model, named)
         if history is not None and not removed_nothing(history):  # a cache a drop compacted: only we continue it
-            if several is not None:
+            assisted = assisted_options(model, named)
+            if assisted:
                 raise ValueError(
-                    f"{several.split(' checks')[0]} cannot continue a cache a dropped prefill compacted: it checks "
-                    "several candidate tokens per forward and crops the cache to reject them, which a cache holding "
-                    "fewer tokens in later layers cannot follow. Continue it without assistance, or prefill the "
-                    "prompt with p = 1 (or with assistance, which then runs the plain model)")
+                    f"assisted generation ({', '.join(assisted)}) cannot continue a cache a dropped prefill "
+                    "compacted: it checks several candidate tokens per forward and crops the cache to reject them, "
+                    "which a cache holding fewer tokens in later layers cannot follow. Continue it without "
+                    "assistance, or prefill the prompt with p = 1 (or with assistance, which then runs the plain "
+                    "model)")
         else:
-            why = several or chunked_prefill(model, named, _prompt_length(named) - _cache_length(cache))
+            why = multi_token_generation(model, named) or chunked_prefill(
+                model, named, _prompt_length(named) - _cache_length(cache))
             if why is not None:  # decided before any prefill drops: the plain model's generate, unrouted
                 self._unaccelerated(Unaccelerated(why, Kind.CACHE_NOT_DECODABLE))
                 return type(model).generate(model, *args, **kwargs)
@@ -289,7 +291,6 @@ class UniPrefillModel(torch.nn.Module):
                 object.__setattr__(self, "_routing", self._routing - 1)
                 if self._routing == 0:
                     del model.forward
-
 
     def generate_batch(self, *args, **kwargs):
         """transformers' continuous batching, on the plain model, unaccelerated (see `_CONTINUOUS_BATCHING`)."""
