@@ -154,6 +154,10 @@ def failed_check(checks: tuple[InputCheck, ...], args, rows: int, seq: int, left
             if not bool(value.bool().any(dim=1).all()):
                 return "a row of the batch holds no real token (its attention mask is all zeros)"
             real = value.bool()
+            if not bool(real[:, -1].all()):
+                return ("a row ends in padding (right padding): the method's answer is the last position's, here a "
+                        "pad, whose state the first drop does not keep (it keeps real tokens only); pad on the left "
+                        "(transformers' padding_side='left') to accelerate")
             if left_padding_only and seq > 1 and not bool((real[:, 1:] >= real[:, :-1]).all()):
                 return ("padding inside a row (a pad after a real token) in a model with convolutions or scans, "
                         "which see pad positions as tokens: only left padding is accelerated there")
