@@ -31,7 +31,7 @@ def decode_attention(module, query, key, value, attention_mask, scaling=None, dr
     """transformers attention-interface function for decode steps after a dropped prefill."""
     state = kwargs.get("uniprefill_decode") or _DECODE_STATE.get()
     if state is None:
-        raise RuntimeError("the uniprefill_decode attention needs the drop history (call through UniPrefillModel)")
+        return _plain_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     history, windows, compacted = state
     layer = module.layer_idx
     # the form the prefill graph ran this layer's attention in (passes.sink_attention), not what the
@@ -118,15 +118,33 @@ def decode_kernels():
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def _plain_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    """A call of the plain model (another thread's) while a decode step has switched the model's attention to
+    "uniprefill_decode": the model's own SDPA attention (the mask was built for SDPA too: `compat`). A model whose
+    plain attention is another builds its masks otherwise, so that call raises instead of answering wrongly."""
+    plain = getattr(getattr(module, "config", None), "_uniprefill_plain_attention", None)
+    if plain == "sdpa":
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    raise RuntimeError(
+        f"the uniprefill_decode attention ran without a drop history: a call of the plain model while a decode step "
+        f"of its UniPrefillModel switched the model's attention (its own: {plain!r}, not 'sdpa'); in threads, "
+        "give each its own model object, or call through the UniPrefillModel")
+
+
 @contextlib.contextmanager
 def _attention_implementation(model, name: str):
     configs = [c for c in {id(model.config): model.config, **{id(getattr(model.config, k)): getattr(model.config, k)
                for k in ("text_config",) if hasattr(model.config, k)}}.values()]
     previous = [c._attn_implementation for c in configs]
     try:
-        for c in configs:
+        for c, old in zip(configs, previous):
             c._attn_implementation = name
+            c._uniprefill_plain_attention = old  # for another thread's call of the plain model meanwhile
         yield
     finally:
         for c, old in zip(configs, previous):
             c._attn_implementation = old
+            del c._uniprefill_plain_attention

@@ -61,9 +61,10 @@ class UniPrefillModel(torch.nn.Module):
         bound = types.MethodType(type(model).forward, model)
         object.__setattr__(self, "_compiled_forward", torch.compile(bound, backend=backend, dynamic=True))
         # prefills run one at a time (the recorder holds the latest call's history); generate()
-        # routes model.forward while any generate() runs, counted for several threads
+        # routes model.forward while any generate() runs, for the threads running one (thread id: count);
+        # another thread's call of the plain model meanwhile runs the plain model
         object.__setattr__(self, "_lock", threading.RLock())
-        object.__setattr__(self, "_routing", 0)
+        object.__setattr__(self, "_routing", {})
         # after a batch prefilled row by row (see runtime.batched): each row's DropHistory
         object.__setattr__(self, "row_histories", None)
 
@@ -276,20 +277,27 @@ class UniPrefillModel(torch.nn.Module):
                 self._unaccelerated(Unaccelerated(why, Kind.CACHE_NOT_DECODABLE))
                 return type(model).generate(model, *args, **kwargs)
 
+        routing = self._routing
+
         @functools.wraps(forward)
         def routed(*a, **k):
-            return self._forward(a, k, from_generate=True)
+            if threading.get_ident() in routing:
+                return self._forward(a, k, from_generate=True)
+            return forward(model, *a, **k)  # the plain model, called by a thread that runs no generate() of ours
 
+        me = threading.get_ident()
         with self._lock:
-            if self._routing == 0:
+            if not routing:
                 model.forward = routed
-            object.__setattr__(self, "_routing", self._routing + 1)
+            routing[me] = routing.get(me, 0) + 1
         try:
             return type(model).generate(model, *args, **kwargs)
         finally:
             with self._lock:
-                object.__setattr__(self, "_routing", self._routing - 1)
-                if self._routing == 0:
+                routing[me] -= 1
+                if not routing[me]:
+                    del routing[me]
+                if not routing:
                     del model.forward
 
     def generate_batch(self, *args, **kwargs):
