@@ -176,6 +176,33 @@ def test_bf16_logits_of_a_batch_prefilled_row_by_row_count_as_a_tie_only_where_t
     assert fuzz._rows_alone_tie(model, fast, out + 0.5, ref, mask, kwargs, torch.bfloat16) is None
 
 
+class _Scripted(random.Random):
+    """A Random whose choice / randint / random calls return the given answers in order."""
+
+    def __init__(self, answers):
+        super().__init__(0)
+        self.answers = list(answers)
+
+    def choice(self, seq):
+        return self.answers.pop(0)
+
+    def randint(self, a, b):
+        return self.answers.pop(0)
+
+    def random(self):
+        return self.answers.pop(0)
+
+
+def test_a_decode_case_whose_bf16_batch_prefill_parts_from_the_plain_batch_as_its_rows_alone_do_is_a_tie():
+    """Round 17's one flagged case (GPT-OSS bf16, 2 rows of 183 tokens, 27 pads): the decode case compared the row
+    by row prefill with the plain batch only; the plain model's own rows alone part from its batch by as much."""
+    case = 1011004033220
+    rows, length, pad_branch, pads, embeds = 2, 183, 0.1, 27, 0.9
+    result = fuzz._decode_case(_Scripted([rows, length, pad_branch, pads, embeds]), fuzz._Pool(), case, "gpt-oss",
+                               torch.bfloat16)
+    assert result.status == "tie" and "rounding" in result.detail, result
+
+
 @pytest.mark.parametrize("mode", ["chunked prefill", "mask inferred", "stop tokens", "processors", "beam"])
 def test_the_generate_modes_equal_the_plain_model_and_explain_every_unaccelerated_call(mode):
     """Each of these `generate` modes at p = 1, on a transformer and a sliding-window hybrid, over several seeds:

@@ -345,6 +345,12 @@ def _decode_case(rng, pool, case, arch, dtype) -> CaseResult:
                 input_ids=ids, attention_mask=mask, use_cache=True)
             (out, mine), (ref, theirs) = (out.logits, out.past_key_values), (ref.logits, ref.past_key_values)
         bad = _compare_logits(out, ref, mask, None, dtype)
+        tie = _rows_alone_tie(model, fast, out, ref, mask, {"input_ids": ids, "attention_mask": mask,
+                                                             "use_cache": True}, dtype) if bad and rows > 1 else None
+        if tie is not None:  # the plain model parts from its own rows alone as much: no steps on top of that
+            result.status, result.detail = "tie", f"{tie}; {result.detail}"
+            result.accelerated = int(_accelerated(fast))
+            return result
         accelerated = _accelerated(fast)
         # a model with recurrent layers: the plain model fed each step's tokens one at a time too (a compacted cache
         # continues so, `continuation.recurrent_layers`; the plain several-token step may differ, tiny Jamba's)
