@@ -57,7 +57,7 @@ import torch
 from . import expert_ops
 from .lightning_ops import lightning_forward
 from .scan_ops import MARK as _MARK
-from .scan_ops import needs_grad, opaque_selective_scan, original_of
+from .scan_ops import needs_grad, opaque_selective_scan, original_of, unaliased
 
 
 @functools.cache
@@ -93,7 +93,8 @@ def chunk_gated_delta_rule(
     if out.dtype != query.dtype or (state is not None and state.dtype != torch.float32):
         raise TypeError(f"{module_name} returned {out.dtype}/{getattr(state, 'dtype', None)}, expected "
                         f"{query.dtype}/float32: uniprefill::chunk_gated_delta_rule's fake would be wrong")
-    return out, (state if state is not None else value.new_empty(0))
+    inputs = (query, key, value, g, beta, initial_state)
+    return unaliased(out, *inputs), (unaliased(state, *inputs, out) if state is not None else value.new_empty(0))
 
 
 @chunk_gated_delta_rule.register_fake

@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from .scan_ops import MARK
+from .scan_ops import MARK, unaliased
 
 KEY = "_uniprefill_experts_key"  # on an experts module that `register` gave a key
 _MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> module
@@ -64,7 +64,7 @@ def routed_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
         got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
         raise TypeError(f"{key} returned {got}, expected {tuple(hidden_states.shape)} {hidden_states.dtype}: "
                         "uniprefill::routed_experts's fake would be wrong")
-    return out.clone() if out.untyped_storage().data_ptr() == hidden_states.untyped_storage().data_ptr() else out
+    return unaliased(out, hidden_states)
 
 
 @routed_experts.register_fake

@@ -39,6 +39,15 @@ def original_of(qualified: str):
     return getattr(fn, MARK, fn)
 
 
+def unaliased(out: torch.Tensor, *inputs) -> torch.Tensor:
+    """`out`, cloned where it shares storage with one of `inputs` (tensors or None): a custom op's output may not
+    alias its inputs, and a fallback may hand one back (a scan over zero tokens returns its initial state)."""
+    storage = out.untyped_storage().data_ptr()
+    if any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == storage for t in inputs):
+        return out.clone()
+    return out
+
+
 def _promote(*dtypes: torch.dtype) -> torch.dtype:
     out = dtypes[0]
     for dtype in dtypes[1:]:
@@ -84,7 +93,9 @@ def selective_scan(
     if out.dtype != want_out or (state is not None and state.dtype != want_state):
         raise TypeError(f"{function} returned {out.dtype}/{getattr(state, 'dtype', None)}, "
                         f"expected {want_out}/{want_state}: uniprefill::selective_scan's fake would be wrong")
-    return out, (state if state is not None else hidden_states.new_empty(0))
+    inputs = (hidden_states, dt, A, B, C, D, z, delta_bias)
+    return unaliased(out, *inputs), (unaliased(state, *inputs, out) if state is not None
+                                     else hidden_states.new_empty(0))
 
 
 @selective_scan.register_fake

@@ -284,3 +284,30 @@ def test_a_patched_model_still_trains():
     ids = _ids()[:, :40]
     model(input_ids=ids, labels=ids).loss.backward()
     assert model.model.layers[0].mamba.x_proj.weight.grad.abs().sum() > 0
+
+
+def test_the_chunked_op_over_zero_tokens_hands_back_a_copy_of_its_initial_state_not_the_state_itself():
+    """transformers' Gated DeltaNet fallback over zero tokens returns its initial state itself; a custom op's output
+    may not alias an input, so the op raised (assisted generation of a plain Qwen3-Next in a process where
+    `uniprefill.compile` had routed the fallback through the op failed: "must not also be an input")."""
+    make_linear_attention_opaque(_model("qwen3_next"))
+    batch, heads, dim = 1, 2, 8
+    q = k = torch.randn(batch, 0, heads, dim)
+    v = torch.randn(batch, 0, heads, dim)
+    g, beta = torch.randn(batch, 0, heads), torch.rand(batch, 0, heads)
+    state = torch.randn(batch, heads, dim, dim)
+    out, final = torch.ops.uniprefill.chunk_gated_delta_rule(
+        q, k, v, g, beta, state, True, False, "transformers.models.qwen3_next.modeling_qwen3_next."
+                                             "torch_chunk_gated_delta_rule")
+    assert out.shape == v.shape and torch.equal(final, state)
+    assert final.untyped_storage().data_ptr() != state.untyped_storage().data_ptr()
+
+
+@torch.no_grad()
+def test_assisted_generation_of_a_plain_qwen3_next_is_unchanged_by_compiling_another_model():
+    plain, draft = _model("qwen3_next"), _model("qwen3_next")
+    ids = torch.randint(3, 100, (1, 90), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, assistant_model=draft)
+    before = plain.generate(input_ids=ids, **kwargs)
+    uniprefill.compile(_model("qwen3_next"), UniPrefillConfig(p=1.0, **SMALL))  # routes the fallback, process-wide
+    assert torch.equal(plain.generate(input_ids=ids, **kwargs), before)
