@@ -203,7 +203,8 @@ def test_a_decode_case_whose_bf16_batch_prefill_parts_from_the_plain_batch_as_it
     assert result.status == "tie" and "rounding" in result.detail, result
 
 
-@pytest.mark.parametrize("mode", ["chunked prefill", "mask inferred", "stop tokens", "processors", "beam"])
+@pytest.mark.parametrize("mode", ["chunked prefill", "mask inferred", "stop tokens", "processors", "beam",
+                                  "assistant model"])
 def test_the_generate_modes_equal_the_plain_model_and_explain_every_unaccelerated_call(mode):
     """Each of these `generate` modes at p = 1, on a transformer and a sliding-window hybrid, over several seeds:
     equal to the plain model (or a tie), and a call that ran unaccelerated says why."""
@@ -234,3 +235,21 @@ def test_decode_steps_after_a_drop_equal_the_eager_reference_and_a_wrong_step_is
         patch.setattr(type(model), "forward", off_after_the_prefill)
         wrong = fuzz_reference._decode_after_drop(random.Random(1), model, fast, 3, arch, ids, 0.4, mode=mode)
     assert wrong.status == "mismatch" and "eager reference" in wrong.detail, wrong
+
+
+def test_the_plain_model_raising_inside_uniprefill_code_is_an_error_not_an_invalid_input():
+    """The plain model runs through uniprefill's ops where `compat` routed a fallback process-wide: its exception
+    there is a finding (the zero-token Gated DeltaNet scan's aliasing was one), not a refused input."""
+    from uniprefill.scan_ops import original_of
+    from uniprefill.testing.fuzz_cases import CaseResult, _plain_model_raised
+
+    try:
+        original_of("no_such_module_anywhere.f")
+    except Exception as exc:  # noqa: BLE001
+        ours = _plain_model_raised(CaseResult(1, "tiny-llama", "forward", "equal"), exc)
+    try:
+        torch.zeros(2) @ torch.zeros(3)
+    except Exception as exc:  # noqa: BLE001
+        theirs = _plain_model_raised(CaseResult(2, "tiny-llama", "forward", "equal"), exc)
+    assert ours.status == "error" and "scan_ops.py" in ours.detail, ours
+    assert theirs.status == "invalid", theirs

@@ -56,6 +56,7 @@ class FuzzSummary:
     accelerated_calls: int = 0
     failures: list[CaseResult] = field(default_factory=list)
     ties: list[CaseResult] = field(default_factory=list)
+    invalid: list[CaseResult] = field(default_factory=list)  # the plain model refused the input (detail: its error)
     seconds: float = 0.0
 
     @property
@@ -73,6 +74,8 @@ class FuzzSummary:
             self.failures.append(result)
         elif result.status == "tie":
             self.ties.append(result)
+        elif result.status == "invalid":
+            self.invalid.append(result)
 
     def __str__(self) -> str:
         lines = [f"{self.cases} cases in {self.seconds:.0f} s: " + ", ".join(f"{k} {v}" for k, v in sorted(self.by_status.items())),
@@ -89,7 +92,8 @@ class FuzzSummary:
         return {"cases": self.cases, "seed": seed, "archs": list(archs), "seconds": self.seconds,
                 "by_status": dict(self.by_status), "by_kind": dict(self.by_kind),
                 "accelerated_calls": self.accelerated_calls, "unaccelerated_reasons": dict(self.reasons),
-                "failures": [vars(f) for f in self.failures], "ties": [vars(t) for t in self.ties]}
+                "failures": [vars(f) for f in self.failures], "ties": [vars(t) for t in self.ties],
+                "invalid": [vars(i) for i in self.invalid]}
 
 
 def _reason_class(reason: str) -> str:

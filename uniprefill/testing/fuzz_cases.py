@@ -7,9 +7,11 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
   masks, position ids, caches, `logits_to_keep`, a second model alternating);
 * `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, several
   sequences, an explicit cache, a static cache, prompt lookup, a chat's next turn on the returned
-  cache, the prompt given as `inputs_embeds`, chunked prefill, the mask left for `generate` to infer from pad
-  tokens, stop tokens that end rows early, logits processors reading the prompt); a first differing token that the plain model scores as a tie counts as "tie"
-  (`_tie_at_divergence`);
+  cache, the prompt given as `inputs_embeds`, chunked prefill, the mask left for `generate` to infer
+  from pad tokens, stop tokens that end rows early, logits processors reading the prompt, an
+  assistant model); a first differing token that the plain model scores as a tie counts as "tie"
+  (`_tie_at_divergence`). The plain model raising inside uniprefill's code is an "error"
+  (`_plain_model_raised`: `compat`'s process-wide ops are in its path), elsewhere "invalid";
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
   or several tokens through forward (as `input_ids`, or as `inputs_embeds`);
 * `_reference_case` (`fuzz_reference`): forced retention against the eager reference (Llama, Gemma-3, GPT-OSS),
@@ -46,6 +48,23 @@ class CaseResult:
     detail: str = ""
     reasons: list[str] = field(default_factory=list)  # why calls ran unaccelerated
     accelerated: int = 0  # calls that ran the rewritten graph
+
+
+def _plain_model_raised(result: CaseResult, exc: Exception) -> CaseResult:
+    """The plain model refused the input: not a case ("invalid"), unless it raised inside uniprefill's own code (an
+    op or drop-in a process-wide change of `compat` put in its path): that is an "error", a finding."""
+    import importlib.util
+    import os
+    import traceback
+
+    roots = [os.path.dirname(os.path.dirname(__file__)),  # the uniprefill package, and its kernels
+             os.path.dirname(importlib.util.find_spec("uniprefill.kernels").origin)]
+    ours = [f for f in traceback.extract_tb(exc.__traceback__) if any(f.filename.startswith(r + os.sep) for r in roots)
+            and os.sep + "testing" + os.sep not in f.filename]
+    where = f" in {os.path.basename(ours[-1].filename)}:{ours[-1].lineno}" if ours else ""
+    result.status = "error" if ours else "invalid"
+    result.detail = f"plain model raised{where} {type(exc).__name__}: {exc}"[:300] + f"; {result.detail}"[:200]
+    return result
 
 
 def _random_inputs(rng: random.Random, model, dtype) -> dict:
@@ -148,8 +167,7 @@ def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
             try:
                 ref = _call(model, model, kwargs, spec["positional"]).logits
             except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
-                result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
-                return result
+                return _plain_model_raised(result, exc)
             fast.backend.last_unaccelerated = None
             out = _call(fast, model, kwargs, spec["positional"]).logits
         bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype)
@@ -202,9 +220,9 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     model, fast = pool.get(arch, dtype, p=1.0)
     mode = mode or rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache", "static cache",
                        "prompt lookup", "next turn", "inputs_embeds", "chunked prefill", "mask inferred",
-                       "stop tokens", "processors"])
+                       "stop tokens", "processors", "assistant model"])
     rows = rng.choice([1, 2])
-    rows = 1 if mode == "prompt lookup" else rows  # transformers' assisted generation takes one row
+    rows = 1 if mode in ("prompt lookup", "assistant model") else rows  # assisted generation takes one row
     length = rng.randint(MIN_TOKENS, 160)
     ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(case))
     mask = torch.ones_like(ids)
@@ -230,6 +248,8 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
         kwargs.update(do_sample=False, cache_implementation="static")
     elif mode == "prompt lookup":
         kwargs.update(do_sample=False, prompt_lookup_num_tokens=rng.choice([2, 3]))
+    elif mode == "assistant model":  # the plain model drafts for itself
+        kwargs.update(do_sample=False, assistant_model=model)
     elif mode == "chunked prefill":  # transformers' prefill_chunk_size: several prefill forwards, or one
         kwargs.update(do_sample=False, prefill_chunk_size=rng.choice([16, 48, length]))
     elif mode == "mask inferred":  # no attention_mask: generate infers it from the pad tokens (ids hold none else)
@@ -257,8 +277,7 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
             extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
             ref = model.generate(**kwargs, **extra) if turn is None else _next_turn(model, kwargs, turn)
         except Exception as exc:  # noqa: BLE001
-            result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
-            return result
+            return _plain_model_raised(result, exc)
         torch.manual_seed(seed)
         extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
         out = fast.generate(**kwargs, **extra) if turn is None else _next_turn(fast, kwargs, turn)

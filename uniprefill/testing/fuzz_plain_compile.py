@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..unaccelerated import Kind, kind_of
-from .fuzz_cases import MIN_TOKENS, CaseResult, _call, _compare_logits, _random_inputs
+from .fuzz_cases import MIN_TOKENS, CaseResult, _call, _compare_logits, _plain_model_raised, _random_inputs
 
 RECOMPILE_LIMIT = 64
 
@@ -79,8 +79,7 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
             try:
                 ref = _call(model, model, kwargs, spec["positional"]).logits
             except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
-                result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
-                return result
+                return _plain_model_raised(result, exc)
             _clear_reports(compiled)
             out = _call(compiled, model, kwargs, spec["positional"]).logits
         bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype)
@@ -113,8 +112,7 @@ def _plain_compile_generate(rng, pool, case, arch, dtype) -> CaseResult:
         try:
             ref = model.generate(**kwargs)
         except Exception as exc:  # noqa: BLE001
-            result.status, result.detail = "invalid", f"plain model raised {type(exc).__name__}: {exc}"[:300]
-            return result
+            return _plain_model_raised(result, exc)
         _clear_reports(compiled)
         out = compiled.generate(**kwargs)
     if not torch.equal(out, ref):
