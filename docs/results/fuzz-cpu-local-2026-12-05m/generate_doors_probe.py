@@ -48,4 +48,4 @@ for rows in (1, 2):
         ok = out.shape == ref.shape and torch.equal(out, ref)
         h = fast.history
         acc = (h is not None and h.points) or any(x is not None and x.points for x in (fast.row_histories or []))
-        print(arch, rows, name, "equal" if ok else "MISMATCH", "acc" if acc else f"unacc: {str(fast.backend.last_unaccelerated)[:100]}", flush=True)
+        print(arch, rows, name, "equal" if ok else "MISMATCH", "accelerated" if acc else f"unaccelerated: {str(fast.backend.last_unaccelerated)[:100]}", flush=True)
