@@ -64,3 +64,18 @@ def test_generate_from_a_right_padded_prompt_equals_the_plain_model(arch):
     for mine, theirs in zip(out.logits, ref.logits):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
     assert "ends in padding" in fast.backend.last_unaccelerated
+
+
+@pytest.mark.parametrize("left_padding_only", [False, True])
+def test_the_padding_mask_checks_name_the_first_unsound_row_shape_in_one_pass(left_padding_only):
+    """`failed_check` on a padding mask: an all-pad row, a row ending in padding, and (for models with convolutions
+    or scans) padding after a real token, each with its reason; left padding passes."""
+    from uniprefill.passes.mask_inputs import InputCheck, InputRole, failed_check
+
+    check = (InputCheck(0, InputRole.PADDING, "attention_mask"),)
+    masks = {"left": [[0, 0, 1, 1], [1, 1, 1, 1]], "all pad": [[0, 0, 0, 0], [1, 1, 1, 1]],
+             "right": [[1, 1, 1, 0], [1, 1, 1, 1]], "hole": [[1, 0, 1, 1], [1, 1, 1, 1]]}
+    why = {name: failed_check(check, (torch.tensor(m),), 2, 4, left_padding_only) for name, m in masks.items()}
+    assert why["left"] is None
+    assert "holds no real token" in why["all pad"] and "ends in padding" in why["right"]
+    assert ("convolutions or scans" in why["hole"]) if left_padding_only else why["hole"] is None

@@ -151,14 +151,18 @@ def failed_check(checks: tuple[InputCheck, ...], args, rows: int, seq: int, left
             if tuple(value.shape) != (rows, seq):
                 return (f"the padding mask has shape {tuple(value.shape)} for {rows} row(s) of {seq} tokens "
                         "(a mask must give one value per token)")
-            if not bool(value.bool().any(dim=1).all()):
-                return "a row of the batch holds no real token (its attention mask is all zeros)"
             real = value.bool()
-            if not bool(real[:, -1].all()):
+            flags = [real.any(dim=1).all(), real[:, -1].all()]
+            if left_padding_only and seq > 1:
+                flags.append((real[:, 1:] >= real[:, :-1]).all())
+            every_row_real, every_row_ends_real, *left_padded = torch.stack(flags).tolist()  # one host sync
+            if not every_row_real:
+                return "a row of the batch holds no real token (its attention mask is all zeros)"
+            if not every_row_ends_real:
                 return ("a row ends in padding (right padding): the method's answer is the last position's, here a "
                         "pad, whose state the first drop does not keep (it keeps real tokens only); pad on the left "
                         "(transformers' padding_side='left') to accelerate")
-            if left_padding_only and seq > 1 and not bool((real[:, 1:] >= real[:, :-1]).all()):
+            if left_padded and not left_padded[0]:
                 return ("padding inside a row (a pad after a real token) in a model with convolutions or scans, "
                         "which see pad positions as tokens: only left padding is accelerated there")
         elif check.role is InputRole.DOCUMENT_POSITIONS:

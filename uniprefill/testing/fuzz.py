@@ -3,11 +3,11 @@
 Compilers are tested with random programs checked against a reference; this does the same
 for the doors a user comes through. Every case draws an architecture (tiny random configs,
 hybrids included), a call sequence and the arguments of each call (batch 1-3, padding
-none / left / holes / an all-pad row, mask bool / int / float passed by keyword, position or
+none / left / holes / right / an all-pad row, mask bool / int / float passed by keyword, position or
 not at all, position ids none / offset / strided / packed documents, `input_ids` or
 `inputs_embeds`, `use_cache`, `logits_to_keep`, dtype), or a generation mode (greedy,
 seeded sampling, beam search, `num_return_sequences`, an explicit cache object, chunked prefill, an inferred
-mask, stop tokens, logits processors), or a
+mask, stop tokens, logits processors, an assistant model), or a
 prefill into a cache object passed in followed by one-token steps through the same forward,
 or the same random forward calls (and `generate`) through plain `torch.compile(model,
 backend="uniprefill")` (`fuzz_plain_compile`), and checks:
