@@ -300,20 +300,19 @@ class UniPrefillModel(torch.nn.Module):
                 if not routing:
                     del model.forward
 
+    # transformers' continuous batching, on the plain model, unaccelerated, saying why (`_CONTINUOUS_BATCHING`)
     def generate_batch(self, *args, **kwargs):
-        """transformers' continuous batching, on the plain model, unaccelerated (see `_CONTINUOUS_BATCHING`)."""
-        self._unaccelerated(Unaccelerated(_CONTINUOUS_BATCHING, Kind.CACHE_NOT_DECODABLE))
-        return self.model.generate_batch(*args, **kwargs)
+        return self._plain_continuous_batching("generate_batch", args, kwargs)
 
     def init_continuous_batching(self, *args, **kwargs):
-        """transformers' continuous batching manager, for the plain model, unaccelerated."""
-        self._unaccelerated(Unaccelerated(_CONTINUOUS_BATCHING, Kind.CACHE_NOT_DECODABLE))
-        return self.model.init_continuous_batching(*args, **kwargs)
+        return self._plain_continuous_batching("init_continuous_batching", args, kwargs)
 
     def continuous_batching_context_manager(self, *args, **kwargs):
-        """transformers' continuous batching manager, for the plain model, unaccelerated."""
+        return self._plain_continuous_batching("continuous_batching_context_manager", args, kwargs)
+
+    def _plain_continuous_batching(self, method: str, args, kwargs):
         self._unaccelerated(Unaccelerated(_CONTINUOUS_BATCHING, Kind.CACHE_NOT_DECODABLE))
-        return self.model.continuous_batching_context_manager(*args, **kwargs)
+        return getattr(self.model, method)(*args, **kwargs)
 
 
 _CONTINUOUS_BATCHING = (
