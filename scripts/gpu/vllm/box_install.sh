@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU box, in the call after the last part arrived: join, check, unpack and install the
 # lean vllm==0.26.0 wheel set (into /tmp/vsite) and uniprefill's wheel (into /tmp/usite).
-#   bash scripts/gpu/vllm/box_install.sh [--parts 6] [--work /tmp/vw] [--site /tmp/vsite]
+#   bash scripts/gpu/vllm/box_install.sh [--parts 7] [--work /tmp/vw] [--site /tmp/vsite]
 #        [--usite /tmp/usite] [--python python3] [--platform-flags]
 # --platform-flags: install for CPython 3.12 / manylinux x86_64 whatever runs pip (to rehearse
 # the install on a machine that is not the box).
 set -euo pipefail
-parts_expected=6; work=/tmp/vw; site=/tmp/vsite; usite=/tmp/usite; py=python3; platform=()
+parts_expected=7; work=/tmp/vw; site=/tmp/vsite; usite=/tmp/usite; py=python3; platform=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --parts) parts_expected="$2"; shift 2 ;;

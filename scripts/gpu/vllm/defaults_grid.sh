@@ -15,6 +15,9 @@
 #   MODEL qwen3next: a Qwen3-Next-80B-A3B shape (dummy weights, 12 layers: Gated DeltaNet x 3 then full
 #          attention, at 3 / 7 / 11; 512 experts, 10 active; about 40 GB): prefill throughput at 8192/16384/32000 x
 #          batch 1/4 with 8 decode tokens (keep03 drops after layer 7, p095 where the option chooses)
+#   MODEL qwen3nextpar: the same Qwen3-Next shape, 60 parity prompts (32..~32K tokens, 16 greedy tokens with
+#          logprobs; the word-level tokenizer over the haystack), submitted at once and then again (prefix-cache
+#          hits), no throughput: p = 1 against standard through the Gated DeltaNet metadata rebuild
 #   MODEL gemma: Gemma-3-270M (real weights, 32K; box_install_models.sh cuda): 120 parity prompts (32..~32K
 #          tokens) generated twice (the second pass hits the prefix cache), 80 needle prompts (4096/16384) and,
 #          unless SKIP_THROUGHPUT=1, prefill throughput at 8192/16384/32000 x batch 1/4/16 (median of 5 calls)
@@ -68,6 +71,7 @@ GEMMA=(--model-dir /tmp/gemma-270m --max-model-len 32768 --parity 120 --parity-r
 LLAMA=(--layers 32 --throughput-lengths 8192,16384 --throughput-batches 1,4 --decode-tokens 8)
 LLAMA32K=(--layers 32 --throughput-lengths 32000 --throughput-batches 1,4 --decode-tokens 8)
 QWEN3NEXT=(--qwen3next-layers 12 --throughput-lengths 8192,16384,32000 --throughput-batches 1,4 --decode-tokens 8)
+QWEN3NEXTPAR=(--qwen3next-layers 12 --parity 60 --parity-repeat --parity-logprobs)
 declare -A SETTINGS=([standard]="" [p1]='{"p": 1.0, "vllm_drop": true}' [p095]='{"p": 0.95, "vllm_drop": true}'
                      [p099]='{"p": 0.99, "vllm_drop": true}'
                      [keep03]='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}')
@@ -80,7 +84,7 @@ without_throughput() {  # the arguments less --throughput-lengths/--throughput-b
 }
 for name in "$@"; do
   model="${name%%-*}" variant="${name#*-}"
-  case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; smollm2pw) args=("${SMOLLM2[@]}" --cudagraph-mode PIECEWISE) ;; llama) args=("${LLAMA[@]}") ;; gemma) args=("${GEMMA[@]}") ;; llama32k) args=("${LLAMA32K[@]}") ;; qwen3next) args=("${QWEN3NEXT[@]}") ;;
+  case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; smollm2pw) args=("${SMOLLM2[@]}" --cudagraph-mode PIECEWISE) ;; llama) args=("${LLAMA[@]}") ;; gemma) args=("${GEMMA[@]}") ;; llama32k) args=("${LLAMA32K[@]}") ;; qwen3next) args=("${QWEN3NEXT[@]}") ;; qwen3nextpar) args=("${QWEN3NEXTPAR[@]}") ;;
     *) echo "unknown run $name" >&2; exit 2 ;; esac
   envs=()
   case "$variant" in

@@ -16,7 +16,8 @@
 # At the end it prints the part sizes and writes them to .whl_vllm_lean/PARTS.txt.
 set -euo pipefail
 
-PART_MIB=55  # 60 MiB parts plus the ~4.5 MiB working tree exceeded the 64 MiB per call (2026-12-01)
+PART_MIB=45  # 60 MiB parts plus the ~4.5 MiB working tree exceeded the 64 MiB per call (2026-12-01); 55 MiB plus
+             # the ~11 MB tree (counted in disk blocks) did too (2026-12-05): 7 parts
 DOWNLOAD=1
 while [[ $# -gt 0 ]]; do
   case "$1" in
