@@ -423,6 +423,27 @@ def test_output_hidden_states_runs_unaccelerated():
         compiled(input_ids=_ids(1, 300), use_cache=False, output_hidden_states=True)
 
 
+@pytest.mark.parametrize("arch,drops", [("tiny-qwen3-next", (3,)), ("tiny-qwen3-next", "all"), ("gpt-oss", "all")])
+@pytest.mark.parametrize("p", [1.0, 0.5])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_output_router_logits_runs_unaccelerated_and_returns_every_row(arch, drops, p, batch):
+    """Before: a drop at Qwen3-Next's last layer returned that layer's router logits for the kept rows only (172 of
+    300 rows at p = 0.5, nothing said), and p = 1 was rewritten where p = 0.5 with earlier drops was refused."""
+    from uniprefill.testing.fuzz import build_model
+
+    model = build_model(arch, torch.float32)
+    compiled = uniprefill.compile(model, UniPrefillConfig(p=p, drop_layers=drops, **SMALL))
+    ids = _ids(batch, 300)
+    with pytest.warns(UserWarning, match="output_router_logits"), torch.no_grad():
+        out = compiled(input_ids=ids, use_cache=False, output_router_logits=True)
+    ref = model(input_ids=ids, use_cache=False, output_router_logits=True)
+    assert compiled.backend.last_unaccelerated is not None and "output_router_logits" in compiled.backend.last_unaccelerated
+    assert len(out.router_logits) == len(ref.router_logits)
+    for got, want in zip(out.router_logits, ref.router_logits):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=ATOL)
+    assert torch.allclose(out.logits, ref.logits, atol=ATOL)
+
+
 def test_gather_tokens_refuses_a_value_of_another_layout():
     """A packed value mislabelled as dense must raise, not have its indices wrapped around."""
     import uniprefill.ops  # noqa: F401  (registers the custom ops)

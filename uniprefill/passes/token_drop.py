@@ -117,6 +117,7 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         self.after_stack = {n for i, n in enumerate(old.nodes) if i > last_layer_pos}
         for node in old.nodes:
             if node.op == "output":
+                map_aggregate(node.args[0], lambda a: self._check_returned(a) if isinstance(a, fx.Node) else a)
                 self.new.output(map_aggregate(node.args[0], lambda a: self.env[a] if isinstance(a, fx.Node) else a))
                 continue
             if node.op in ("placeholder", "get_attr"):
@@ -145,6 +146,17 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
                              self.plan.input_checks,
                              bool(self.single_row_reason) or any(i.kind is LayerKind.LINEAR for i in self.plan.layers.values()),
                              [n for n in self.gm.graph.nodes if n.op == "placeholder"].index(self.plan.tokens))
+
+    def _check_returned(self, node: fx.Node) -> None:
+        """A value the call returns straight from a layer after a drop, with one row per token (rows of batch and
+        tokens together, such as the router logits of `output_router_logits`), would come back with the kept rows
+        only: refused, as the requests that need every position are. (Caches come back compacted by design: their
+        token axis is not the first.)"""
+        val = example_value(node)
+        if self.layout_of.get(node, 0) > 0 and isinstance(val, torch.Tensor) and val.dim() == 2 \
+                and 0 in self.plan.axes.token_dims(val) + self.plan.axes.flat_dims(val):
+            raise RewriteSkipped(f"the call returns {node.name} {list(val.shape)}, one row per token from a layer after "
+                                 "a drop (output_router_logits was requested?): it needs every position")
 
     def _returns_cache(self) -> bool:
         """Whether the graph hands key/value tensors out (a cache is being filled)."""
