@@ -253,3 +253,23 @@ def test_the_plain_model_raising_inside_uniprefill_code_is_an_error_not_an_inval
         theirs = _plain_model_raised(CaseResult(2, "tiny-llama", "forward", "equal"), exc)
     assert ours.status == "error" and "scan_ops.py" in ours.detail, ours
     assert theirs.status == "invalid", theirs
+
+
+@pytest.mark.parametrize("arch,name", [("tiny-qwen3-next", "output_router_logits"), ("gpt-oss", "output_router_logits"),
+                                       ("tiny-gemma3", "output_hidden_states")])
+def test_outputs_beside_the_logits_are_compared_and_a_missing_row_is_a_mismatch(arch, name):
+    """Forward cases may ask for the hidden states or the router logits: the oracle compares every tensor of them.
+    The router logits of a layer after a drop once came back with the kept rows only; that must be a finding."""
+    from uniprefill.testing.fuzz_cases import _compare_extras
+
+    pool = fuzz._Pool()
+    model, fast = pool.get(arch, torch.float32, p=1.0)
+    kwargs = dict(input_ids=torch.randint(3, model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(3)),
+                  use_cache=False, **{name: True})
+    with torch.no_grad():
+        out, ref = fast(**kwargs), model(**kwargs)
+    assert _compare_extras(out, ref, kwargs, torch.float32) is None
+    field = "router_logits" if name == "output_router_logits" else "hidden_states"
+    last = getattr(out, field)[-1]
+    short = type(out)(**{**out, field: (*getattr(out, field)[:-1], last[..., :100, :])})  # the token (or row) axis
+    assert "differs" in _compare_extras(short, ref, kwargs, torch.float32)

@@ -444,6 +444,27 @@ def test_output_router_logits_runs_unaccelerated_and_returns_every_row(arch, dro
     assert torch.allclose(out.logits, ref.logits, atol=ATOL)
 
 
+@pytest.mark.parametrize("setting", [dict(p=1.0), dict(keep_ratio=0.4)])
+def test_a_base_model_without_a_final_norm_returns_every_row(setting):
+    """OPT with `do_layer_norm_before=False` has no final norm: its base model returns the last layer's output as it
+    is. Before: that came back with the kept rows only (124 of 300 at keep 0.4), against the output contract."""
+    from transformers import AutoModel, OPTConfig
+
+    cfg = OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
+                    max_position_embeddings=1024, do_layer_norm_before=False, word_embed_proj_dim=64)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(cfg).eval()
+    compiled = uniprefill.compile(model, UniPrefillConfig(drop_layers=(1,), **setting, **SMALL))
+    ids = _ids(1, 300)
+    with torch.no_grad():
+        out = compiled(input_ids=ids, use_cache=False).last_hidden_state
+        ref = model(input_ids=ids, use_cache=False).last_hidden_state
+    points = compiled.history.points
+    assert out.shape == ref.shape and points and points[0].kept[0] == (300 if "p" in setting else 124)
+    if "p" in setting:
+        assert torch.allclose(out, ref, atol=ATOL)
+
+
 def test_gather_tokens_refuses_a_value_of_another_layout():
     """A packed value mislabelled as dense must raise, not have its indices wrapped around."""
     import uniprefill.ops  # noqa: F401  (registers the custom ops)

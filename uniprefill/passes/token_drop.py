@@ -114,11 +114,12 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         seen_first_drop = False
         self.stream_layout = 0
         last_layer_pos = max(i for i, n in enumerate(old.nodes) if layer_index(n, self.plan.container) is not None)
+        self.stack_output = list(old.nodes)[last_layer_pos]  # the last layer's output: the residual stream
         self.after_stack = {n for i, n in enumerate(old.nodes) if i > last_layer_pos}
         for node in old.nodes:
             if node.op == "output":
                 map_aggregate(node.args[0], lambda a: self._check_returned(a) if isinstance(a, fx.Node) else a)
-                self.new.output(map_aggregate(node.args[0], lambda a: self.env[a] if isinstance(a, fx.Node) else a))
+                self.new.output(map_aggregate(node.args[0], lambda a: self._returned(a, node) if isinstance(a, fx.Node) else a))
                 continue
             if node.op in ("placeholder", "get_attr"):
                 self.env[node] = new.node_copy(node, lambda a: self.env[a])
@@ -146,6 +147,14 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
                              self.plan.input_checks,
                              bool(self.single_row_reason) or any(i.kind is LayerKind.LINEAR for i in self.plan.layers.values()),
                              [n for n in self.gm.graph.nodes if n.op == "placeholder"].index(self.plan.tokens))
+
+    def _returned(self, node: fx.Node, output: fx.Node) -> fx.Node:
+        """The value the call returns for `node`. The stack's own output returned as it is (a base model without a
+        final norm: OPT with `do_layer_norm_before=False`) goes back into the dense canvas, as a value read after
+        the stack does; the logits and hidden states keep their shapes."""
+        if node is self.stack_output and self.layout_of.get(node, 0) > 0:
+            return self._scatter_back(node, output)
+        return self.env[node]
 
     def _check_returned(self, node: fx.Node) -> None:
         """A value the call returns straight from a layer after a drop, with one row per token (rows of batch and

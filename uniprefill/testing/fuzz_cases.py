@@ -115,7 +115,26 @@ def _random_inputs(rng: random.Random, model, dtype) -> dict:
     if keep is not None:
         kwargs["logits_to_keep"] = keep
     spec["positional"] = rng.random() < 0.3
+    extras = ["output_hidden_states"] + (["output_router_logits"] if hasattr(model.config, "output_router_logits") else [])
+    if rng.random() < 0.1:  # outputs beside the logits, which need every position: unaccelerated, equal
+        spec["extra output"] = name = rng.choice(extras)
+        kwargs[name] = True
     return {"kwargs": kwargs, "spec": spec, "mask": mask}
+
+
+def _compare_extras(out, ref, kwargs: dict, dtype) -> str | None:
+    """The hidden states and router logits a call asked for, against the plain model's: same count, shapes, values."""
+    for name, field in (("output_hidden_states", "hidden_states"), ("output_router_logits", "router_logits")):
+        if not kwargs.get(name):
+            continue
+        got, want = getattr(out, field, None), getattr(ref, field, None)
+        if (got is None) != (want is None) or (want is not None and len(got) != len(want)):
+            return f"{field}: {None if got is None else len(got)} tensors vs {None if want is None else len(want)}"
+        for i, (a, b) in enumerate(zip(got or (), want or ())):
+            tol = TOLERANCE[dtype] * max(1.0, float(b.float().abs().max()))
+            if a.shape != b.shape or float((a.float() - b.float()).abs().max()) > tol:
+                return f"{field}[{i}] differs: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    return None
 
 
 def _call(target, model, kwargs: dict, positional: bool):
@@ -165,12 +184,14 @@ def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
         result.detail = f"call {step + 1} on {archs[step % len(archs)]}{' (early sparse)' if sparse else ''}: {spec}"
         with torch.no_grad():
             try:
-                ref = _call(model, model, kwargs, spec["positional"]).logits
+                ref_all = _call(model, model, kwargs, spec["positional"])
             except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
                 return _plain_model_raised(result, exc)
             fast.backend.last_unaccelerated = None
-            out = _call(fast, model, kwargs, spec["positional"]).logits
-        bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype)
+            out_all = _call(fast, model, kwargs, spec["positional"])
+        out, ref = out_all.logits, ref_all.logits
+        bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype) \
+            or _compare_extras(out_all, ref_all, kwargs, dtype)
         tie = _rows_alone_tie(model, fast, out, ref, call["mask"], kwargs, dtype) if bad else None
         if tie:
             result.status, result.detail = "tie", f"{bad}; {tie}; {result.detail}"
