@@ -124,16 +124,16 @@ def _random_inputs(rng: random.Random, model, dtype) -> dict:
 
 def _compare_extras(out, ref, kwargs: dict, dtype) -> str | None:
     """The hidden states and router logits a call asked for, against the plain model's: same count, shapes, values."""
-    for name, field in (("output_hidden_states", "hidden_states"), ("output_router_logits", "router_logits")):
+    for name, attribute in (("output_hidden_states", "hidden_states"), ("output_router_logits", "router_logits")):
         if not kwargs.get(name):
             continue
-        got, want = getattr(out, field, None), getattr(ref, field, None)
+        got, want = getattr(out, attribute, None), getattr(ref, attribute, None)
         if (got is None) != (want is None) or (want is not None and len(got) != len(want)):
-            return f"{field}: {None if got is None else len(got)} tensors vs {None if want is None else len(want)}"
+            return f"{attribute}: {None if got is None else len(got)} tensors vs {None if want is None else len(want)}"
         for i, (a, b) in enumerate(zip(got or (), want or ())):
             tol = TOLERANCE[dtype] * max(1.0, float(b.float().abs().max()))
             if a.shape != b.shape or float((a.float() - b.float()).abs().max()) > tol:
-                return f"{field}[{i}] differs: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+                return f"{attribute}[{i}] differs: shape {tuple(a.shape)} vs {tuple(b.shape)}"
     return None
 
 
