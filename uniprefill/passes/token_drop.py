@@ -161,11 +161,17 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         tokens together, such as the router logits of `output_router_logits`), would come back with the kept rows
         only: refused, as the requests that need every position are. (Caches come back compacted by design: their
         token axis is not the first.)"""
+        if self.layout_of.get(node, 0) > 0:
+            self._refuse_token_rows(node)
+
+    def _refuse_token_rows(self, node: fx.Node) -> None:
+        """Refuse a packed value with one row per token (router logits) read after the stack or returned."""
         val = example_value(node)
-        if self.layout_of.get(node, 0) > 0 and isinstance(val, torch.Tensor) and val.dim() == 2 \
+        if isinstance(val, torch.Tensor) and val.dim() == 2 \
                 and 0 in self.plan.axes.token_dims(val) + self.plan.axes.flat_dims(val):
-            raise RewriteSkipped(f"the call returns {node.name} {list(val.shape)}, one row per token from a layer after "
-                                 "a drop (output_router_logits was requested?): it needs every position")
+            raise RewriteSkipped(f"{node.name} {list(val.shape)} holds one row per token of a layer after a drop (the "
+                                 "router logits of output_router_logits, say) and the call returns it: it needs every "
+                                 "position")
 
     def _returns_cache(self) -> bool:
         """Whether the graph hands key/value tensors out (a cache is being filled)."""
@@ -386,6 +392,7 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
             val = example_value(node)
             canvas_val = example_value(self._canvas_source())
             if [_expr(d) for d in val.shape] != [_expr(d) for d in canvas_val.shape]:
+                self._refuse_token_rows(node)
                 raise RewriteSkipped(f"{consumer.name} outside the decoder layers reads {node.name} "
                                      f"{list(val.shape)}, which is not the residual stream {list(canvas_val.shape)}")
             self.memo[key] = self._scatter_node(node, j)
