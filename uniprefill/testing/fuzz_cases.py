@@ -89,10 +89,18 @@ def _random_inputs(rng: random.Random, model, dtype) -> dict:
     elif padding == "right":  # the last rows' tails are pads: the last position of a row is then a pad
         for r in range(rng.randrange(rows), rows):
             mask[r, length - rng.randint(1, length - 1):] = 0
-    form = rng.choice(["int", "bool", "float", "absent"] if padding == "none" else ["int", "bool", "float"])
+    # without padding, also a 4-D mask of the caller's own: the causal one, or packed documents (block-diagonal)
+    form = rng.choice(["int", "bool", "float", "absent", "4d causal", "4d documents"] if padding == "none"
+                      else ["int", "bool", "float"])
     spec["mask"] = form
     kwargs = {"input_ids": ids}
-    if form != "absent":
+    if form.startswith("4d"):
+        visible = torch.tril(torch.ones(length, length, dtype=torch.bool))
+        if form == "4d documents":
+            cut = rng.randint(1, length - 1)
+            visible[cut:, :cut] = False
+        kwargs["attention_mask"] = visible[None, None].expand(rows, 1, length, length)
+    elif form != "absent":
         kwargs["attention_mask"] = {"int": mask, "bool": mask.bool(), "float": mask.to(dtype)}[form]
     spec["positions"] = positions = rng.choice(["none", "none", "offset", "strided", "packed"])
     if positions != "none":

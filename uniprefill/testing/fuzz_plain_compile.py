@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..unaccelerated import Kind, kind_of
-from .fuzz_cases import MIN_TOKENS, CaseResult, _call, _compare_logits, _plain_model_raised, _random_inputs
+from .fuzz_cases import (MIN_TOKENS, CaseResult, _call, _compare_extras, _compare_logits, _plain_model_raised,
+                         _random_inputs)
 
 RECOMPILE_LIMIT = 64
 
@@ -77,12 +78,13 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
         result.detail = f"call {step + 1} ({doors[step % len(doors)]}): {spec}"
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             try:
-                ref = _call(model, model, kwargs, spec["positional"]).logits
+                ref = _call(model, model, kwargs, spec["positional"])
             except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
                 return _plain_model_raised(result, exc)
             _clear_reports(compiled)
-            out = _call(compiled, model, kwargs, spec["positional"]).logits
-        bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype)
+            out = _call(compiled, model, kwargs, spec["positional"])
+        bad = _compare_logits(out.logits, ref.logits, call["mask"], kwargs.get("logits_to_keep"), dtype) \
+            or _compare_extras(out, ref, kwargs, dtype)
         if bad:
             result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
             return result
