@@ -118,7 +118,6 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
         self.after_stack = {n for i, n in enumerate(old.nodes) if i > last_layer_pos}
         for node in old.nodes:
             if node.op == "output":
-                map_aggregate(node.args[0], lambda a: self._check_returned(a) if isinstance(a, fx.Node) else a)
                 self.new.output(map_aggregate(node.args[0], lambda a: self._returned(a, node) if isinstance(a, fx.Node) else a))
                 continue
             if node.op in ("placeholder", "get_attr"):
@@ -151,26 +150,23 @@ class TokenDropPass(SymbolicShapes, AttentionCopy, SinkAttentionCopy):
     def _returned(self, node: fx.Node, output: fx.Node) -> fx.Node:
         """The value the call returns for `node`. The stack's own output returned as it is (a base model without a
         final norm: OPT with `do_layer_norm_before=False`) goes back into the dense canvas, as a value read after
-        the stack does; the logits and hidden states keep their shapes."""
-        if node is self.stack_output and self.layout_of.get(node, 0) > 0:
-            return self._scatter_back(node, output)
+        the stack does: the logits and hidden states keep their shapes. Other values of a layer after a drop come
+        back as they are (the caches, compacted by design), unless they hold one row per token."""
+        if self.layout_of.get(node, 0) > 0:
+            if node is self.stack_output:
+                return self._scatter_back(node, output)
+            self._refuse_token_rows(node)
         return self.env[node]
 
-    def _check_returned(self, node: fx.Node) -> None:
-        """A value the call returns straight from a layer after a drop, with one row per token (rows of batch and
-        tokens together, such as the router logits of `output_router_logits`), would come back with the kept rows
-        only: refused, as the requests that need every position are. (Caches come back compacted by design: their
-        token axis is not the first.)"""
-        if self.layout_of.get(node, 0) > 0:
-            self._refuse_token_rows(node)
-
     def _refuse_token_rows(self, node: fx.Node) -> None:
-        """Refuse a packed value with one row per token (router logits) read after the stack or returned."""
+        """A packed value with one row per token (rows of batch and tokens together: the router logits of
+        `output_router_logits`) that the call returns or reads after the stack would have the kept rows only:
+        refused, as the requests that need every position are. Caches keep their token axis elsewhere."""
         val = example_value(node)
         if isinstance(val, torch.Tensor) and val.dim() == 2 \
                 and 0 in self.plan.axes.token_dims(val) + self.plan.axes.flat_dims(val):
             raise RewriteSkipped(f"{node.name} {list(val.shape)} holds one row per token of a layer after a drop (the "
-                                 "router logits of output_router_logits, say) and the call returns it: it needs every "
+                                 "router logits of output_router_logits, say), which the call returns: it needs every "
                                  "position")
 
     def _returns_cache(self) -> bool:
