@@ -77,7 +77,10 @@ def restart_with_dynamic_length(gm: fx.GraphModule, example_inputs) -> None:
     rows = rows if isinstance(rows, int) and rows > 1 else None
     marked = False
     for _, tensor in user_inputs(gm, example_inputs):
-        dims = [d for d in ((0,) if tensor.dim() == 1 else range(1, min(tensor.dim(), 3))) if tensor.shape[d] == length]
+        # ids, a 2-D mask, position ids, embeddings: the axis after the rows; a 4-D mask of the caller's own
+        # ([rows, 1, queries, keys]): both token axes, else the trace keeps its keys at the first call's length
+        axes = (0,) if tensor.dim() == 1 else (2, 3) if tensor.dim() == 4 else range(1, min(tensor.dim(), 3))
+        dims = [d for d in axes if tensor.shape[d] == length]
         if rows is not None and tensor.dim() >= 2 and tensor.shape[0] == rows:
             dims.append(0)
         for dim in dims:

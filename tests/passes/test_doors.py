@@ -512,3 +512,29 @@ def test_a_program_that_assumes_whole_chunks_runs_unaccelerated_and_says_why():
                                atol=ATOL, rtol=0)
     assert "holds only for some prompt lengths" in fast.backend.last_unaccelerated
     assert not fast.backend.stop_compiling, "a guard of this length only: other lengths get their own trace"
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("form", ["causal", "documents"])
+def test_plain_torch_compile_with_a_4d_mask_of_the_callers_own_equals_the_plain_model(arch, form):
+    """A 4-D mask ([rows, 1, queries, keys]) on plain torch.compile's first call: the restart marked only its query
+    axis dynamic, so the retraced graph kept its keys at the first call's length and the backend raised
+    (BackendCompilerFailed: "The expanded size of the tensor (37) must match the existing size (61)"), every model,
+    transformers 5.17 and 5.25; found by the fuzzer's new 4-D masks. The causal one drops; packed documents run
+    unaccelerated with the reason."""
+    build, drops = MODELS[arch]
+    model = build()
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": drops, **SMALL})
+    for rows, length in ((2, 37), (1, 300), (2, 257)):
+        visible = torch.tril(torch.ones(length, length, dtype=torch.bool))
+        if form == "documents":
+            visible[length // 2:, :length // 2] = False
+        kwargs = dict(input_ids=_ids(rows, length), attention_mask=visible[None, None].expand(rows, 1, length, length),
+                      use_cache=False)
+        torch.testing.assert_close(compiled(**kwargs).logits, model(**kwargs).logits, atol=ATOL, rtol=0)
+        backend = uniprefill.backend._backend_of(compiled)
+        if length >= 256 and form == "causal":
+            assert backend.last_unaccelerated is None and uniprefill.last_drop_report(compiled).seq_len == length
+        elif length >= 256:
+            assert "not the plain causal mask" in backend.last_unaccelerated
