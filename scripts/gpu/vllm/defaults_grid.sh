@@ -43,6 +43,9 @@
 #          Inductor's deterministic mode, with benchmark_combo_kernel off, which that mode refuses: reduction
 #          launch configs picked without timing) | p1det (p1 with the same;
 #          compared with det, not standard: the rewrite's arithmetic apart from the autotuner's timing-based choices)
+# A RUN may end in .N (gemma-standard.2, gemma-p095.2): another start of the same engine under its own file name;
+# scripts/gpu/vllm/pooled_grid.py reads a grid of several starts per engine against standard's own spread
+# (run them interleaved: gemma-standard gemma-p095 gemma-standard.2 gemma-p095.2, two engines per device call).
 # DUMP_CODE=1 gives each engine a fresh vLLM cache (VLLM_CACHE_ROOT=OUT_DIR/cache-RUN) and keeps the Python
 # Inductor generated there (the Triton kernels of every piece) and the launch configs its autotuner picked
 # (`*.best_config`) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
@@ -84,6 +87,7 @@ without_throughput() {  # the arguments less --throughput-lengths/--throughput-b
 }
 for name in "$@"; do
   model="${name%%-*}" variant="${name#*-}"
+  variant="${variant%.[0-9]*}"  # RUN.N: the N-th start of the same engine (pooled_grid.py reads several)
   case "$model" in smollm2) args=("${SMOLLM2[@]}") ;; smollm2pw) args=("${SMOLLM2[@]}" --cudagraph-mode PIECEWISE) ;; llama) args=("${LLAMA[@]}") ;; gemma) args=("${GEMMA[@]}") ;; llama32k) args=("${LLAMA32K[@]}") ;; qwen3next) args=("${QWEN3NEXT[@]}") ;; qwen3nextpar) args=("${QWEN3NEXTPAR[@]}") ;;
     *) echo "unknown run $name" >&2; exit 2 ;; esac
   envs=()
