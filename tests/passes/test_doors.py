@@ -289,6 +289,22 @@ def test_plain_torch_compile_of_forward_then_generate_equals_the_plain_model():
     assert torch.equal(out, ref)
 
 
+@torch.no_grad()
+def test_a_compiled_forward_method_drops_and_its_report_is_read_from_the_model():
+    """`torch.compile(model.forward, ...)` returns a plain function: the report is the model's, and asking the
+    function for it says so instead of "not compiled"."""
+    model = _llama()
+    ids = _ids(1, 300)
+    forward = torch.compile(model.forward, backend="uniprefill",
+                            options={"keep_ratio": 0.5, "drop_layers": (1, 2), **SMALL})
+    out = forward(input_ids=ids, use_cache=False)
+    assert out.logits.shape == (1, 300, model.config.vocab_size)
+    report = uniprefill.last_drop_report(model)
+    assert report is not None and report.points  # it dropped
+    with pytest.raises(ValueError, match="pass the model itself"):
+        uniprefill.last_drop_report(forward)
+
+
 def test_numpy_and_torch_scalars_are_accepted_as_settings():
     np = pytest.importorskip("numpy")
     config = UniPrefillConfig(drop_layers=np.array([1, 2]), block_size=np.int64(16), p=np.float32(0.5),
