@@ -166,7 +166,8 @@ class _Pool:
     def get_plain(self, arch: str, dtype: torch.dtype, door: str):
         """(plain model, a copy compiled by plain torch.compile): `door` "module" is `torch.compile(copy,
         backend="uniprefill", options=...)`, "module twin" the same of another copy (a second model of the class),
-        "in place" is `copy.compile(backend="uniprefill", options=...)`."""
+        "in place" is `copy.compile(backend="uniprefill", options=...)`, "method" is transformers' idiom
+        `copy.forward = torch.compile(copy.forward, backend="uniprefill", options=...)`."""
         import copy
 
         key = (arch, dtype, "plain", door)
@@ -177,6 +178,9 @@ class _Pool:
             options = {"p": 1.0, "drop_layers": _first_full_layers(model), **SETTINGS}
             if door in ("module", "module twin"):
                 compiled = torch.compile(twin, backend="uniprefill", options=options)
+            elif door == "method":
+                twin.forward = torch.compile(twin.forward, backend="uniprefill", options=options)
+                compiled = twin
             else:
                 twin.compile(backend="uniprefill", options=options)
                 compiled = twin

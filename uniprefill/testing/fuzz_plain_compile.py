@@ -1,7 +1,7 @@
 """The fuzzer's plain-`torch.compile` door: the same random calls as `_forward_case`, through
-`torch.compile(model, backend="uniprefill", options=...)` (the module dynamo returns), and `generate`
-through `model.compile(backend="uniprefill", ...)`, the in-place form whose `generate` reaches the
-compiled forward.
+`torch.compile(model, backend="uniprefill", options=...)` (the module dynamo returns) or transformers' idiom
+`model.forward = torch.compile(model.forward, ...)`, and `generate` through `model.compile(backend="uniprefill",
+...)`, the in-place form whose `generate` reaches the compiled forward, or through that idiom.
 
 What is checked is what `_forward_case` checks: at p = 1 the logits equal the plain model's at every
 real token, and a call long enough to drop either ran the rewritten graph or says why
@@ -70,7 +70,7 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
     result = CaseResult(case, arch, "forward (torch.compile)", "equal")
     # a third of the cases alternate with a second model of the class, compiled apart with equal options: dynamo
     # runs both through one graph, and each must report its own calls
-    doors = ["module"] + (["module twin"] if rng.random() < 0.3 else [])
+    doors = ["method" if rng.random() < 0.25 else "module"] + (["module twin"] if rng.random() < 0.3 else [])
     for step in range(rng.randint(1, 3)):
         model, compiled = pool.get_plain(arch, dtype, doors[step % len(doors)])
         call = _random_inputs(rng, model, dtype)
@@ -96,9 +96,11 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
 
 
 def _plain_compile_generate(rng, pool, case, arch, dtype) -> CaseResult:
-    """`generate` on a model compiled in place: greedy or beam, padded or not; tokens must equal the plain
-    model's. Its calls fill caches, so they run unaccelerated with that reason (checked: never silently)."""
-    model, compiled = pool.get_plain(arch, dtype, "in place")
+    """`generate` on a model compiled in place (`model.compile(...)`, or its forward compiled and set on it):
+    greedy or beam, padded or not; tokens must equal the plain model's. Its calls fill caches, so they run
+    unaccelerated with that reason (checked: never silently)."""
+    door = rng.choice(["in place", "method"])
+    model, compiled = pool.get_plain(arch, dtype, door)
     rows = rng.choice([1, 2])
     length = rng.randint(MIN_TOKENS, 160)
     ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(case))
@@ -108,7 +110,8 @@ def _plain_compile_generate(rng, pool, case, arch, dtype) -> CaseResult:
     beams = rng.choice([1, 1, 2])
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=rng.randint(2, 4), pad_token_id=0,
                   do_sample=False, num_beams=beams)
-    result = CaseResult(case, arch, "generate (model.compile)", "equal",
+    result = CaseResult(case, arch, f"generate ({'model.compile' if door == 'in place' else 'compiled forward'})",
+                        "equal",
                         detail=f"rows {rows}, length {length}, beams {beams}, left-padded {bool((mask == 0).any())}")
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         try:
