@@ -336,10 +336,11 @@ def _backend_of(compiled) -> UniPrefillBackend:
     if isinstance(backend, UniPrefillBackend):
         return backend
     module = getattr(compiled, "_orig_mod", compiled)
-    if not isinstance(module, torch.nn.Module):  # torch.compile(model.forward, ...) returns a plain function
-        raise ValueError(f"{compiled!r} is not a model: for a compiled method (torch.compile(model.forward, "
-                         "backend=\"uniprefill\")) pass the model itself")
-    backend = next((b for b in map(_BY_PARAMETER.get, module.parameters()) if b is not None), None)
+    if callable(getattr(compiled, "_torchdynamo_orig_callable", None)):  # torch.compile(model.forward, ...)
+        raise ValueError(f"{compiled!r} is a compiled function, not a model: for a compiled method "
+                         "(torch.compile(model.forward, backend=\"uniprefill\")) pass the model itself")
+    parameters = module.parameters() if isinstance(module, torch.nn.Module) else ()
+    backend = next((b for b in map(_BY_PARAMETER.get, parameters) if b is not None), None)
     if backend is None:
         raise ValueError("this model was not compiled with uniprefill.compile(...) or "
                          "torch.compile(..., backend=\"uniprefill\"), or has not run yet")

@@ -133,7 +133,9 @@ def test_the_plain_torch_compile_door_equals_the_plain_model_and_accounts_for_ev
     assert sum(r.accelerated for r in results) >= 1, [(r.kind, r.reasons) for r in results]
     assert {r.kind for r in results} == {"forward (torch.compile)", "generate (model.compile)",
                                          "generate (compiled forward)"}
-    assert "(method)" in results[7].detail and results[7].status == "equal", results[7]
+    method = results[7]  # a forward long enough to drop ran the rewritten graph or said why (`_outcome`)
+    assert "(method)" in method.detail and method.status == "equal", method
+    assert method.accelerated or method.reasons, method
 
 
 def test_the_plain_torch_compile_door_reports_wrong_logits_and_calls_that_never_reached_the_backend():

@@ -59,3 +59,19 @@ def test_main_reads_gzipped_runs_and_writes_the_summary(tmp_path, capsys):
     assert summary["points"][0]["verdict"] == "faster"
     assert summary["points"][0]["pooled_ratio"] == pytest.approx(0.115 / 0.06, abs=1e-3)
     assert "| 8K x 4 | 1.92 |" in capsys.readouterr().out
+
+
+def test_one_standard_start_gives_no_band_and_no_runs_raise(tmp_path, capsys):
+    rows = pooled_grid.pooled([{(8192, 1): 1.0}], [{(8192, 1): 0.5}])
+    assert rows[0]["verdict"] == "no band" and rows[0]["band"] is None and rows[0]["pooled_ratio"] == 2.0
+    with pytest.raises(ValueError, match="at least one run"):
+        pooled_grid.pooled([], [{(8192, 1): 0.5}])
+    # a point one run lacks is left out and named; runs that share no point exit non-zero
+    paths = []
+    for name, points in (("s", {(8192, 1): [1.0], (16384, 1): [2.0]}), ("o", {(8192, 1): [0.5]}), ("x", {})):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(run(points)))
+    assert pooled_grid.main(["--standard", str(paths[0]), "--other", str(paths[1])]) == 0
+    assert "left out (not in every run): [(16384, 1)]" in capsys.readouterr().out
+    assert pooled_grid.main(["--standard", str(paths[0]), "--other", str(paths[2])]) == 1
+    assert "no point is in every run" in capsys.readouterr().out

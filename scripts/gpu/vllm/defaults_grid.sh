@@ -46,6 +46,8 @@
 # A RUN may end in .N (gemma-standard.2, gemma-p095.2): another start of the same engine under its own file name;
 # scripts/gpu/vllm/pooled_grid.py reads a grid of several starts per engine against standard's own spread
 # (run them interleaved: gemma-standard gemma-p095 gemma-standard.2 gemma-p095.2, two engines per device call).
+# FRESH_CACHE=1 gives every engine its own vLLM cache, as DUMP_CODE=1 does: a later start of the same engine then
+# compiles and tunes again instead of loading the first one's graphs (a noise estimate that includes the autotuner).
 # DUMP_CODE=1 gives each engine a fresh vLLM cache (VLLM_CACHE_ROOT=OUT_DIR/cache-RUN) and keeps the Python
 # Inductor generated there (the Triton kernels of every piece) and the launch configs its autotuner picked
 # (`*.best_config`) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
@@ -115,7 +117,9 @@ for name in "$@"; do
     *) [[ -v "SETTINGS[$variant]" ]] || { echo "unknown variant $variant" >&2; exit 2; }
        [[ -n "${SETTINGS[$variant]}" ]] && args+=(--uniprefill "${SETTINGS[$variant]}") ;;
   esac
-  [[ "${DUMP_CODE:-0}" == 1 ]] && { rm -rf "$OUT/cache-$name"; envs+=(VLLM_CACHE_ROOT="$OUT/cache-$name"); }
+  if [[ "${DUMP_CODE:-0}" == 1 || "${FRESH_CACHE:-0}" == 1 ]]; then  # compiled and tuned afresh, not loaded
+    rm -rf "$OUT/cache-$name"; envs+=(VLLM_CACHE_ROOT="$OUT/cache-$name")
+  fi
   start=$(date +%s)
   env "${envs[@]}" timeout 420 python3 -P "$ROOT/scripts/gpu/vllm/defaults_engine.py" "${args[@]}" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - start )) s"

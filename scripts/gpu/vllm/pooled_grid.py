@@ -3,8 +3,9 @@
     python3 scripts/gpu/vllm/pooled_grid.py --standard S1.json S2.json [...] --other O1.json O2.json [...] [--out SUMMARY.json]
 
 S*.json, O*.json: `defaults_engine.py` runs with a throughput grid (gzipped ones are read as they are), each a
-separate engine start, best interleaved on one machine (`defaults_grid.sh /tmp/g gemma-standard gemma-p095
-gemma-standard.2 gemma-p095.2`). One start's median of five calls is not the engine's speed: two standard engines
+separate engine start, best interleaved on one machine, each compiling afresh (`FRESH_CACHE=1 defaults_grid.sh /tmp/g
+gemma-standard gemma-p095 gemma-standard.2 gemma-p095.2`: without FRESH_CACHE a later start loads the first one's
+compiled graphs, and the band misses the autotuner's variation). One start's median of five calls is not the engine's speed: two standard engines
 started one after the other on an H100 lie 0.76-1.09x apart on Gemma-3-270M (docs/results/vllm-h100-2026-12-06),
 as far as the effects sought. So, per (length, batch) point every run has:
 
@@ -72,9 +73,11 @@ def point_summary(standard: list[float], other: list[float], floor: float = 1.0)
 
 def pooled(standard_runs: list[dict], other_runs: list[dict]) -> list[dict]:
     """Per point every run of both engines holds, in (length, batch) order."""
+    if not standard_runs or not other_runs:
+        raise ValueError("pooled needs at least one run of each engine")
     shared = sorted(set.intersection(*(set(run) for run in standard_runs + other_runs)))
     own = [widest_ratio([run[key] for run in standard_runs]) for key in shared]
-    floor = statistics.median(own) if shared and own[0] is not None else 1.0
+    floor = statistics.median(own) if len(standard_runs) > 1 and shared else 1.0
     return [{"length": length, "batch": batch,
              **point_summary([run[(length, batch)] for run in standard_runs],
                              [run[(length, batch)] for run in other_runs], floor)}
@@ -96,7 +99,15 @@ def main(argv=None) -> int:
     parser.add_argument("--other", type=Path, nargs="+", required=True)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    rows = pooled([load_medians(p) for p in args.standard], [load_medians(p) for p in args.other])
+    standard, other = [load_medians(p) for p in args.standard], [load_medians(p) for p in args.other]
+    rows = pooled(standard, other)
+    every = set().union(*standard, *other)
+    if len(every) > len(rows):  # a point some run lacks is left out: say which
+        left_out = sorted(every - {(r["length"], r["batch"]) for r in rows})
+        print(f"left out (not in every run): {left_out}")
+    if not rows:
+        print("no point is in every run (runs without a throughput grid?)")
+        return 1
     if args.out:
         args.out.write_text(json.dumps({"standard": [str(p) for p in args.standard],
                                         "other": [str(p) for p in args.other], "points": rows}, indent=1))

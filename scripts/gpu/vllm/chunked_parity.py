@@ -1,0 +1,74 @@
+"""Which prompts two `defaults_engine.py` runs prefill differently, beside which prompts vLLM chunked.
+
+    python3 scripts/gpu/vllm/chunked_parity.py RUN_A.json RUN_B.json [--budget 16384]
+
+RUN_*.json: parity runs of the same prompts (gzipped ones are read as they are). A prompt "parts" where its first
+generated token's logprob differs (the prefill's last row; with no logprobs recorded, where the token ids differ).
+The parity prompts are submitted at once in order, so vLLM's scheduler packs them first come, first served into
+steps of `--budget` tokens (`max_num_batched_tokens`): a prompt that does not fit the rest of a step is split, its
+later chunks prefilled over the cached start (the path uniprefill's `vllm_context_drops` takes). The packing here
+ignores the decode tokens that share later steps, so it can be a prompt off near the end. Prints both sets and how
+they overlap: Gemma-3-270M at p = 1 in Inductor's deterministic mode parted on exactly the chunked prompts (H100,
+2026-12-06, docs/results/vllm-h100-2026-12-06).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+
+def load_parity(path: Path) -> dict:
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)["parity"]
+
+
+def chunked_prompts(lengths: list[int], budget: int) -> set[int]:
+    """Indices of the prompts a first-come-first-served packing into `budget`-token steps splits."""
+    if budget < 1:
+        raise ValueError(f"budget={budget}: expected >= 1")
+    room, split = budget, set()
+    for index, length in enumerate(lengths):
+        left = length
+        while left > 0:
+            take = min(left, room)
+            left, room = left - take, room - take
+            if left > 0:
+                split.add(index)
+            if room == 0:
+                room = budget
+    return split
+
+
+def parted_prompts(a: dict, b: dict) -> tuple[set[int], str]:
+    """Indices of the prompts whose first-token logprob (else whose tokens) differ, and which was compared."""
+    if a["prompt_lengths"] != b["prompt_lengths"]:
+        raise ValueError("the two runs have other prompts")
+    if a.get("output_logprobs") and b.get("output_logprobs"):
+        return {i for i, (x, y) in enumerate(zip(a["output_logprobs"], b["output_logprobs"])) if x[0] != y[0]}, \
+            "first-token logprob"
+    return {i for i, (x, y) in enumerate(zip(a["output_token_ids"], b["output_token_ids"])) if x != y}, "tokens"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--budget", type=int, default=16384)
+    args = parser.parse_args(argv)
+    a, b = load_parity(args.a), load_parity(args.b)
+    lengths = a["prompt_lengths"]
+    parted, compared = parted_prompts(a, b)
+    split = chunked_prompts(lengths, args.budget)
+    print(f"{len(lengths)} prompts; compared: {compared}; budget {args.budget}")
+    print(f"parted ({len(parted)}): {sorted(parted)}")
+    print(f"chunked ({len(split)}): {sorted(split)}")
+    print(f"parted and chunked: {len(parted & split)}; parted, one step: {sorted(parted - split)} "
+          f"(lengths {[lengths[i] for i in sorted(parted - split)]}); chunked, equal: {sorted(split - parted)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
