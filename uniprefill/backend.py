@@ -336,7 +336,8 @@ def _backend_of(compiled) -> UniPrefillBackend:
     if isinstance(backend, UniPrefillBackend):
         return backend
     module = getattr(compiled, "_orig_mod", compiled)
-    if callable(getattr(compiled, "_torchdynamo_orig_callable", None)):  # torch.compile(model.forward, ...)
+    if not isinstance(module, torch.nn.Module) and callable(getattr(compiled, "_torchdynamo_orig_callable", None)):
+        # torch.compile(model.forward, ...): a plain function (a compiled module has the attribute too)
         raise ValueError(f"{compiled!r} is a compiled function, not a model: for a compiled method "
                          "(torch.compile(model.forward, backend=\"uniprefill\")) pass the model itself")
     parameters = module.parameters() if isinstance(module, torch.nn.Module) else ()
