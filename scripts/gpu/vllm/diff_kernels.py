@@ -6,8 +6,9 @@ Each archive holds the Python files Inductor wrote into that engine's cache. Eve
 (its `@triton_heuristics...` decorator and `@triton.jit` body) is normalised: the kernel's name, the
 symbol names and the source-file hashes are blanked, so two kernels that compute the same thing with the
 same launch heuristics compare equal whatever they were called. Prints how many distinct kernels each
-side has, how many they share, and, with --show N, the first N kernels found on one side only, each
-beside its nearest match on the other side (a unified diff), so that a size hint, a block size or a
+side has, how many they share, how many distinct kernel bodies (the `@triton.jit` function alone) each has and
+shares, and, with --show N, the first N kernels found on the second side only, each beside its nearest kernel on
+the first side (a unified diff), so that a size hint, a block size or a
 reduction order that differs can be read off. Where the archives hold Inductor's `*.best_config` files (the
 launch config its autotuner picked for a kernel, beside the kernel's file; `defaults_grid.sh` DUMP_CODE=1 keeps
 them since 2026-12-05), it also says how many kernels both engines compiled from the same source got another
@@ -121,8 +122,11 @@ def main(argv=None) -> int:
     only_a, only_b = sorted(set(a) - set(b)), sorted(set(b) - set(a))
     print(f"{args.a.name}: {len(a)} distinct kernels; {args.b.name}: {len(b)}; shared {len(set(a) & set(b))}; "
           f"only in the first {len(only_a)}, only in the second {len(only_b)}")
-    for kernel in only_b[:args.show]:
-        nearest = max(only_a or list(a), key=lambda k: difflib.SequenceMatcher(None, k, kernel).ratio(), default="")
+    body_a, body_b = {_body(k) for k in a}, {_body(k) for k in b}
+    print(f"kernel bodies (the @triton.jit function alone): {len(body_a)} and {len(body_b)}; shared "
+          f"{len(body_a & body_b)}")
+    for kernel in only_b[:args.show]:  # beside its nearest kernel of the first side, a same-body twin where one exists
+        nearest = max(list(a), key=lambda k: difflib.SequenceMatcher(None, k, kernel).ratio(), default="")
         print("\n".join(difflib.unified_diff(nearest.splitlines(), kernel.splitlines(), args.a.name, args.b.name,
                                              lineterm="", n=1)))
         print("-" * 80)
