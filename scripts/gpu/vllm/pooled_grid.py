@@ -3,11 +3,11 @@
     python3 scripts/gpu/vllm/pooled_grid.py --standard S1.json S2.json [...] --other O1.json O2.json [...] [--out SUMMARY.json]
 
 S*.json, O*.json: `defaults_engine.py` runs with a throughput grid (gzipped ones are read as they are), each a
-separate engine start, best interleaved on one machine, each compiling afresh (`FRESH_CACHE=1 defaults_grid.sh /tmp/g
-gemma-standard gemma-p095 gemma-standard.2 gemma-p095.2`: without FRESH_CACHE a later start loads the first one's
-compiled graphs, and the band misses the autotuner's variation). One start's median of five calls is not the engine's speed: two standard engines
-started one after the other on an H100 lie 0.76-1.09x apart on Gemma-3-270M (docs/results/vllm-h100-2026-12-06),
-as far as the effects sought. So, per (length, batch) point every run has:
+separate engine start, best interleaved on one machine, each compiling afresh (`FRESH_CACHE=1 defaults_grid.sh
+/tmp/g gemma-standard gemma-p095 gemma-standard.2 gemma-p095.2`: without FRESH_CACHE a later start loads the first
+one's compiled graphs, and the band misses the autotuner's variation). One start's median of five calls is not the
+engine's speed: two standard engines started one after the other on an H100 lay 0.76-1.09x apart on Gemma-3-270M
+(docs/results/vllm-h100-2026-12-06), as far as the effects sought. So, per (length, batch) point every run has:
 
 * `band`: the noise, from standard's starts alone: the largest ratio between two of their medians (either way
   round), as [1 / largest, largest], but never narrower than the median of that largest ratio over the grid's
