@@ -36,3 +36,22 @@ def test_prompts_part_by_their_first_logprob_else_by_their_tokens(tmp_path, caps
     assert chunked_parity.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--budget", "10"]) == 0
     out = capsys.readouterr().out
     assert "parted (1): [1]" in out and "chunked (1): [2]" in out and "parted, one step: [1]" in out
+
+
+def test_the_sequential_pass_is_compared_with_each_prompt_alone_in_its_steps(tmp_path, capsys):
+    assert chunked_parity.chunked_prompts([4, 4, 5, 7, 25], 10, alone=True) == {4}  # only what exceeds a step
+    first = {"prompt_lengths": [4, 4, 5, 25], "output_token_ids": [[1], [2], [3], [4]],
+             "output_logprobs": [[-0.5], [-0.5], [-0.5], [-0.5]]}
+    alone_a = {"output_token_ids": [[1], [2], [3], [4]], "output_logprobs": [[-0.5], [-0.5], [-0.5], [-0.5]]}
+    alone_b = {**alone_a, "output_logprobs": [[-0.5], [-0.5], [-0.5], [-0.75]]}
+    (tmp_path / "a.json").write_text(json.dumps({"parity": {**first, "sequential_after": alone_a}}))
+    (tmp_path / "b.json").write_text(json.dumps({"parity": {**first, "sequential_after": alone_b}}))
+    (tmp_path / "c.json").write_text(json.dumps({"parity": first}))
+    assert chunked_parity.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--budget", "10",
+                                "--pass", "sequential_after"]) == 0
+    out = capsys.readouterr().out
+    assert "sequential_after pass" in out and "parted (1): [3]" in out and "chunked (1): [3]" in out
+    assert chunked_parity.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--budget", "10"]) == 0
+    assert "parted (0)" in capsys.readouterr().out  # the first passes are equal
+    with pytest.raises(ValueError, match="no 'sequential_after' pass"):
+        chunked_parity.main([str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--pass", "sequential_after"])

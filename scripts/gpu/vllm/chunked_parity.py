@@ -1,8 +1,9 @@
 """Which prompts two `defaults_engine.py` runs prefill differently, beside which prompts vLLM chunked.
 
-    python3 scripts/gpu/vllm/chunked_parity.py RUN_A.json RUN_B.json [--budget 16384]
+    python3 scripts/gpu/vllm/chunked_parity.py RUN_A.json RUN_B.json [--budget 16384] [--pass sequential_after]
 
-RUN_*.json: parity runs of the same prompts (gzipped ones are read as they are). A prompt "parts" where its first
+`--pass sequential_after` compares the runs' one-at-a-time pass instead (each prompt alone in its steps: chunked
+where it is longer than the budget). RUN_*.json: parity runs of the same prompts (gzipped ones are read as they are). A prompt "parts" where its first
 generated token's logprob differs (the prefill's last row; with no logprobs recorded, where the token ids differ).
 The parity prompts are submitted at once in order, so vLLM's scheduler packs them first come, first served into
 steps of `--budget` tokens (`max_num_batched_tokens`): a prompt that does not fit the rest of a step is split, its
@@ -20,15 +21,25 @@ import json
 from pathlib import Path
 
 
-def load_parity(path: Path) -> dict:
+def load_parity(path: Path, which: str = "first") -> dict:
+    """The parity record of a run: its first (batched) pass, or `which` = "sequential_after" (the prompts again,
+    one at a time, on an empty prefix cache) with the prompt lengths of the first."""
     raw = path.read_bytes()
-    return json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)["parity"]
+    parity = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)["parity"]
+    if which == "first":
+        return parity
+    if which not in parity:
+        raise ValueError(f"{path} has no {which!r} pass (defaults_engine.py --parity-sequential-after)")
+    return {"prompt_lengths": parity["prompt_lengths"], **parity[which]}
 
 
-def chunked_prompts(lengths: list[int], budget: int) -> set[int]:
-    """Indices of the prompts a first-come-first-served packing into `budget`-token steps splits."""
+def chunked_prompts(lengths: list[int], budget: int, alone: bool = False) -> set[int]:
+    """Indices of the prompts a first-come-first-served packing into `budget`-token steps splits (`alone`: each
+    prompt in steps of its own, as a sequential pass runs them)."""
     if budget < 1:
         raise ValueError(f"budget={budget}: expected >= 1")
+    if alone:
+        return {index for index, length in enumerate(lengths) if length > budget}
     room, split = budget, set()
     for index, length in enumerate(lengths):
         left = length
@@ -57,12 +68,14 @@ def main(argv=None) -> int:
     parser.add_argument("a", type=Path)
     parser.add_argument("b", type=Path)
     parser.add_argument("--budget", type=int, default=16384)
+    parser.add_argument("--pass", dest="which", choices=("first", "sequential_after"), default="first",
+                        help="which pass of the two runs: the batched first one, or the one-at-a-time one after it")
     args = parser.parse_args(argv)
-    a, b = load_parity(args.a), load_parity(args.b)
+    a, b = load_parity(args.a, args.which), load_parity(args.b, args.which)
     lengths = a["prompt_lengths"]
     parted, compared = parted_prompts(a, b)
-    split = chunked_prompts(lengths, args.budget)
-    print(f"{len(lengths)} prompts; compared: {compared}; budget {args.budget}")
+    split = chunked_prompts(lengths, args.budget, alone=args.which == "sequential_after")
+    print(f"{len(lengths)} prompts, {args.which} pass; compared: {compared}; budget {args.budget}")
     print(f"parted ({len(parted)}): {sorted(parted)}")
     print(f"chunked ({len(split)}): {sorted(split)}")
     print(f"parted and chunked: {len(parted & split)}; parted, one step: {sorted(parted - split)} "

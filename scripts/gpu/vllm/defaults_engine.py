@@ -20,6 +20,8 @@ chunking, caching, AOT compile), the engine's start time, and:
   generates the same prompts a second time, each request's cached prompt tokens recorded (prefix-cache hits
   on the blocks the first pass published: a dropping request publishes those of its earlier chunks only),
   with the second pass's token ids (`compare_engines.py` counts the prompts the two passes agree on);
+  `--parity-sequential-after` then empties the prefix cache and generates them once more, one at a time
+  (`chunked_parity.py --pass sequential_after`: whether the prompts that parted batched part alone);
 * `--throughput-lengths/--throughput-batches`: `uniprefill.vllm.measure.run_throughput` (prefill
   tokens/s of B prompts of exactly L tokens, engine timestamps; `--decode-tokens` more for ms per
   output token);
@@ -121,6 +123,10 @@ def main(argv=None) -> int:
                              "position where two runs' logprobs differ: the prefill's, or a decode step's)")
     parser.add_argument("--parity-repeat", action="store_true",
                         help="generate the parity prompts again, after the first pass: prefix-cache hits")
+    parser.add_argument("--parity-sequential-after", action="store_true",
+                        help="after the passes above, empty the prefix cache and generate the parity prompts once more, "
+                             "one at a time (a diagnosis in one engine: every chunked prompt then splits at the step "
+                             "budget alone, whatever the batched pass's composition was)")
     parser.add_argument("--throughput-lengths", default="")
     parser.add_argument("--throughput-batches", default="1,4")
     parser.add_argument("--decode-tokens", type=int, default=0)
@@ -214,10 +220,23 @@ def main(argv=None) -> int:
             summary["parity"]["repeat"] = {"seconds": round(time.perf_counter() - start, 2),
                                            "cached_tokens": [o.num_cached_tokens or 0 for o in again],
                                            "output_token_ids": [list(o.outputs[0].token_ids) for o in again]}
-        if args.parity_logprobs:  # the sampled token's logprob at each position (float32 from vLLM's sampler)
-            summary["parity"]["output_logprobs"] = [
-                [step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
-                for o in outputs]
+        def logprobs(outs):  # the sampled token's logprob at each position (float32 from vLLM's sampler)
+            return [[step[token].logprob for token, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                    for o in outs]
+
+        if args.parity_logprobs:
+            summary["parity"]["output_logprobs"] = logprobs(outputs)
+        if args.parity_sequential_after:
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not empty its prefix cache: a sequential pass would read the first's blocks")
+            start = time.perf_counter()
+            alone = [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
+            summary["parity"]["sequential_after"] = {
+                "seconds": round(time.perf_counter() - start, 2),
+                "cached_tokens": [o.num_cached_tokens or 0 for o in alone],
+                "output_token_ids": [list(o.outputs[0].token_ids) for o in alone]}
+            if args.parity_logprobs:
+                summary["parity"]["sequential_after"]["output_logprobs"] = logprobs(alone)
         save()
     if args.needles:
         summary["needles"] = run_needles(llm, args, SamplingParams)

@@ -43,6 +43,8 @@
 #          Inductor's deterministic mode, with benchmark_combo_kernel off, which that mode refuses: reduction
 #          launch configs picked without timing) | p1det (p1 with the same;
 #          compared with det, not standard: the rewrite's arithmetic apart from the autotuner's timing-based choices)
+#          | detonestep / p1detonestep (det / p1det with max_num_batched_tokens 33791: no prompt chunked; p1detonestep
+#          compared with detonestep)
 # A RUN may end in .N (gemma-standard.2, gemma-p095.2): another start of the same engine under its own file name;
 # scripts/gpu/vllm/pooled_grid.py reads a grid of several starts per engine against standard's own spread
 # (run them interleaved: gemma-standard gemma-p095 gemma-standard.2 gemma-p095.2, two engines per device call).
@@ -53,6 +55,9 @@
 # (`*.best_config`) in OUT_DIR/code-RUN.tar.gz, to diff two runs.
 # SKIP_NEEDLES=1 leaves the needle prompts out; LOGPROBS=1 records the parity tokens' logprobs
 # (compare_engines.py then says where two runs' numbers first part: the prefill or a decode step);
+# SEQUENTIAL_AFTER=1 (gemma) adds a third pass in the same engine: the prefix cache emptied, the parity prompts one at
+# a time (chunked_parity.py --pass sequential_after). SKIP_PARITY=1 (gemma) leaves the parity passes out (a
+# throughput grid only, as pooled_grid.py reads).
 # SEQUENTIAL=1 generates the parity prompts one at a time (no batch composition in the comparison). Both for
 # smollm2 and gemma.
 set -uo pipefail
@@ -68,7 +73,9 @@ SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120)
 [[ "${LOGPROBS:-0}" == 1 ]] && SMOLLM2+=(--parity-logprobs)
 [[ "${SEQUENTIAL:-0}" == 1 ]] && SMOLLM2+=(--parity-sequential)
 [[ "${SKIP_THROUGHPUT:-0}" == 1 ]] || SMOLLM2+=(--throughput-lengths 2048,7000 --throughput-batches 1,4,16)
-GEMMA=(--model-dir /tmp/gemma-270m --max-model-len 32768 --parity 120 --parity-repeat)
+GEMMA=(--model-dir /tmp/gemma-270m --max-model-len 32768)
+[[ "${SKIP_PARITY:-0}" == 1 ]] || GEMMA+=(--parity 120 --parity-repeat)
+[[ "${SEQUENTIAL_AFTER:-0}" == 1 ]] && GEMMA+=(--parity-sequential-after)
 [[ "${LOGPROBS:-0}" == 1 ]] && GEMMA+=(--parity-logprobs)
 [[ "${SEQUENTIAL:-0}" == 1 ]] && GEMMA+=(--parity-sequential)
 [[ "${SKIP_NEEDLES:-0}" == 1 ]] || GEMMA+=(--needles 4096,16384)
@@ -111,6 +118,10 @@ for name in "$@"; do
     det) args+=(--inductor '{"deterministic": true, "combo_kernels": true, "benchmark_combo_kernel": false}') ;;
     p1det) args+=(--uniprefill "${SETTINGS[p1]}"
                   --inductor '{"deterministic": true, "combo_kernels": true, "benchmark_combo_kernel": false}') ;;
+    detonestep) args+=(--inductor '{"deterministic": true, "combo_kernels": true, "benchmark_combo_kernel": false}'
+                       --max-num-batched-tokens 33791) ;;
+    p1detonestep) args+=(--uniprefill "${SETTINGS[p1]}" --max-num-batched-tokens 33791
+                         --inductor '{"deterministic": true, "combo_kernels": true, "benchmark_combo_kernel": false}') ;;
     p099chunk2k) args+=(--uniprefill "${SETTINGS[p099]}" --max-num-batched-tokens 2048) ;;
     p095chunk2k) args=($(without_throughput "${args[@]}")); args+=(--uniprefill "${SETTINGS[p095]}" --max-num-batched-tokens 2048) ;;
     keep03onestep) args+=(--uniprefill "${SETTINGS[keep03]}" --max-num-batched-tokens 32768) ;;
@@ -128,7 +139,8 @@ for name in "$@"; do
     (cd "$OUT/cache-$name" && find . \( -name "*.py" -o -name "*.best_config" \) -print0 | tar -czf "$OUT/code-$name.tar.gz" --null -T -)
     echo "$name: $(tar -tzf "$OUT/code-$name.tar.gz" | wc -l) generated files in code-$name.tar.gz"
   fi
-  baseline=standard; [[ "$variant" == p1det ]] && baseline=det  # like against like: both in deterministic mode
+  baseline=standard  # like against like: both in deterministic mode (and at one budget)
+  [[ "$variant" == p1det ]] && baseline=det; [[ "$variant" == p1detonestep ]] && baseline=detonestep
   if [[ "$variant" != standard && -f "$OUT/$model-$baseline.json" ]]; then
     python3 -P "$ROOT/scripts/gpu/vllm/compare_engines.py" "$OUT/$model-$baseline.json" "$OUT/$name.json" \
       --out "$OUT/compare-$name.json" | python3 -c "import json,sys; d=json.load(sys.stdin); p=d['parity']
