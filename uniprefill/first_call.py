@@ -42,45 +42,48 @@ def user_inputs(gm: fx.GraphModule, example_inputs) -> list[tuple[fx.Node, torch
     return out
 
 
-def token_length(gm: fx.GraphModule) -> tuple[fx.Node, int] | None:
-    """The token input (ids into an embedding, or `inputs_embeds`) and its static length, if static."""
+def token_input(gm: fx.GraphModule) -> tuple[fx.Node, torch.Tensor] | None:
+    """The token input (ids into an embedding, or `inputs_embeds`) and its example value."""
     for node in gm.graph.nodes:
         if node.op == "call_function" and target_name(node).endswith("embedding"):
             src = through_same_shape_views(node.args[0])
             if isinstance(src, fx.Node) and src.op == "placeholder":
                 val = example_value(src)
-                if isinstance(val, torch.Tensor) and val.dim() >= 2 and not isinstance(val.shape[1], torch.SymInt):
-                    return src, int(val.shape[1])
-                return None
+                return (src, val) if isinstance(val, torch.Tensor) and val.dim() >= 2 else None
     for node in gm.graph.nodes:
         val = example_value(node)
         if node.op == "placeholder" and "inputs_embeds" in node.name and isinstance(val, torch.Tensor) \
-                and val.dim() == 3 and not isinstance(val.shape[1], torch.SymInt):
-            return node, int(val.shape[1])
+                and val.dim() == 3:
+            return node, val
     return None
 
 
 def restart_with_dynamic_length(gm: fx.GraphModule, example_inputs) -> None:
-    """For a static trace: mark the token axis of every input of that length dynamic and restart
-    dynamo's analysis (raises the restart exception). Returns when that is not possible."""
+    """For a static trace: mark the token axis of every input of that length dynamic, and the row axis of a
+    batch of several rows (also where the length is symbolic already), and restart dynamo's analysis (raises
+    the restart exception). Returns when there is nothing to mark, or it was marked before."""
     try:
         from torch._dynamo.exc import TensorifyScalarRestartAnalysis
     except ImportError:
         return
-    found = token_length(gm)
+    found = token_input(gm)
     if found is None:
         return
-    token_input, length = found
+    length, rows = found[1].shape[1], found[1].shape[0]
     # a batch of several rows: its row count too, else the graph holds it as a constant (a reshape to (3, length,
-    # heads, dim)) that packing the rows into one sequence cannot follow
-    rows = example_value(token_input).shape[0]
+    # heads, dim), MoE index arithmetic on 6 * length) that packing the rows into one sequence cannot follow. That
+    # also holds for a trace whose length is already symbolic: the caller marked only the length dynamic, or
+    # dynamo's automatic dynamic shapes saw the length change and not the rows
     rows = rows if isinstance(rows, int) and rows > 1 else None
+    if isinstance(length, torch.SymInt) and rows is None:
+        return
+    length = None if isinstance(length, torch.SymInt) else int(length)
     marked = False
     for _, tensor in user_inputs(gm, example_inputs):
         # ids, a 2-D mask, position ids, embeddings: the axis after the rows; a 4-D mask of the caller's own
         # ([rows, 1, queries, keys]): both token axes, else the trace keeps its keys at the first call's length
         axes = (0,) if tensor.dim() == 1 else (2, 3) if tensor.dim() == 4 else range(1, min(tensor.dim(), 3))
-        dims = [d for d in axes if tensor.shape[d] == length]
+        dims = [d for d in axes if length is not None and tensor.shape[d] == length]
         if rows is not None and tensor.dim() >= 2 and tensor.shape[0] == rows:
             dims.append(0)
         for dim in dims:

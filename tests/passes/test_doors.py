@@ -183,6 +183,48 @@ def test_plain_torch_compile_whose_first_call_is_a_batch_drops_from_it(arch, row
         assert uniprefill.last_drop_report(compiled).seq_len == length
 
 
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@torch.no_grad()
+def test_a_batch_traced_with_a_symbolic_length_and_a_constant_row_count_drops_and_equals_the_plain_model(arch):
+    """Dynamo traces a symbolic length with the row count as a constant where the caller marked only the length
+    dynamic (`mark_dynamic(ids, 1)`, the documented way to avoid a recompile per length) or where its automatic
+    dynamic shapes saw the length change and the rows not (another compile of the same forward code ran first).
+    The rewrite packs the rows into one sequence, which a constant row count in the graph's sizes (a reshape to
+    (3, length, heads, dim), MoE index arithmetic on 6 * length) cannot follow: the rewritten graph raised and the
+    call fell back (the fuzzer, round 19c: tiny Qwen3-Next, 3 left-padded rows). The backend now marks the row axis
+    dynamic too and retraces, as it does for a static first trace."""
+    build, drops = MODELS[arch]
+    model = build()
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": drops, **SMALL})
+    for length in (300, 333):
+        ids, mask = _ids(3, length), torch.ones(3, length, dtype=torch.long)
+        mask[1, :29] = 0
+        torch._dynamo.mark_dynamic(ids, 1)
+        torch._dynamo.mark_dynamic(mask, 1)
+        out = compiled(input_ids=ids, attention_mask=mask, use_cache=False)
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(out.logits[mask.bool()], want[mask.bool()], atol=ATOL, rtol=0)
+        backend = uniprefill.backend._backend_of(compiled)
+        assert backend.last_unaccelerated is None, backend.last_unaccelerated
+        assert uniprefill.last_drop_report(compiled).seq_len == length
+
+
+@torch.no_grad()
+def test_a_graph_whose_row_count_is_a_constant_is_refused_by_the_rewrite_with_the_reason():
+    """Where a trace keeps the rows a constant after all (the backend's retrace marks them dynamic, above), the
+    rewrite refuses the graph with the reason instead of producing one that raises on its sizes."""
+    from uniprefill.passes.token_drop import RewriteSkipped, TokenDropPass
+
+    graphs = []
+    model = _llama()
+    ids = _ids(3, 300)
+    torch._dynamo.mark_dynamic(ids, 1)
+    torch.compile(model, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)(input_ids=ids,
+                                                                                             use_cache=False)
+    with pytest.raises(RewriteSkipped, match=r"row count is a constant of the graph \(3 rows"):
+        TokenDropPass(graphs[0], P1).run()
+
+
 @torch.no_grad()
 def test_plain_torch_compile_of_two_models_of_one_class_reports_each_models_own_calls():
     """Dynamo runs one compiled graph for two models of a class compiled with equal options (their parameters are
