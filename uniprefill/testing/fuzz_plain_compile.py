@@ -3,6 +3,9 @@
 `model.forward = torch.compile(model.forward, ...)`, and `generate` through `model.compile(backend="uniprefill",
 ...)`, the in-place form whose `generate` reaches the compiled forward, or through that idiom.
 
+A fifth of the forward calls mark their length axis dynamic first (`torch._dynamo.maybe_mark_dynamic`, the
+caller's way to avoid a recompile per length): dynamo then traces the rows as a constant.
+
 What is checked is what `_forward_case` checks: at p = 1 the logits equal the plain model's at every
 real token, and a call long enough to drop either ran the rewritten graph or says why
 (`backend.last_unaccelerated`). The backend's latest report is cleared before each call, so a call that
@@ -64,6 +67,18 @@ def _outcome(compiled, length: int, result: CaseResult) -> str | None:
     return None
 
 
+def _mark_length_dynamic(kwargs: dict, length: int) -> int:
+    """`torch._dynamo.maybe_mark_dynamic(t, 1)` on the call's tensors of that length on axis 1 (ids, a 2-D mask,
+    position ids, embeddings): a trace with a symbolic length and a constant row count, as dynamo's automatic dynamic
+    shapes also give after a length changed and the rows did not (fuzz round 19c). Returns how many were marked."""
+    marked = 0
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor) and 2 <= value.dim() <= 3 and value.shape[1] == length:
+            torch._dynamo.maybe_mark_dynamic(value, 1)
+            marked += 1
+    return marked
+
+
 def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
     if rng.random() < 0.25:
         return _plain_compile_generate(rng, pool, case, arch, dtype)
@@ -77,6 +92,8 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
         model, compiled = pool.get_plain(arch, dtype, doors[step % len(doors)])
         call = _random_inputs(rng, model, dtype)
         kwargs, spec = call["kwargs"], call["spec"]
+        if rng.random() < 0.2:  # the caller marks the length dynamic (a recompile per length avoided), not the rows
+            spec["marked"] = _mark_length_dynamic(kwargs, spec["length"])
         result.detail = f"call {step + 1} ({doors[step % len(doors)]}): {spec}"
         with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             try:
