@@ -55,3 +55,20 @@ def test_the_sequential_pass_is_compared_with_each_prompt_alone_in_its_steps(tmp
     assert "parted (0)" in capsys.readouterr().out  # the first passes are equal
     with pytest.raises(ValueError, match="no 'sequential_after' pass"):
         chunked_parity.main([str(tmp_path / "a.json"), str(tmp_path / "c.json"), "--pass", "sequential_after"])
+
+
+def test_recorded_schedules_name_the_prompts_whose_prefill_steps_differ(capsys, tmp_path):
+    # prompt 2 (5 tokens) is split 2 + 3 in run a and 1 + 4 in run b; prompt 0 shares its step with other counts
+    base = {"prompt_lengths": [4, 4, 5], "output_token_ids": [[1], [2], [3]],
+            "output_logprobs": [[-0.5], [-0.5], [-0.5]]}
+    a = {**base, "steps": [[[0, 4, 0], [1, 4, 0], [2, 2, 0]], [[0, 1, 4], [1, 1, 4], [2, 3, 2]]]}
+    b = {**base, "steps": [[[0, 4, 0], [1, 4, 0], [2, 1, 0]], [[0, 1, 4], [1, 1, 4], [2, 4, 1]]],
+         "output_logprobs": [[-0.5], [-0.5], [-0.75]]}
+    assert chunked_parity.scheduled_apart(a, b) == {0, 1, 2}  # 0 and 1 shared their step with 2 tokens, then 1
+    assert chunked_parity.scheduled_apart(a, a) == set()
+    assert chunked_parity.scheduled_apart(base, b) is None
+    for name, run in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"parity": run}))
+    assert chunked_parity.main([str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--budget", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "scheduled apart, recorded (3): [0, 1, 2]" in out and "scheduled apart, equal: [0, 1]" in out

@@ -2,6 +2,8 @@
 
     python3 scripts/gpu/vllm/chunked_parity.py RUN_A.json RUN_B.json [--budget 16384] [--pass sequential_after]
 
+Where both runs recorded their first pass's steps (`defaults_engine.py --record-steps`), it also prints the prompts
+whose prefill steps (token counts, and which prompts shared them) differ between the runs, beside those that part.
 `--pass sequential_after` compares the runs' one-at-a-time pass instead (each prompt alone in its steps: chunked
 where it is longer than the budget). RUN_*.json: parity runs of the same prompts (gzipped ones are read as they are). A prompt "parts" where its first
 generated token's logprob differs (the prefill's last row; with no logprobs recorded, where the token ids differ).
@@ -63,6 +65,33 @@ def parted_prompts(a: dict, b: dict) -> tuple[set[int], str]:
     return {i for i, (x, y) in enumerate(zip(a["output_token_ids"], b["output_token_ids"])) if x != y}, "tokens"
 
 
+def schedules(steps: list) -> dict[int, list[tuple[int, int, tuple]]]:
+    """Prompt index -> its prefill steps as (tokens, computed before, the step's other prompts and their token
+    counts): what decides the prompt's arithmetic in a kernel that is not batch-invariant."""
+    out: dict[int, list] = {}
+    for step in steps:
+        for index, tokens, computed in step:
+            others = tuple((i, n) for i, n, _ in step if i != index)
+            out.setdefault(index, []).append((tokens, computed, others))
+    return out
+
+
+def scheduled_apart(a: dict, b: dict) -> set[int] | None:
+    """Prompts whose steps differ between two first passes recorded with `--record-steps` (None without records):
+    up to and including the step that gives the first generated token (tokens + computed reaching the prompt)."""
+    if not (a.get("steps") and b.get("steps")):
+        return None
+    lengths = a["prompt_lengths"]
+
+    def prefill(sched: dict, i: int):
+        steps = sched.get(i, [])
+        end = next((k for k, (n, c, _) in enumerate(steps) if c is not None and n + c >= lengths[i]), len(steps) - 1)
+        return steps[:end + 1]
+
+    sa, sb = schedules(a["steps"]), schedules(b["steps"])
+    return {i for i in range(len(lengths)) if prefill(sa, i) != prefill(sb, i)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("a", type=Path)
@@ -80,6 +109,10 @@ def main(argv=None) -> int:
     print(f"chunked ({len(split)}): {sorted(split)}")
     print(f"parted and chunked: {len(parted & split)}; parted, one step: {sorted(parted - split)} "
           f"(lengths {[lengths[i] for i in sorted(parted - split)]}); chunked, equal: {sorted(split - parted)}")
+    apart = scheduled_apart(a, b)
+    if apart is not None:
+        print(f"scheduled apart, recorded ({len(apart)}): {sorted(apart)}; parted and scheduled alike: "
+              f"{sorted(parted - apart)}; scheduled apart, equal: {sorted(apart - parted)}")
     return 0
 
 

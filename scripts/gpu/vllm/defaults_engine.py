@@ -22,6 +22,7 @@ chunking, caching, AOT compile), the engine's start time, and:
   with the second pass's token ids (`compare_engines.py` counts the prompts the two passes agree on);
   `--parity-sequential-after` then empties the prefix cache and generates them once more, one at a time
   (`chunked_parity.py --pass sequential_after`: whether the prompts that parted batched part alone);
+  `--record-steps` (not a default: the engine core in this process) records the first pass's schedule;
 * `--throughput-lengths/--throughput-batches`: `uniprefill.vllm.measure.run_throughput` (prefill
   tokens/s of B prompts of exactly L tokens, engine timestamps; `--decode-tokens` more for ms per
   output token);
@@ -73,6 +74,37 @@ def settled(llm) -> dict:
             "max_num_batched_tokens": sched.max_num_batched_tokens, "chunked_prefill": sched.enable_chunked_prefill,
             "prefix_caching": cache.enable_prefix_caching, "aot_compile": bool(envs.VLLM_USE_AOT_COMPILE),
             "max_num_seqs": sched.max_num_seqs}
+
+
+class record_steps:
+    """Wraps the in-process scheduler's `schedule()` until `stop()`: every step's (request id, tokens scheduled,
+    tokens computed before) for the requests it scheduled."""
+
+    def __init__(self, llm) -> None:
+        core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # InprocClient -> EngineCore
+        if core is None:
+            raise RuntimeError("--record-steps needs the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        self.scheduler, self.steps = core.scheduler, []
+        original = self.original = self.scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            out = original(*args, **kwargs)
+            computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+            cached = out.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+            if out.num_scheduled_tokens:
+                self.steps.append([[rid, n, computed.get(rid)] for rid, n in out.num_scheduled_tokens.items()])
+            return out
+
+        self.scheduler.schedule = schedule
+
+    def stop(self) -> None:
+        self.scheduler.schedule = self.original
+
+    def by_prompt(self, first: int) -> list[list[list[int]]]:
+        """Each step as [[prompt index, tokens, computed before], ...] sorted by prompt (request ids "N-suffix":
+        the prompt index is N - `first`)."""
+        return [sorted([int(rid.split("-")[0]) - first, n, c] for rid, n, c in step) for step in self.steps]
 
 
 def run_needles(llm, args, sampling_params) -> dict:
@@ -127,6 +159,11 @@ def main(argv=None) -> int:
                         help="after the passes above, empty the prefix cache and generate the parity prompts once more, "
                              "one at a time (a diagnosis in one engine: every chunked prompt then splits at the step "
                              "budget alone, whatever the batched pass's composition was)")
+    parser.add_argument("--record-steps", action="store_true",
+                        help="NOT a default: run the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so "
+                             "every request of a pass is added before the first step) and record each step of the "
+                             "first parity pass: which prompt got how many tokens over how many computed ones "
+                             "(chunked_parity.py compares two runs' schedules)")
     parser.add_argument("--throughput-lengths", default="")
     parser.add_argument("--throughput-batches", default="1,4")
     parser.add_argument("--decode-tokens", type=int, default=0)
@@ -144,6 +181,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collect_drop_totals: a function over RPC
+    if args.record_steps:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the scheduler in this process, where it can be watched
 
     import torch
     import vllm
@@ -209,11 +248,16 @@ def main(argv=None) -> int:
                 return [llm.generate([r], params, use_tqdm=False)[0] for r in requests]
             return llm.generate(requests, params, use_tqdm=False)
 
+        steps = record_steps(llm) if args.record_steps else None
         outputs = run_all()
+        if steps is not None:
+            steps.stop()
         summary["parity"] = {"seconds": round(time.perf_counter() - start, 2), "sequential": args.parity_sequential,
                              "prompt_lengths": [len(p) for p in prompts],
                              "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs]}
         summary["parity"]["cached_tokens"] = [o.num_cached_tokens or 0 for o in outputs]
+        if steps is not None:
+            summary["parity"]["steps"] = steps.by_prompt(first=int(outputs[0].request_id.split("-")[0]))
         if args.parity_repeat:
             start = time.perf_counter()
             again = run_all()

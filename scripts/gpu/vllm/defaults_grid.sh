@@ -57,7 +57,10 @@
 # (compare_engines.py then says where two runs' numbers first part: the prefill or a decode step);
 # SEQUENTIAL_AFTER=1 (gemma) adds a third pass in the same engine: the prefix cache emptied, the parity prompts one at
 # a time (chunked_parity.py --pass sequential_after). SKIP_PARITY=1 (gemma) leaves the parity passes out (a
-# throughput grid only, as pooled_grid.py reads).
+# throughput grid only, as pooled_grid.py reads). RECORD_STEPS=1 (gemma; not a default: the engine core in the
+# script's process, every request added before the first step) records the first parity pass's schedule
+# (chunked_parity.py then names the prompts the two engines scheduled apart): the run that tells other chunk
+# boundaries from other arithmetic, RECORD_STEPS=1 SKIP_THROUGHPUT=1 SKIP_NEEDLES=1 LOGPROBS=1 ... gemma-det gemma-p1det.
 # SEQUENTIAL=1 generates the parity prompts one at a time (no batch composition in the comparison). Both for
 # smollm2 and gemma.
 set -uo pipefail
@@ -76,6 +79,7 @@ SMOLLM2=(--model-dir /tmp/smollm2-135m --parity 120)
 GEMMA=(--model-dir /tmp/gemma-270m --max-model-len 32768)
 [[ "${SKIP_PARITY:-0}" == 1 ]] || GEMMA+=(--parity 120 --parity-repeat)
 [[ "${SEQUENTIAL_AFTER:-0}" == 1 ]] && GEMMA+=(--parity-sequential-after)
+[[ "${RECORD_STEPS:-0}" == 1 ]] && GEMMA+=(--record-steps)
 [[ "${LOGPROBS:-0}" == 1 ]] && GEMMA+=(--parity-logprobs)
 [[ "${SEQUENTIAL:-0}" == 1 ]] && GEMMA+=(--parity-sequential)
 [[ "${SKIP_NEEDLES:-0}" == 1 ]] || GEMMA+=(--needles 4096,16384)
