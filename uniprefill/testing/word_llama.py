@@ -88,3 +88,28 @@ def _write_tokenizer(folder: Path) -> None:
 
 def prompts(count: int, words: int) -> list[str]:
     return [" ".join(f"w{(i * 7919 + j * 104729) % WORDS}" for j in range(words)) for i in range(count)]
+
+
+def spread_dummy_weights(worker, std: float = 0.02, seed: int = 0) -> int:
+    """Refill every matrix of a vLLM worker's model (parameters of two or more axes: projections, embeddings,
+    experts, convolutions) with normal(0, `std`) values, seeded per parameter in name order, so that two engines of
+    one model class get the same weights. vLLM's dummy weights (uniform in +-1e-3) give a Qwen3-Next shape logits
+    that do not depend on the prompt (every greedy token 0, H100 2026-12-06), which makes a parity run vacuous.
+    Vectors (norm weights, biases, A_log, dt_bias) keep their values. For `LLM.collective_rpc(spread_dummy_weights,
+    args=(std, seed))` after the engine started: the refill is in place, so captured CUDA graphs read it. Returns how
+    many parameters were refilled."""
+    import torch
+
+    runner = getattr(worker, "model_runner", worker)
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    refilled = 0
+    with torch.no_grad():
+        for index, (_, param) in enumerate(sorted(model.named_parameters(), key=lambda item: item[0])):
+            if param.dim() < 2 or not param.is_floating_point():
+                continue
+            generator = torch.Generator(device=param.device).manual_seed(seed + index)
+            values = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(0.0, std,
+                                                                                                generator=generator)
+            param.copy_(values)
+            refilled += 1
+    return refilled

@@ -159,6 +159,10 @@ def main(argv=None) -> int:
                         help="after the passes above, empty the prefix cache and generate the parity prompts once more, "
                              "one at a time (a diagnosis in one engine: every chunked prompt then splits at the step "
                              "budget alone, whatever the batched pass's composition was)")
+    parser.add_argument("--spread-dummy-weights", type=float, default=0.0,
+                        help="with dummy weights: refill every matrix with normal(0, STD) after the engine started "
+                             "(word_llama.spread_dummy_weights; the same in every engine), so that outputs depend on "
+                             "the prompt (vLLM's own dummy weights give the Qwen3-Next shape flat logits)")
     parser.add_argument("--record-steps", action="store_true",
                         help="NOT a default: run the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, so "
                              "every request of a pass is added before the first step) and record each step of the "
@@ -234,6 +238,13 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     llm = LLM(model=str(folder), tokenizer=str(folder), **kwargs)
     summary["engine_init_s"] = round(time.perf_counter() - start, 1)
+    if args.spread_dummy_weights:
+        if kwargs.get("load_format") != "dummy":
+            raise SystemExit("--spread-dummy-weights is for dummy weights only")
+        from uniprefill.testing.word_llama import spread_dummy_weights
+
+        summary["spread_dummy_weights"] = {"std": args.spread_dummy_weights, "refilled": llm.collective_rpc(
+            spread_dummy_weights, args=(args.spread_dummy_weights, 0))}
     summary["settled"] = settled(llm)
     max_len = llm.llm_engine.model_config.max_model_len
     save()

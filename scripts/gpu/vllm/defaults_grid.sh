@@ -17,7 +17,9 @@
 #          batch 1/4 with 8 decode tokens (keep03 drops after layer 7, p095 where the option chooses)
 #   MODEL qwen3nextpar: the same Qwen3-Next shape, 60 parity prompts (32..~32K tokens, 16 greedy tokens with
 #          logprobs; the word-level tokenizer over the haystack), submitted at once and then again (prefix-cache
-#          hits), no throughput: p = 1 against standard through the Gated DeltaNet metadata rebuild
+#          hits), no throughput: p = 1 against standard through the Gated DeltaNet metadata rebuild; the dummy
+#          weights' matrices refilled with normal(0, 0.02) (--spread-dummy-weights, since 2026-12-06's second session:
+#          before, every output was token 0 and the parity vacuous); qwen3nextpar-p095 runs the rebuild (rows removed)
 #   MODEL gemma: Gemma-3-270M (real weights, 32K; box_install_models.sh cuda): 120 parity prompts (32..~32K
 #          tokens) generated twice (the second pass hits the prefix cache), 80 needle prompts (4096/16384) and,
 #          unless SKIP_THROUGHPUT=1, prefill throughput at 8192/16384/32000 x batch 1/4/16 (median of 5 calls)
@@ -87,7 +89,7 @@ GEMMA=(--model-dir /tmp/gemma-270m --max-model-len 32768)
 LLAMA=(--layers 32 --throughput-lengths 8192,16384 --throughput-batches 1,4 --decode-tokens 8)
 LLAMA32K=(--layers 32 --throughput-lengths 32000 --throughput-batches 1,4 --decode-tokens 8)
 QWEN3NEXT=(--qwen3next-layers 12 --throughput-lengths 8192,16384,32000 --throughput-batches 1,4 --decode-tokens 8)
-QWEN3NEXTPAR=(--qwen3next-layers 12 --parity 60 --parity-repeat --parity-logprobs)
+QWEN3NEXTPAR=(--qwen3next-layers 12 --parity 60 --parity-repeat --parity-logprobs --spread-dummy-weights 0.02)
 declare -A SETTINGS=([standard]="" [p1]='{"p": 1.0, "vllm_drop": true}' [p095]='{"p": 0.95, "vllm_drop": true}'
                      [p099]='{"p": 0.99, "vllm_drop": true}'
                      [keep03]='{"keep_ratio": 0.3, "drop_layers": [7], "vllm_drop": true}')
