@@ -69,22 +69,31 @@ def restart_with_dynamic_length(gm: fx.GraphModule, example_inputs) -> None:
     found = token_input(gm)
     if found is None:
         return
-    length, rows = found[1].shape[1], found[1].shape[0]
+    traced_rows, traced_length = found[1].shape[0], found[1].shape[1]
     # a batch of several rows: its row count too, else the graph holds it as a constant (a reshape to (3, length,
     # heads, dim), MoE index arithmetic on 6 * length) that packing the rows into one sequence cannot follow. That
     # also holds for a trace whose length is already symbolic: the caller marked only the length dynamic, or
-    # dynamo's automatic dynamic shapes saw the length change and not the rows
-    rows = rows if isinstance(rows, int) and rows > 1 else None
-    if isinstance(length, torch.SymInt) and rows is None:
+    # dynamo's automatic dynamic shapes saw the length of some inputs change and not the rows (nor, maybe, the
+    # length of the others: a mask that the earlier calls did not pass)
+    rows_constant = isinstance(traced_rows, int) and traced_rows > 1
+    if isinstance(traced_length, torch.SymInt) and not rows_constant:
         return
-    length = None if isinstance(length, torch.SymInt) else int(length)
+    inputs = user_inputs(gm, example_inputs)
+    real = dict(inputs).get(found[0])
+    length = int(real.shape[1]) if real is not None else None if isinstance(traced_length, torch.SymInt) \
+        else int(traced_length)
     marked = False
-    for _, tensor in user_inputs(gm, example_inputs):
+    for node, tensor in inputs:
+        traced = example_value(node)
+
+        def constant(dim: int) -> bool:  # an axis the trace holds as a number (a symbolic one is dynamic already)
+            return not (isinstance(traced, torch.Tensor) and isinstance(traced.shape[dim], torch.SymInt))
+
         # ids, a 2-D mask, position ids, embeddings: the axis after the rows; a 4-D mask of the caller's own
         # ([rows, 1, queries, keys]): both token axes, else the trace keeps its keys at the first call's length
         axes = (0,) if tensor.dim() == 1 else (2, 3) if tensor.dim() == 4 else range(1, min(tensor.dim(), 3))
-        dims = [d for d in axes if length is not None and tensor.shape[d] == length]
-        if rows is not None and tensor.dim() >= 2 and tensor.shape[0] == rows:
+        dims = [d for d in axes if length is not None and tensor.shape[d] == length and constant(d)]
+        if rows_constant and tensor.dim() >= 2 and tensor.shape[0] == traced_rows and constant(0):
             dims.append(0)
         for dim in dims:
             if dim not in getattr(tensor, "_dynamo_weak_dynamic_indices", ()):

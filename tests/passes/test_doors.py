@@ -210,6 +210,27 @@ def test_a_batch_traced_with_a_symbolic_length_and_a_constant_row_count_drops_an
 
 
 @torch.no_grad()
+def test_a_first_call_after_automatic_dynamic_shapes_saw_other_lengths_drops_and_equals_the_plain_model():
+    """Dynamo's automatic dynamic shapes are per forward code, not per compile: after another compile of the class
+    ran 3-row batches of two lengths without a mask, uniprefill's first trace has a symbolic length for the ids,
+    constant rows, and the mask's length constant too (round 19c's trigger). The retrace marks both; before, the
+    call was refused ("the masks read 2 padding-mask inputs") or the rewritten graph raised."""
+    model = _llama()
+    other = torch.compile(model, backend="eager")
+    for length in (300, 333):
+        other(input_ids=_ids(3, length), use_cache=False)
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": (1, 2), **SMALL})
+    ids, mask = _ids(3, 350), torch.ones(3, 350, dtype=torch.long)
+    mask[2, :31] = 0
+    out = compiled(input_ids=ids, attention_mask=mask, use_cache=False)
+    want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    torch.testing.assert_close(out.logits[mask.bool()], want[mask.bool()], atol=ATOL, rtol=0)
+    backend = uniprefill.backend._backend_of(compiled)
+    assert backend.last_unaccelerated is None, backend.last_unaccelerated
+    assert uniprefill.last_drop_report(compiled).seq_len == 350
+
+
+@torch.no_grad()
 def test_a_graph_whose_row_count_is_a_constant_is_refused_by_the_rewrite_with_the_reason():
     """Where a trace keeps the rows a constant after all (the backend's retrace marks them dynamic, above), the
     rewrite refuses the graph with the reason instead of producing one that raises on its sizes."""

@@ -113,15 +113,15 @@ class _Analysis:
                 "static-shape trace: the prompt length is baked into the graph; compile with "
                 "dynamic=True (uniprefill.compile does) or let dynamo recompile with dynamic shapes"
             )
+        aliases, alias_checks = size_aliases(graph, self.axes.batch, self.axes.seq)
+        violation = length_guard_violation(self.axes.seq)
+        if violation is not None:
+            raise (LengthSpecialized if violation.bounded else RewriteSkipped)(violation.message)
         if isinstance(self.axes.batch, int) and self.axes.batch > 1:
             raise RewriteSkipped(
                 f"the row count is a constant of the graph ({self.axes.batch} rows, traced with a symbolic length): "
                 "sizes like (rows, length, heads, dim) cannot follow the rows packed into one sequence of kept "
                 "tokens; let the row axis be dynamic (torch._dynamo.mark_dynamic(ids, 0), or dynamic=True)")
-        aliases, alias_checks = size_aliases(graph, self.axes.batch, self.axes.seq)
-        violation = length_guard_violation(self.axes.seq)
-        if violation is not None:
-            raise (LengthSpecialized if violation.bounded else RewriteSkipped)(violation.message)
         self.axes = dataclasses.replace(self.axes, aliases=aliases)
         # Roles of the inputs the attention masks read (padding, document positions, ...),
         # found from the graph's structure; see passes/mask_inputs.py.

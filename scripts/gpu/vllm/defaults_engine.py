@@ -260,9 +260,11 @@ def main(argv=None) -> int:
             return llm.generate(requests, params, use_tqdm=False)
 
         steps = record_steps(llm) if args.record_steps else None
-        outputs = run_all()
-        if steps is not None:
-            steps.stop()
+        try:
+            outputs = run_all()
+        finally:
+            if steps is not None:
+                steps.stop()
         summary["parity"] = {"seconds": round(time.perf_counter() - start, 2), "sequential": args.parity_sequential,
                              "prompt_lengths": [len(p) for p in prompts],
                              "output_token_ids": [list(o.outputs[0].token_ids) for o in outputs]}

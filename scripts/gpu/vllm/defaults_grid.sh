@@ -45,7 +45,8 @@
 #          Inductor's deterministic mode, with benchmark_combo_kernel off, which that mode refuses: reduction
 #          launch configs picked without timing) | p1det (p1 with the same;
 #          compared with det, not standard: the rewrite's arithmetic apart from the autotuner's timing-based choices)
-#          | detonestep / p1detonestep (det / p1det with max_num_batched_tokens 33791: no prompt chunked; p1detonestep
+#          | detonestep / p1detonestep (det / p1det with max_num_batched_tokens 33791: no prompt longer than a step, though a batched pass still splits the
+#          prompts at a step's end; p1detonestep
 #          compared with detonestep)
 # A RUN may end in .N (gemma-standard.2, gemma-p095.2): another start of the same engine under its own file name;
 # scripts/gpu/vllm/pooled_grid.py reads a grid of several starts per engine against standard's own spread
