@@ -59,9 +59,10 @@ def token_input(gm: fx.GraphModule) -> tuple[fx.Node, torch.Tensor] | None:
 
 
 def restart_with_dynamic_length(gm: fx.GraphModule, example_inputs) -> None:
-    """For a static trace: mark the token axis of every input of that length dynamic, and the row axis of a
-    batch of several rows (also where the length is symbolic already), and restart dynamo's analysis (raises
-    the restart exception). Returns when there is nothing to mark, or it was marked before."""
+    """Mark the token axis of every input of the call's length dynamic where the trace holds it as a number (all
+    of them in a static first trace, the rest beside symbolic ids), and the row axis of a batch of several rows
+    traced as a number, and restart dynamo's analysis (raises the restart exception). Returns when there is
+    nothing to mark, or it was marked before."""
     try:
         from torch._dynamo.exc import TensorifyScalarRestartAnalysis
     except ImportError:
@@ -73,11 +74,10 @@ def restart_with_dynamic_length(gm: fx.GraphModule, example_inputs) -> None:
     # a batch of several rows: its row count too, else the graph holds it as a constant (a reshape to (3, length,
     # heads, dim), MoE index arithmetic on 6 * length) that packing the rows into one sequence cannot follow. That
     # also holds for a trace whose length is already symbolic: the caller marked only the length dynamic, or
-    # dynamo's automatic dynamic shapes saw the length of some inputs change and not the rows (nor, maybe, the
-    # length of the others: a mask that the earlier calls did not pass)
+    # dynamo's automatic dynamic shapes saw the length of some inputs change and not the rows. Likewise the length
+    # axis of inputs the trace holds at a constant length beside symbolic ids (a 4-D mask the caller did not mark, a
+    # mask that earlier calls did not pass): the rewrite cannot follow them either
     rows_constant = isinstance(traced_rows, int) and traced_rows > 1
-    if isinstance(traced_length, torch.SymInt) and not rows_constant:
-        return
     inputs = user_inputs(gm, example_inputs)
     real = dict(inputs).get(found[0])
     length = int(real.shape[1]) if real is not None else None if isinstance(traced_length, torch.SymInt) \

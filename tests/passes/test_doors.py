@@ -247,6 +247,42 @@ def test_a_graph_whose_row_count_is_a_constant_is_refused_by_the_rewrite_with_th
 
 
 @torch.no_grad()
+def test_a_4d_mask_left_static_beside_ids_marked_dynamic_drops_and_equals_the_plain_model():
+    """The caller marks the ids' length dynamic and passes a 4-D causal mask of its own unmarked: dynamo traces a
+    symbolic length and a mask of constant size. The backend's mask analysis raised on it (BackendCompilerFailed
+    out of the user's call: the fuzzer, round 20, tiny OLMo-3); the retrace now marks the mask's token axes too."""
+    model = _llama()
+    compiled = torch.compile(model, backend="uniprefill", options={"p": 1.0, "drop_layers": (1, 2), **SMALL})
+    for length in (300, 333):
+        ids = _ids(1, length)
+        mask = torch.tril(torch.ones(length, length, dtype=torch.bool))[None, None]
+        torch._dynamo.maybe_mark_dynamic(ids, 1)
+        out = compiled(input_ids=ids, attention_mask=mask, use_cache=False)
+        want = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(out.logits, want, atol=ATOL, rtol=0)
+        backend = uniprefill.backend._backend_of(compiled)
+        assert backend.last_unaccelerated is None, backend.last_unaccelerated
+        assert uniprefill.last_drop_report(compiled).seq_len == length
+
+
+@torch.no_grad()
+def test_a_graph_with_a_mask_of_constant_size_beside_a_symbolic_length_is_refused_with_the_reason():
+    """Where the retrace cannot make such a mask dynamic, the plan refuses the graph instead of its mask analysis
+    raising out of the backend."""
+    from uniprefill.passes.token_drop import RewriteSkipped, TokenDropPass
+
+    graphs = []
+    model = _llama()
+    ids, mask = _ids(1, 300), torch.tril(torch.ones(300, 300, dtype=torch.bool))[None, None]
+    torch._dynamo.maybe_mark_dynamic(ids, 1)
+    torch.compile(model, backend=lambda gm, example_inputs: graphs.append(gm) or gm.forward)(
+        input_ids=ids, attention_mask=mask, use_cache=False)
+    # before, the mask analysis raised ("The expanded size of the tensor (300) must match the existing size (37)")
+    with pytest.raises(RewriteSkipped, match="constant length in a graph traced with a symbolic one"):
+        TokenDropPass(graphs[0], P1).run()
+
+
+@torch.no_grad()
 def test_plain_torch_compile_of_two_models_of_one_class_reports_each_models_own_calls():
     """Dynamo runs one compiled graph for two models of a class compiled with equal options (their parameters are
     graph inputs). Each model's `last_drop_report` is its own latest call's, not the other's; before, the second
