@@ -127,8 +127,9 @@ class _Analysis:
         # found from the graph's structure; see passes/mask_inputs.py.
         masks = [m for m in (causal_part(n, sdpa_mask_node(n)) for n in graph.nodes if is_sdpa(n)) if isinstance(m, fx.Node)]
         self.input_roles, _ = mask_input_roles(graph, masks, self.axes)
-        constant = [n.name for n in self.input_roles
-                    if isinstance(example_value(n), torch.Tensor) and not self.axes.depends_on_tokens(example_value(n))]
+        constant = [n.name for n, role in self.input_roles.items()  # a causal table (GPT-2's `bias`) is fixed-size
+                    if isinstance(role, InputRole) and isinstance(example_value(n), torch.Tensor)
+                    and not self.axes.depends_on_tokens(example_value(n))]
         if constant:
             raise RewriteSkipped(
                 f"the mask input(s) {constant} have a constant length in a graph traced with a symbolic one (an input "
