@@ -10,6 +10,10 @@ the public marking), and restarts the analysis of the
 frame. Dynamo then traces once more, now with a symbolic length, and the rewrite applies
 from this first call on; later lengths reuse that graph (no recompile per length).
 
+The same restart covers a trace whose length is symbolic already but whose rows, or another input's length, are
+numbers: a caller who marked only the ids' length dynamic (`mark_dynamic(ids, 1)`), or dynamo's automatic dynamic
+shapes, which are per forward code and so shaped by other compiles of the model class (fuzz rounds 19c and 20).
+
 The restart is signalled with `TensorifyScalarRestartAnalysis`, the one restart exception
 dynamo lets through from a backend (torch >= 2.6; checked on 2.11 and 2.13). Where it is
 missing, or the user asked for static shapes (`dynamic=False`, which makes dynamo ignore the
