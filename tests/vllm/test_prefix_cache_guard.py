@@ -39,14 +39,14 @@ class AsyncScheduler(Scheduler):
         super().__init__(*args, **kwargs)
 
 
-def config(*, drop=True, caching=True, min_tokens=64):
-    options = {"min_tokens": min_tokens, "vllm_drop": drop}
+def config(*, drop=True, caching=True, min_tokens=64, **settings):
+    options = {"min_tokens": min_tokens, "vllm_drop": drop, **settings}
     return NS(compilation_config=NS(mode=2, backend=BACKEND_QUALNAME, inductor_compile_config={"uniprefill": options}),
               cache_config=NS(enable_prefix_caching=caching))
 
 
-def request(name, prompt_tokens):
-    return NS(request_id=name, num_prompt_tokens=prompt_tokens)
+def request(name, prompt_tokens, **extra_args):
+    return NS(request_id=name, num_prompt_tokens=prompt_tokens, sampling_params=NS(extra_args=extra_args or None))
 
 
 @pytest.fixture()
@@ -85,6 +85,55 @@ def test_earlier_chunks_of_a_chunked_prompt_publish_and_its_last_chunk_does_not(
         assert published == {"long": 800}
     guard = scheduler.uniprefill_prefix_cache_guard
     assert (guard.published, guard.withheld) == (2, 3)
+
+
+def test_an_engine_at_p_1_publishes_as_standard_vllm_does(installed):
+    """At top-p 1 with no forced keep ratio the worker keeps every block (`select_blocks`: p >= 1 keeps
+    all), so nothing it computes differs from standard's blocks: the guard must not cost the engine its
+    prefix-cache hits (on the H200, 2026-12-06, a p = 1 engine's second pass of 120 prompts found cached
+    starts for 65 of them, standard for 120). A request that brings its own p below 1 may drop: withheld."""
+    scheduler = Scheduler(config(p=1.0))
+    scheduler.schedule(request("long", 500), 500)
+    scheduler.schedule(request("own p", 500, uniprefill={"p": 0.9}), 500)
+    scheduler.schedule(request("server p", 500, uniprefill_p=0.5), 500)
+    assert scheduler.kv_cache_manager.coordinator.published == {"long": 500}
+
+
+@pytest.mark.parametrize("extra_args, publishes", [
+    ({}, False),
+    ({"uniprefill": False}, True),
+    ({"uniprefill": "off"}, True),
+    ({"uniprefill": 0}, True),  # the server's JSON false
+    ({"uniprefill": True}, False),
+    ({"uniprefill": {"p": 1.0}}, True),
+    ({"uniprefill": {"p": 0.5}}, False),
+    ({"uniprefill_p": 1}, True),
+    ({"uniprefill": {"p": 2.0}}, True),  # not understood: the worker keeps every row
+    ({"uniprefill": "sometimes"}, True),
+])
+def test_requests_that_cannot_remove_a_row_publish_and_agree_with_the_worker(installed, extra_args, publishes):
+    """Opted-out requests and requests at top-p 1 keep every row, so their blocks are standard's. The guard
+    (scheduler) and `RequestSettings` (worker) read the setting with one function; this checks they agree:
+    a request publishes exactly when the worker would keep all its rows."""
+    from uniprefill.vllm.runner_hook import RequestSettings
+
+    scheduler = Scheduler(config())  # p = 0.95
+    scheduler.schedule(request("r", 500, **extra_args), 500)
+    assert ("r" in scheduler.kv_cache_manager.coordinator.published) is publishes
+    worker = RequestSettings()
+    worker.arrive([NS(req_id="r", sampling_params=NS(extra_args=extra_args, prompt_logprobs=None))],
+                  logprobs_in_params=True)
+    keeps_every_row = "r" in worker.opted_out or worker.p.get("r", 0.95) >= 1.0
+    assert keeps_every_row is publishes
+
+
+def test_a_forced_keep_ratio_ignores_a_requests_p(installed):
+    """With keep_ratio the config's and the request's p are not read (the worker drops by ratio): a
+    request at p = 1 still drops, so it is withheld; an opted-out one publishes."""
+    scheduler = Scheduler(config(p=1.0, keep_ratio=0.3, drop_layers=[1]))
+    scheduler.schedule(request("p1", 500, uniprefill={"p": 1.0}), 500)
+    scheduler.schedule(request("out", 500, uniprefill=False), 500)
+    assert scheduler.kv_cache_manager.coordinator.published == {"out": 500}
 
 
 @pytest.mark.parametrize("drop, caching", [(False, True), (True, False)])

@@ -197,8 +197,9 @@ def check_vllm_config(vllm_config: Any, vllm_version: str | None = None, aot_com
         if drop_enabled:
             check.notes.append(
                 f"prefix caching with token dropping: requests of at least {settings.effective_min_tokens} prompt "
-                "tokens publish no KV blocks from the step that ends their prompt on (after a drop point those "
-                "blocks hold only the kept tokens); earlier chunks publish as usual (uniprefill.vllm.prefix_cache_guard)")
+                "tokens that may drop publish no KV blocks from the step that ends their prompt on (after a drop "
+                "point those blocks hold only the kept tokens); earlier chunks, opted-out requests and requests "
+                "at top-p 1 publish as usual (uniprefill.vllm.prefix_cache_guard)")
             if not _guarded_scheduler(custom):
                 check.errors.append(
                     f"scheduler_config.scheduler_cls={custom!r} with prefix caching and token dropping: the guard "

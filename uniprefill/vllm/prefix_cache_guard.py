@@ -13,8 +13,12 @@ least `effective_min_tokens` tokens (the worker's own lower bound for a drop,
   never drops (`SkipReason.PARTIAL_CHUNK`): its blocks publish as usual;
 - a step that reaches the end of its prompt may drop, and so may every step after it: they publish
   nothing (the blocks of its earlier chunks were published when those ran).
-Shorter requests publish as usual. Stateless: a request that vLLM preempts and recomputes follows the
-same rule.
+Shorter requests publish as usual, and so do requests that cannot remove a row whatever their scores:
+those that opt out (`extra_args={"uniprefill": False}`, or a setting the worker does not understand)
+and, where the config forces no keep ratio, those whose top-p (their own, else the config's) is 1, which
+keeps every block. Both sides read a request's setting with one function
+(`uniprefill.vllm.request_option.read_request_option`). So an engine at p = 1 caches prefixes as
+standard vLLM does. Stateless: a request that vLLM preempts and recomputes follows the same rule.
 
 Reading the cache is left as vLLM does it: a request that finds a cached prefix has context when its
 prefill runs; it reads blocks published by the rule above (every one computed without a drop), and,
@@ -41,6 +45,7 @@ from typing import Any
 
 from .checks import _get, _settings
 from .class_patch import unwrap_method, wrap_method
+from .request_option import read_request_option
 
 logger = logging.getLogger("uniprefill.vllm")
 
@@ -52,14 +57,27 @@ class PrefixCacheGuard:
     """Withholds from the prefix cache the blocks a request's drop may have changed (module docstring)."""
 
     min_tokens: int
+    p: float = 1.0  # the config's top-p
+    keep_ratio: float | None = None  # the config's forced keep ratio (then p is not read)
     withheld: int = 0  # calls that published nothing: the request may drop in this step or did earlier
     published: int = 0  # calls passed on to vLLM
 
     def may_have_dropped(self, request: Any, num_tokens: int) -> bool:
         """Whether the blocks of `request`'s first `num_tokens` tokens may hold a drop's result: its prompt is
-        long enough to drop and this step reaches the prompt's end (or runs after it)."""
+        long enough to drop, this step reaches the prompt's end (or runs after it), and the request can
+        remove rows (`can_remove_rows`)."""
         prompt = int(_get(request, "num_prompt_tokens", 0) or 0)
-        return prompt >= self.min_tokens and num_tokens >= prompt
+        return prompt >= self.min_tokens and num_tokens >= prompt and self.can_remove_rows(request)
+
+    def can_remove_rows(self, request: Any) -> bool:
+        """False for a request that keeps every row whatever its scores: opted out, or top-p 1 (its own, else
+        the config's) where no keep ratio is forced."""
+        option = read_request_option(_get(request, "sampling_params"))
+        if option.opted_out:
+            return False
+        if self.keep_ratio is not None:
+            return True
+        return (option.p if option.p is not None else self.p) < 1.0
 
     def attach(self, scheduler: Any) -> None:
         """Wrap `scheduler.kv_cache_manager.coordinator.cache_blocks` on this instance."""
@@ -86,7 +104,7 @@ def guard_for(vllm_config: Any) -> PrefixCacheGuard | None:
     settings = _settings(vllm_config)
     if not settings.vllm_drop:
         return None
-    return PrefixCacheGuard(min_tokens=settings.effective_min_tokens)
+    return PrefixCacheGuard(min_tokens=settings.effective_min_tokens, p=settings.p, keep_ratio=settings.keep_ratio)
 
 
 def install(scheduler_cls) -> bool:
@@ -106,8 +124,9 @@ def _guarding_init(original):
         guard = guard_for(vllm_config)
         if guard is not None and getattr(self, "kv_cache_manager", None) is not None:
             guard.attach(self)
-            logger.info("uniprefill: prefix caching stays on; requests of at least %d prompt tokens may drop and "
-                        "publish no KV blocks from the step that ends their prompt on", guard.min_tokens)
+            logger.info("uniprefill: prefix caching stays on; requests of at least %d prompt tokens that may drop "
+                        "(not opted out; top-p below 1 or a forced keep ratio) publish no KV blocks from the step "
+                        "that ends their prompt on", guard.min_tokens)
 
     return __init__
 

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .request_option import read_request_option
+
 _STEP: contextvars.ContextVar[StepRequests | None] = contextvars.ContextVar("uniprefill_vllm_step", default=None)
 _MARK = "_uniprefill_wrapped"
 
@@ -99,16 +101,11 @@ logger = logging.getLogger(__name__)
 
 
 class RequestSettings:
-    """Per-request settings of the live requests, read when a request arrives.
-
-    `SamplingParams.extra_args["uniprefill"]`: False keeps every row of the request (opt-out);
-    `{"p": x}` with 0 < x <= 1 gives it its own top-p (ignored where a keep ratio is forced).
-    The OpenAI server passes only flat scalars (`vllm_xargs`, which turns JSON false / true into 0 / 1),
-    so there `"uniprefill": "off"` (or false) opts out, true changes nothing, and `"uniprefill_p": x` sets p.
-    Anything else is logged and the request keeps every row: a bad setting never silently
-    changes an answer. Prompt logprobs opt out too (`logprobs_in_params`: V2 reads them from
-    the sampling params; V1 from its batch). Nothing per step is computed while no live request
-    has a setting."""
+    """Per-request settings of the live requests, read when a request arrives (`read_request_option`:
+    False / "off" opts out, `{"p": x}` its own top-p; a setting it does not understand is logged and the
+    request keeps every row, so a bad setting never silently changes an answer). Prompt logprobs opt out
+    too (`logprobs_in_params`: V2 reads them from the sampling params; V1 from its batch). Nothing per
+    step is computed while no live request has a setting."""
 
     def __init__(self) -> None:
         self.opted_out: set[str] = set()
@@ -117,24 +114,15 @@ class RequestSettings:
     def arrive(self, new_requests, logprobs_in_params: bool) -> None:
         for new in new_requests or ():
             params = getattr(new, "sampling_params", None)
-            extra = getattr(params, "extra_args", None) or {}
-            setting = extra.get("uniprefill")
-            if "uniprefill_p" in extra:  # the server's flat form of {"p": x}
-                setting = {"p": extra["uniprefill_p"]} if setting is None else {"conflict": (setting, extra["uniprefill_p"])}
             if logprobs_in_params and getattr(params, "prompt_logprobs", None) is not None:
                 self.opted_out.add(new.req_id)
-            if setting is None or setting is True or (type(setting) is int and setting == 1):  # 1: JSON true
-                continue
-            if setting is False or (type(setting) is int and setting == 0) or setting == "off":
+            option = read_request_option(params)
+            if option.problem:
+                logger.warning("uniprefill: request %s: %s; it keeps every row", new.req_id, option.problem)
+            if option.opted_out:
                 self.opted_out.add(new.req_id)
-                continue
-            p = setting.get("p") if isinstance(setting, dict) and set(setting) == {"p"} else None
-            if isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 < p <= 1.0:
-                self.p[new.req_id] = float(p)
-            else:
-                logger.warning("uniprefill: request %s: extra_args['uniprefill']=%r is not False, 'off' or {'p': x} "
-                               "(server: 'uniprefill_p': x) with 0 < x <= 1; it keeps every row", new.req_id, setting)
-                self.opted_out.add(new.req_id)
+            elif option.p is not None:
+                self.p[new.req_id] = option.p
 
     def finish(self, request_ids) -> None:
         self.opted_out.difference_update(request_ids)
