@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from uniprefill.testing import fuzz, fuzz_reference
+from uniprefill.testing import fuzz, fuzz_cases, fuzz_reference
 
 
 def test_fuzz_slice_has_no_mismatch_and_explains_every_unaccelerated_call():
@@ -68,6 +68,36 @@ def test_a_greedy_divergence_counts_as_a_tie_only_where_the_plain_model_scores_b
     far = int((logits - logits[5]).abs().argmax())  # the token the plain model scores farthest from 5
     wrong = torch.cat([ids, torch.tensor([[far]])], dim=1)
     assert fuzz._tie_at_divergence(model, wrong, ref, mask, 40, torch.float32) is None
+
+
+def test_a_divergence_under_logits_processors_is_judged_on_the_processed_scores():
+    """The "processors" mode (repetition penalty, no repeated 2-grams) picks the highest PROCESSED score, so a tie
+    there is judged after the same processors (round 21, seed 1037001 on transformers 5.17: tiny Gemma-2 in bf16
+    decoded 122 where the plain model decoded 39, which it scores one bf16 step apart, 0.3340 vs 0.3359; before,
+    this mode had no tie check and the case counted as a mismatch). A token the penalty moves, or one the 2-gram
+    rule bans, is never a tie."""
+    model = fuzz.build_model("tiny-llama", torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[6] = model.lm_head.weight[5]  # tokens 5 and 6 always score alike before processing
+    process = fuzz_cases._processors({"repetition_penalty": 1.2, "no_repeat_ngram_size": 2})
+    ids = torch.randint(10, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    ref, tied = (torch.cat([ids, torch.tensor([[t]])], dim=1) for t in (5, 6))
+    assert "a tie" in fuzz._tie_at_divergence(model, tied, ref, mask, 40, torch.float32, process)
+    penalised = ids.clone()
+    penalised[0, 3] = 5  # token 5 is in the prompt: the penalty moves its score and not 6's
+    ref, other = (torch.cat([penalised, torch.tensor([[t]])], dim=1) for t in (5, 6))
+    assert "a tie" in fuzz._tie_at_divergence(model, other, ref, mask, 40, torch.float32)  # unprocessed: alike
+    assert fuzz._tie_at_divergence(model, other, ref, mask, 40, torch.float32, process) is None
+    banned = ids.clone()
+    banned[0, 10:12] = torch.tensor([ids[0, -1], 6])  # the 2-gram (last token, 6) already occurred: 6 is banned
+    ban_only = fuzz_cases._processors({"repetition_penalty": 1.0, "no_repeat_ngram_size": 2})  # penalty 1: none
+    ref, other = (torch.cat([banned, torch.tensor([[t]])], dim=1) for t in (5, 6))
+    assert fuzz._tie_at_divergence(model, other, ref, mask, 40, torch.float32, ban_only) is None
+    assert "a tie" in fuzz._tie_at_divergence(model, other, ref, mask, 40, torch.float32,
+                                              fuzz_cases._processors({"repetition_penalty": 1.0,
+                                                                      "no_repeat_ngram_size": 3}))
+    assert fuzz_cases._processors({"do_sample": False}) is None
 
 
 def test_a_reference_case_that_runs_unaccelerated_for_a_stated_reason_is_checked_against_the_plain_model(

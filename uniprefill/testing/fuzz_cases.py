@@ -313,8 +313,8 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     tie = None
     if not torch.equal(out, ref) and out.shape == ref.shape and mode in ("greedy", "explicit cache", "beam",
                                                                          "next turn", "chunked prefill",
-                                                                         "mask inferred"):
-        tie = _tie_at_divergence(model, out, ref, mask, length, dtype)
+                                                                         "mask inferred", "processors"):
+        tie = _tie_at_divergence(model, out, ref, mask, length, dtype, _processors(kwargs))
     if not torch.equal(out, ref) and tie is None:
         result.status = "mismatch"
         new = slice(0 if mode == "inputs_embeds" else length, None)
@@ -342,10 +342,24 @@ def _next_turn(target, kwargs: dict, turn: torch.Tensor) -> torch.Tensor:
                            max_new_tokens=kwargs["max_new_tokens"], pad_token_id=0, do_sample=False)
 
 
-def _tie_at_divergence(model, out, ref, mask, length: int, dtype) -> str | None:
+def _processors(kwargs: dict):
+    """The logits processors `generate` applies for the "processors" mode's settings, as `(ids, logits) -> scores`
+    (None for the other modes): greedy picks the highest processed score, so a tie is judged on those."""
+    if "repetition_penalty" not in kwargs:
+        return None
+    from transformers import LogitsProcessorList, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    chain = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(kwargs["repetition_penalty"]),
+                                 NoRepeatNGramLogitsProcessor(kwargs["no_repeat_ngram_size"])])
+    return lambda ids, logits: chain(ids, logits[None])[0]
+
+
+def _tie_at_divergence(model, out, ref, mask, length: int, dtype, process=None) -> str | None:
     """Where greedy or beam tokens first differ, whether the plain model itself scores the two
     tokens within the dtype's tolerance (a tie that rounding flips: row-by-row prefill of a
-    padded batch computes the same logits in a different order). None: a real mismatch."""
+    padded batch computes the same logits in a different order). `process(ids, logits)`: the logits
+    processors greedy decoding ran, applied to the plain model's logits before the two tokens are
+    compared (a token they banned is never a tie). None: a real mismatch."""
     differ = (out != ref).nonzero()
     row, pos = int(differ[0, 0]), int(differ[0, 1])
     if pos < length:
@@ -356,8 +370,12 @@ def _tie_at_divergence(model, out, ref, mask, length: int, dtype) -> str | None:
                              torch.ones(1, pos - length, dtype=mask.dtype)], dim=1)
     with torch.no_grad():
         logits = model(input_ids=prefix, attention_mask=prefix_mask, use_cache=False).logits[0, -1].float()
+    if process is not None:
+        logits = process(prefix, logits)
     gap = float((logits[ref[row, pos]] - logits[out[row, pos]]).abs())
-    tol = TOLERANCE[dtype] * max(1.0, float(logits.abs().max()))
+    if gap != gap or gap == float("inf"):  # a token the processors banned (-inf): no tie
+        return None
+    tol = TOLERANCE[dtype] * max(1.0, float(logits[logits.isfinite()].abs().max()))
     if gap > tol:
         return None
     return (f"tokens first differ at row {row}, step {pos - length + 1}: the plain model scores them "
