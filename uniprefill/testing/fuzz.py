@@ -14,7 +14,8 @@ backend="uniprefill")` (`fuzz_plain_compile`), and checks:
 
 * at p = 1 the compiled model equals the plain model: logits at every real token within the
   dtype's tolerance, generated tokens exactly. Where greedy or beam tokens first differ and the
-  plain model scores the two tokens within that tolerance, rounding flipped a tie (row-by-row
+  plain model scores the two tokens within that tolerance (the processed scores, under logits
+  processors), rounding flipped a tie (row-by-row
   prefill of a padded batch computes the same logits in another order; seen in bf16): the case
   counts as "tie", apart from "equal", with the gap in its detail. Likewise for the logits of a bf16
   batch the compiled model prefilled row by row, where they equal the plain model's own rows run one

@@ -9,7 +9,8 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
   sequences, an explicit cache, a static cache, prompt lookup, a chat's next turn on the returned
   cache, the prompt given as `inputs_embeds`, chunked prefill, the mask left for `generate` to infer
   from pad tokens, stop tokens that end rows early, logits processors reading the prompt, an
-  assistant model); a first differing token that the plain model scores as a tie counts as "tie"
+  assistant model); in the deterministic modes a first differing token that the plain model scores
+  as a tie (after the same logits processors, where the mode has them) counts as "tie"
   (`_tie_at_divergence`). The plain model raising inside uniprefill's code is an "error"
   (`_plain_model_raised`: `compat`'s process-wide ops are in its path), elsewhere "invalid";
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
@@ -313,7 +314,8 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     tie = None
     if not torch.equal(out, ref) and out.shape == ref.shape and mode in ("greedy", "explicit cache", "beam",
                                                                          "next turn", "chunked prefill",
-                                                                         "mask inferred", "processors"):
+                                                                         "mask inferred", "processors",
+                                                                         "stop tokens", "static cache"):
         tie = _tie_at_divergence(model, out, ref, mask, length, dtype, _processors(kwargs))
     if not torch.equal(out, ref) and tie is None:
         result.status = "mismatch"
