@@ -96,7 +96,11 @@ def test_an_engine_at_p_1_publishes_as_standard_vllm_does(installed):
     scheduler.schedule(request("long", 500), 500)
     scheduler.schedule(request("own p", 500, uniprefill={"p": 0.9}), 500)
     scheduler.schedule(request("server p", 500, uniprefill_p=0.5), 500)
-    assert scheduler.kv_cache_manager.coordinator.published == {"long": 500}
+    scheduler.schedule(NS(request_id="no params", num_prompt_tokens=500), 500)  # the engine's p: 1
+    assert scheduler.kv_cache_manager.coordinator.published == {"long": 500, "no params": 500}
+    dropping = Scheduler(config())  # p = 0.95: a request with no sampling params takes it, and may drop
+    dropping.schedule(NS(request_id="no params", num_prompt_tokens=500), 500)
+    assert dropping.kv_cache_manager.coordinator.published == {}
 
 
 @pytest.mark.parametrize("extra_args, publishes", [

@@ -101,8 +101,8 @@ def test_long_prompts_drop_in_a_mixed_batch_and_every_request_decodes(model_fold
 
 def _same_prompt_twice(model_folder, settings=None, extra_args=None, cached=None):
     """One 1,000-token prompt, then the same prompt again in a second call, with vLLM's prefix caching
-    on (its default): the two texts and the drop totals (`cached`, a list, receives each call's
-    `num_cached_tokens`)."""
+    on (its default): the two texts and the drop totals (`cached`, a list, receives the prompt's length,
+    then each call's `num_cached_tokens`)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, extra_args=extra_args)
@@ -116,7 +116,7 @@ def _same_prompt_twice(model_folder, settings=None, extra_args=None, cached=None
     finally:
         release(llm)
     if cached is not None:
-        cached.extend(o.num_cached_tokens or 0 for o in outputs)
+        cached.extend([len(outputs[0].prompt_token_ids)] + [o.num_cached_tokens or 0 for o in outputs])
     return [list(o.outputs[0].token_ids) for o in outputs], totals
 
 
@@ -149,8 +149,10 @@ def test_requests_that_cannot_remove_a_row_keep_standard_prefix_cache_hits(model
     on the H200 on 2026-12-06, a p = 1 engine's second pass over 120 Gemma prompts found cached starts for 65 of
     them, standard vLLM for 120), and answers the same."""
     cached = []
-    texts, _ = _same_prompt_twice(model_folder, settings, extra_args, cached)
-    assert cached[0] == 0 and cached[1] > 0, cached
+    texts, totals = _same_prompt_twice(model_folder, settings, extra_args, cached)
+    prompt_len, first, second = cached
+    assert first == 0 and second >= prompt_len // 2, cached  # the second call read the first one's blocks
+    assert totals["rows_kept"] == totals["rows_in"], totals  # and those blocks held every row
     assert texts[0] == texts[1], texts
 
 

@@ -46,6 +46,49 @@ def test_runner_hook_supplies_request_ids_and_frees_finished_requests():
     assert not hasattr(Runner._update_states, "__wrapped__") and hook.install(Runner, listeners)
 
 
+def test_runner_hook_v1_frees_a_preempted_requests_history_and_keeps_its_settings():
+    """vLLM frees a preempted request's KV and recomputes it when it resumes, possibly over a prefix-cache hit (its
+    own earlier chunks, another request's prefix), so the recompute need not start at position 0, where the runtime
+    would see the old history as stale; applied to the recompute, that history's removed entries would shift its
+    rows into other slots. So the V1 hook frees the drop history at the preemption (vLLM 0.26's scheduler reports
+    `preempted_req_ids` to either runner). V1 keeps the request across a preemption (it resumes among the cached
+    requests, not the new ones), so its opt-out stays."""
+    from uniprefill.vllm import runner_hook as hook
+
+    seen = []
+
+    class Runner:
+        def __init__(self):
+            self.input_batch = types.SimpleNamespace(req_ids=["p", "q"], num_prompt_logprobs={},
+                                                     num_prompt_tokens_cpu_tensor=torch.tensor([5, 7], dtype=torch.int32))
+
+        def _update_states(self, scheduler_output):
+            return None
+
+        def _model_forward(self, input_ids=None, positions=None):
+            seen.append(hook.opted_out())
+
+    listeners, freed = hook.FinishedListeners(), []
+
+    class Listener:
+        free = staticmethod(freed.append)
+
+    listener = Listener()
+    listeners.add(listener)
+    assert hook.install(Runner, listeners)
+    runner = Runner()
+    arriving = [types.SimpleNamespace(req_id="p", sampling_params=types.SimpleNamespace(extra_args={"uniprefill": False}))]
+    runner._update_states(types.SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=arriving,
+                                                preempted_req_ids=set()))
+    runner._update_states(types.SimpleNamespace(finished_req_ids={"q"}, scheduled_new_reqs=[],
+                                                preempted_req_ids={"p", "q"}))
+    assert sorted(freed) == ["p", "q"] and freed.count("q") == 1  # each once, finished or preempted
+    runner._model_forward()  # "p" resumed: still opted out
+    assert seen[-1].tolist() == [True, False]
+    runner._update_states(types.SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[]))  # no field: fine
+    assert hook.uninstall(Runner)
+
+
 def test_runner_hook_marks_requests_that_must_keep_every_row():
     """Opt-outs: prompt logprobs (vLLM's `input_batch.num_prompt_logprobs`) and
     `extra_args={"uniprefill": False}` seen when the request arrives; none -> None."""

@@ -57,8 +57,8 @@ class PrefixCacheGuard:
     """Withholds from the prefix cache the blocks a request's drop may have changed (module docstring)."""
 
     min_tokens: int
-    p: float = 1.0  # the config's top-p
-    keep_ratio: float | None = None  # the config's forced keep ratio (then p is not read)
+    p: float  # the config's top-p (no default: a guard that assumed 1 would publish every block)
+    keep_ratio: Any  # the config's forced keep ratio, or None (then p is read)
     withheld: int = 0  # calls that published nothing: the request may drop in this step or did earlier
     published: int = 0  # calls passed on to vLLM
 

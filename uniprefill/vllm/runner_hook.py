@@ -8,10 +8,11 @@ vLLM 0.26's forward context has per-layer attention metadata but no request ids 
 docs/vllm.md), and a drop history is per request. The model runner has them: while
 `GPUModelRunner._model_forward` runs, `self.input_batch.req_ids` lists the step's requests in
 batch order and `self.input_batch.num_prompt_tokens_cpu_tensor` their prompt lengths;
-`_update_states(scheduler_output)` sees `scheduler_output.finished_req_ids`. `install(cls)`
-wraps those two methods of a runner class (idempotent): the forward runs inside a
-`current_step()` context (a ContextVar, like vLLM's own forward context), and finished ids are
-handed to every registered `on_finished` listener (the runtimes free their histories).
+`_update_states(scheduler_output)` sees `scheduler_output.finished_req_ids` (and `preempted_req_ids`,
+which vLLM 0.26's scheduler fills for either runner). `install(cls)` wraps those two methods of a runner
+class (idempotent): the forward runs inside a `current_step()` context (a ContextVar, like vLLM's own
+forward context), and finished and preempted ids are handed to every registered `on_finished` listener
+(the runtimes free their histories: a preempted request's KV is computed anew when it resumes).
 
 Requests that must not drop (`opted_out()`): those asking for prompt logprobs (vLLM reads
 the logits at every prompt position; `input_batch.num_prompt_logprobs`) and those whose
@@ -165,7 +166,11 @@ def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
         finished = tuple(getattr(scheduler_output, "finished_req_ids", ()) or ())
         settings.finish(finished)
         settings.arrive(getattr(scheduler_output, "scheduled_new_reqs", ()), logprobs_in_params=False)
-        listeners.notify(finished)
+        # a preempted request's KV is freed and computed anew when it resumes, perhaps over a prefix-cache hit
+        # (then its recompute does not start at position 0, where `VllmDropRuntime` would see the history as
+        # stale): its drop history goes now. V1 keeps the request itself (and its settings) across a preemption.
+        preempted = tuple(getattr(scheduler_output, "preempted_req_ids", ()) or ())
+        listeners.notify(finished + tuple(r for r in preempted if r not in finished))
         return update(self, scheduler_output, *args, **kwargs)
 
     for wrapped in (_model_forward, _update_states):
