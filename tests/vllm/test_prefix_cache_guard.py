@@ -115,10 +115,11 @@ def test_an_engine_at_p_1_publishes_as_standard_vllm_does(installed):
     ({"uniprefill": {"p": 2.0}}, True),  # not understood: the worker keeps every row
     ({"uniprefill": "sometimes"}, True),
 ])
-def test_requests_that_cannot_remove_a_row_publish_and_agree_with_the_worker(installed, extra_args, publishes):
+def test_requests_that_cannot_remove_a_row_publish_and_the_worker_reads_the_same_setting(installed, extra_args, publishes):
     """Opted-out requests and requests at top-p 1 keep every row, so their blocks are standard's. The guard
-    (scheduler) and `RequestSettings` (worker) read the setting with one function; this checks they agree:
-    a request publishes exactly when the worker would keep all its rows."""
+    (scheduler) and `RequestSettings` (worker) read the setting with one function; this checks that what the
+    worker records (opted out, or its own p) makes it keep every row exactly where the guard publishes. That a
+    recorded p of 1 keeps every block is the selection's own test (`select_blocks`: p >= 1 keeps all)."""
     from uniprefill.vllm.runner_hook import RequestSettings
 
     scheduler = Scheduler(config())  # p = 0.95
