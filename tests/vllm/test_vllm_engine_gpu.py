@@ -50,12 +50,13 @@ def _dropping(monkeypatch):
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
-def engine(folder: Path, **overrides):
+def engine(folder: Path, settings=None, **overrides):
+    """A dropping engine on the dummy-weight folder with `settings` (default SETTINGS) as the one option."""
     kwargs = dict(model=str(folder), load_format="dummy", dtype="bfloat16", seed=0, max_model_len=4096,
                   max_num_batched_tokens=4096, enable_chunked_prefill=False, enable_prefix_caching=False,
                   gpu_memory_utilization=0.3, kv_cache_memory_bytes=2 << 30, enable_flashinfer_autotune=False,
                   compilation_config={"mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend",
-                                      "inductor_compile_config": {"uniprefill": dict(SETTINGS)}})
+                                      "inductor_compile_config": {"uniprefill": dict(settings or SETTINGS)}})
     kwargs.update(overrides)
     return vllm.LLM(**kwargs)
 
@@ -107,9 +108,7 @@ def _same_prompt_twice(model_folder, settings=None, extra_args=None, cached=None
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, extra_args=extra_args)
     long = prompts(1, 1000)
-    overrides = {} if settings is None else {"compilation_config": {
-        "mode": 2, "backend": "uniprefill.vllm.plugin.vllm_backend", "inductor_compile_config": {"uniprefill": settings}}}
-    llm = engine(model_folder, enable_prefix_caching=True, **overrides)
+    llm = engine(model_folder, settings, enable_prefix_caching=True)
     try:
         outputs = [llm.generate(t, params, use_tqdm=False)[0] for t in (long, long)]
         totals = collect_drop_totals(llm)[0][0]
