@@ -16,7 +16,9 @@
 # GC counters over the timed prefills and one more prefill under vLLM's own profiler (--trace-dir /tmp/trace-RUN: the
 # traces stay on the box, their summaries go into the JSON).
 # PER_ROW_TOO=0 leaves the p095 run's second pass with the per-row window kernel out.
-# LENGTH=16384 profiles a prompt of that many tokens instead of 32000 (files profile-RUN-16384*).
+# LENGTH=16384 profiles a prompt of that many tokens instead of 32000 (files profile-RUN-16384*); BATCH=16 submits 16
+# such prompts at once (files profile-RUN-LENGTHxBATCH*); PSTATS=1 with HOST=1 keeps the raw cProfile stats
+# (OUT_DIR/pstats-TAG/*.pstats). RUNS=p1 is uniprefill at p = 1 (the rewrite and its drop points, nothing removed).
 #   RUNS=standard bash scripts/gpu/vllm/gemma_profile.sh OUT_DIR; RUNS="p095 p095unsplit" SKIP_BENCH=1 bash ... OUT_DIR
 set -uo pipefail
 OUT="${1:?usage: gemma_profile.sh OUT_DIR}"
@@ -30,16 +32,19 @@ P095='{"p": 0.95, "vllm_drop": true}'
 for run in ${RUNS:-standard p095}; do
   length="${LENGTH:-32000}" tag="$run"
   [[ "$length" == 32000 ]] || tag="$run-$length"
+  [[ "${BATCH:-1}" == 1 ]] || tag="${tag}x$BATCH"
   [[ "${OWN_PROCESS:-0}" == 1 ]] && tag="$tag-own"
-  args=(--model-dir /tmp/gemma-270m --length "$length" --out "$OUT/profile-$tag.json")
+  args=(--model-dir /tmp/gemma-270m --length "$length" --batch "${BATCH:-1}" --out "$OUT/profile-$tag.json")
   envs=()
   case "$run" in
     standard) ;;
     p095) args+=(--uniprefill "$P095"); [[ "${PER_ROW_TOO:-1}" == 1 ]] && args+=(--per-row-too) ;;
     p095unsplit) args+=(--uniprefill "$P095"); envs=(UNIPREFILL_DEBUG_UNSPLIT_WINDOW=1) ;;
-    *) echo "unknown run $run (standard | p095 | p095unsplit)" >&2; exit 2 ;;
+    p1) args+=(--uniprefill '{"p": 1.0, "vllm_drop": true}') ;;
+    *) echo "unknown run $run (standard | p095 | p095unsplit | p1)" >&2; exit 2 ;;
   esac
   [[ "${HOST:-0}" == 1 ]] && args+=(--host)
+  [[ "${HOST:-0}" == 1 && "${PSTATS:-0}" == 1 ]] && args+=(--pstats-dir "$OUT/pstats-$tag")
   [[ "${OWN_PROCESS:-0}" == 1 ]] && args+=(--own-process)
   [[ "${OWN_PROCESS:-0}" == 1 && "${TRACE:-0}" == 1 ]] && { rm -rf "/tmp/trace-$tag"; args+=(--trace-dir "/tmp/trace-$tag"); }
   start=$(date +%s)
@@ -48,8 +53,9 @@ for run in ${RUNS:-standard p095}; do
   grep -E "Traceback|Error" "$OUT/profile-$tag.log" | head -3 | cut -c1-300
 done
 suffix=""; [[ "${LENGTH:-32000}" == 32000 ]] || suffix="-$LENGTH"
+[[ "${BATCH:-1}" == 1 ]] || suffix="${suffix}x$BATCH"
 for own in "" -own; do
-  for run in p095 p095unsplit; do
+  for run in p095 p095unsplit p1; do
     base="$OUT/profile-standard$suffix$own.json" other="$OUT/profile-$run$suffix$own.json"
     [[ -f "$base" && -f "$other" ]] || continue
     echo "== standard$suffix$own -> $run$suffix$own"

@@ -13,7 +13,7 @@ docs/results/vllm-gemma-profile-h200-2026-12-0*).
 The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so torch.profiler sees the model runner's
 kernels; everything else is vLLM's defaults (as `defaults_engine.py`; with uniprefill's option a prompt of up to
 32K tokens is one step, standard vLLM's `LLM` budget of 16384 splits a 32000-token prompt in two). After warm-ups on prompts of their own, it
-times `--repeats` prefills of one prompt of `--length` random token ids (median wall time), then profiles one
+times `--repeats` prefills of one prompt (`--batch` prompts at once) of `--length` random token ids (median wall time), then profiles one
 prefill (`max_tokens=1`) and one prefill plus `--decode-tokens` greedy tokens. The JSON holds, for each profile,
 the device time per kernel (top 40) and per kind (`KINDS`: the window kernel, flash attention, GEMMs, Inductor's
 Triton kernels, the score-and-select ops, copies, the rest), and the decode part as the difference of the two.
@@ -69,8 +69,9 @@ def host_times(prof, top: int = 30) -> list:
     return [[name[:120], round(us / 1e3, 3), count] for name, us, count in sorted(rows, key=lambda r: -r[1])[:top]]
 
 
-def python_profile(fn, top: int = 40) -> dict:
-    """cProfile of one call: the Python functions by own time and by cumulative time (milliseconds, calls)."""
+def python_profile(fn, top: int = 40, dump: Path | None = None) -> dict:
+    """cProfile of one call: the Python functions by own time and by cumulative time (milliseconds, calls);
+    `dump`: the raw stats too (`python -m pstats FILE` reads them)."""
     import cProfile
     import pstats
 
@@ -78,6 +79,9 @@ def python_profile(fn, top: int = 40) -> dict:
     profiler.enable()
     fn()
     profiler.disable()
+    if dump is not None:
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(dump))
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
 
     def name(key):
@@ -245,7 +249,7 @@ def profile(args) -> dict:
     decode = SamplingParams(max_tokens=1 + args.decode_tokens, temperature=0.0, ignore_eos=True)
 
     def run(tag: str, params) -> float:
-        prompt = [{"prompt_token_ids": token_prompts(args.length, 1, tag, vocab)[0]}]  # built before the clock starts
+        prompt = [{"prompt_token_ids": ids} for ids in token_prompts(args.length, args.batch, tag, vocab)]  # before the clock
         sync = (lambda: None) if args.own_process else torch.cuda.synchronize  # no CUDA in this process then
         sync()
         start = time.perf_counter()
@@ -269,7 +273,8 @@ def profile(args) -> dict:
             return out
         if args.host:  # the host's side before any torch.profiler session (CUPTI can slow later launches)
             for label, params in (("prefill", prefill), ("prefill+decode", decode)):
-                out[f"host_python_{label}"] = python_profile(lambda: run(f"{tag}cprofiled-{label}", params))
+                dump = args.pstats_dir / f"{tag}{label}.pstats" if args.pstats_dir else None
+                out[f"host_python_{label}"] = python_profile(lambda: run(f"{tag}cprofiled-{label}", params), dump=dump)
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         profiles = {}
         for label, params in (("prefill", prefill), ("prefill+decode", decode)):
@@ -310,12 +315,15 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=32000)
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--uniprefill", default=None, help="JSON of the uniprefill settings (the one option)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts of --length submitted at once (one generate call)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--host", action="store_true",
                         help="also the host's side: cProfile of one prefill and one prefill+decode, and the top "
                              "host calls of the torch.profiler sessions")
+    parser.add_argument("--pstats-dir", type=Path, default=None,
+                        help="with --host: the raw cProfile stats of each profiled call into this folder")
     parser.add_argument("--per-row-too", action="store_true",
                         help="then time and profile again with the per-row window kernel in prefill steps "
                              "(UNIPREFILL_DEBUG_PER_ROW_WINDOW)")
