@@ -43,7 +43,8 @@ def _check(query, key_cache, value_cache, block_table, row_request, row_logical,
 def paged_window_attention(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                            *, window: int, scale: float, softcap: float | None = None,
                            impl: str = "auto", tiled: bool = False, splits: int = 1,
-                           out: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+                           rows: torch.Tensor | None = None) -> torch.Tensor:
     """[T, Hq, D]: each row's attention over its own run of paged cache entries (module docstring).
 
     query [T, Hq, D]; key_cache, value_cache [num_blocks, B, Hk, D] (any strides: vLLM's
@@ -53,10 +54,16 @@ def paged_window_attention(query, key_cache, value_cache, block_table, row_reque
     `out`: where to write (query's shape and dtype, any strides, not the query's memory; vLLM's output
     buffer: no copy after the kernel); returned. `skip` (bool [T], with `out`; not with `tiled`): rows whose output
     row is left as `out` holds it (in a decode graph, vLLM's result for the requests that removed no KV entry:
-    the per-row kernel reads nothing for them)."""
+    the per-row kernel reads nothing for them). `rows` (int [N], distinct, with `out`): only those rows are computed,
+    each written to its own row of `out`, the others left as they are (a step whose rows run on two kernels: no
+    gather of their queries, no copy of their outputs)."""
     _check(query, key_cache, value_cache, block_table, row_request, row_logical, row_count, window)
     if out is not None:
         _check_out(query, out)
+    if rows is not None and (out is None or rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64)
+                             or rows.device != query.device):
+        raise ValueError(f"rows: expected a 1-D int32 or int64 tensor on {query.device}, with `out`; got "
+                         f"{rows.dtype} {tuple(rows.shape)} on {rows.device}, out {'given' if out is not None else 'None'}")
     if skip is not None and (out is None or tiled or skip.shape != (query.shape[0],) or skip.dtype != torch.bool):
         raise ValueError(f"skip: expected a bool tensor of shape ({query.shape[0]},), with `out` and the per-row "
                          f"kernel; got {skip.dtype} {tuple(skip.shape)}, out {'given' if out is not None else 'None'}, "
@@ -66,11 +73,19 @@ def paged_window_attention(query, key_cache, value_cache, block_table, row_reque
 
         return paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical,
                                              row_count, window=window, scale=scale, softcap=softcap, tiled=tiled,
-                                             splits=splits, out=out, skip=skip)
+                                             splits=splits, out=out, skip=skip, rows=rows)
+    if rows is not None:  # the reference on the rows taken, written back to theirs
+        rows = rows.long()
+        query, row_request, row_logical, row_count = (t.index_select(0, rows) for t in (query, row_request,
+                                                                                        row_logical, row_count))
+        skip = None if skip is None else skip.index_select(0, rows)
     result = paged_window_attention_torch(query, key_cache, value_cache, block_table, row_request, row_logical,
                                           row_count, window=window, scale=scale, softcap=softcap)
     if skip is not None:  # device ops only (capturable)
-        result = torch.where(skip.view(-1, *[1] * (result.dim() - 1)), out, result)
+        kept = out if rows is None else out.index_select(0, rows)
+        result = torch.where(skip.view(-1, *[1] * (result.dim() - 1)), kept, result)
+    if rows is not None:
+        return out.index_copy_(0, rows, result)
     return result if out is None else out.copy_(result)
 
 

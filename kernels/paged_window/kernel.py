@@ -50,20 +50,25 @@ def _online_softmax_step(q, k, v, visible, m, denom, acc, scale, softcap, USE_SO
 
 @triton.jit
 def paged_window_kernel(
-    Q, K, V, O, TABLE, REQ, LOGICAL, COUNT, SKIP, PART_M, PART_L, PART_ACC,
+    Q, K, V, O, TABLE, REQ, LOGICAL, COUNT, SKIP, ROWS, PART_M, PART_L, PART_ACC,
     sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, sv_b, sv_n, sv_h, sv_d, so_t, so_h, so_d, st_r, st_b,
     scale, softcap,
     CACHE_BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr,
-    SPLITS: tl.constexpr, HAS_SKIP: tl.constexpr,
+    SPLITS: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     """Program (t, h, s): query row t, KV head h and its GROUP query heads; online softmax over
     the entries [logical[t] - count[t] + 1, logical[t]] of request req[t], BLOCK_N at a time. With SPLITS > 1
     program s takes the s-th of SPLITS runs of whole BLOCK_N tiles of those entries and writes its running max,
     denominator and unnormalised accumulator to PART_M / PART_L [T, Hk, SPLITS, BLOCK_G] and PART_ACC [T, Hk,
     SPLITS, BLOCK_G, BLOCK_D] (fp32, contiguous) for `paged_window_combine_kernel`. With HAS_SKIP, a row whose SKIP
-    flag is set reads no entry and writes nothing: its output row keeps what is there (vLLM's result)."""
-    t = tl.program_id(0).to(tl.int64)
+    flag is set reads no entry and writes nothing: its output row keeps what is there (vLLM's result). With
+    HAS_ROWS, program p takes row ROWS[p] of the step (its query, output and per-row entries; PART_* stay per
+    program)."""
+    prog = tl.program_id(0).to(tl.int64)
+    t = prog
+    if HAS_ROWS:
+        t = tl.load(ROWS + prog).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
     req = tl.load(REQ + t).to(tl.int64)
@@ -106,23 +111,27 @@ def paged_window_kernel(
         tl.store(O + t * so_t + (h * GROUP + g)[:, None] * so_h + d[None, :] * so_d, out.to(O.dtype.element_ty),
                  mask=mask)
     else:
-        part = (t * tl.num_programs(1) + h) * SPLITS + split
+        part = (prog * tl.num_programs(1) + h) * SPLITS + split
         tl.store(PART_M + part * BLOCK_G + g, m)
         tl.store(PART_L + part * BLOCK_G + g, denom)
         tl.store(PART_ACC + (part * BLOCK_G + g)[:, None] * BLOCK_D + d[None, :], acc)
 
 
 @triton.jit
-def paged_window_combine_kernel(PART_M, PART_L, PART_ACC, O, SKIP, so_t, so_h, so_d, GROUP: tl.constexpr,
+def paged_window_combine_kernel(PART_M, PART_L, PART_ACC, O, SKIP, ROWS, so_t, so_h, so_d, GROUP: tl.constexpr,
                                 BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                SPLITS: tl.constexpr, HAS_SKIP: tl.constexpr):
-    """Program (t, h): merge the SPLITS partial softmaxes `paged_window_kernel` wrote for row t, KV head h
-    (a split that saw no entry holds max -inf, denominator 0 and adds nothing); a skipped row writes nothing."""
-    t = tl.program_id(0).to(tl.int64)
+                                SPLITS: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """Program (p, h): merge the SPLITS partial softmaxes `paged_window_kernel`'s program p wrote for its row t
+    (p, or ROWS[p]), KV head h (a split that saw no entry holds max -inf, denominator 0 and adds nothing); a skipped
+    row writes nothing."""
+    prog = tl.program_id(0).to(tl.int64)
+    t = prog
+    if HAS_ROWS:
+        t = tl.load(ROWS + prog).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    base = (t * tl.num_programs(1) + h) * SPLITS
+    base = (prog * tl.num_programs(1) + h) * SPLITS
     m_all = tl.full((BLOCK_G,), float("-inf"), tl.float32)
     for s in range(SPLITS):
         m_all = tl.maximum(m_all, tl.load(PART_M + (base + s) * BLOCK_G + g))
@@ -143,17 +152,18 @@ def paged_window_combine_kernel(PART_M, PART_L, PART_ACC, O, SKIP, so_t, so_h, s
 
 @triton.jit
 def paged_window_tiled_kernel(
-    Q, K, V, O, TABLE, REQ, LOGICAL, COUNT, tokens,
+    Q, K, V, O, TABLE, REQ, LOGICAL, COUNT, ROWS, tokens,
     sq_t, sq_h, sq_d, sk_b, sk_n, sk_h, sk_d, sv_b, sv_n, sv_h, sv_d, so_t, so_h, so_d, st_r, st_b,
     scale, softcap,
     CACHE_BLOCK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    FP32_DOT: tl.constexpr,
+    FP32_DOT: tl.constexpr, HAS_ROWS: tl.constexpr,
 ):
     """Program (c, h): rows [c * BLOCK_M, (c + 1) * BLOCK_M), KV head h and its GROUP query heads, as BLOCK_M x
     BLOCK_G query rows. While rows are left: take the smallest request id r among them, run one online softmax
     over the entries from the smallest first to the largest own entry of r's rows (entry columns no row of r
-    sees are neither read nor counted), and mark r's rows done."""
+    sees are neither read nor counted), and mark r's rows done. With HAS_ROWS the tile's rows are ROWS[c * BLOCK_M]
+    onwards (`tokens` of them in all): the step's rows those entries name."""
     c = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, BLOCK_M * BLOCK_G)
@@ -162,6 +172,8 @@ def paged_window_tiled_kernel(
     t_ok = t < tokens
     row_ok = t_ok & (g < GROUP)
     t = tl.where(t_ok, t, 0)
+    if HAS_ROWS:
+        t = tl.load(ROWS + t, mask=t_ok, other=0).to(tl.int64)
     req = tl.load(REQ + t).to(tl.int64)
     own = tl.load(LOGICAL + t).to(tl.int64)
     first = own - tl.load(COUNT + t).to(tl.int64) + 1
@@ -205,7 +217,8 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
                                   block_n: int = 64, tiled: bool = False, tile_rows: int | None = None,
                                   tile_block_n: int | None = None, num_warps: int | None = None,
                                   num_stages: int | None = None, splits: int = 1,
-                                  out: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
+                                  out: torch.Tensor | None = None, skip: torch.Tensor | None = None,
+                                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernels (see the module docstring); same contract as the reference. `tiled`: the tiled kernel
     instead of the per-row one; `tile_rows` (query rows x heads per program), `tile_block_n` (entries per loop
     step), `num_warps` and `num_stages` are its tuning knobs (benchmarks/bench_paged_window.py compares them).
@@ -214,11 +227,14 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
     `splits` (a power of two; per-row kernel): each row's entries over that many programs, merged by
     `paged_window_combine_kernel` (split-KV, for steps of few rows: a decode step at batch 1 is otherwise one
     program per KV head). `out`: written in place of a new tensor (its own strides). `skip` (per-row kernel, with
-    `out`): rows left as `out` holds them."""
+    `out`): rows left as `out` holds them. `rows` (with `out`): only those rows of the step, each read and written
+    in place (no gather of the query, no copy of the output)."""
     tokens, heads, dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
-    out = torch.empty_like(query) if out is None else out  # `out`: checked by `paged_window_attention`
+    out = torch.empty_like(query) if out is None else out  # `out`, `rows`: checked by `paged_window_attention`
+    row_ids = out if rows is None else rows  # a placeholder pointer where there are none
+    tokens = tokens if rows is None else rows.numel()  # programs are per row taken
     if tokens == 0:
         return out
     fp32_dot = query.dtype == torch.float32 or interpret_enabled()  # the interpreter's bf16 dot is wrong
@@ -231,12 +247,12 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
         tile_rows = tile_rows or (128 if block_d >= 256 else 64)
         block_m = max(1, tile_rows // block_g)  # 128 query rows per program: 32 rows x 4 heads for Gemma-3-270M
         paged_window_tiled_kernel[(triton.cdiv(tokens, block_m), kv_heads)](
-            query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, tokens,
+            query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, row_ids, tokens,
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),
             float(scale), float(softcap or 0.0),
             CACHE_BLOCK=key_cache.shape[1], GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=dim,
             BLOCK_D=block_d, BLOCK_N=tile_block_n or (32 if block_d >= 256 else block_n), USE_SOFTCAP=bool(softcap),
-            FP32_DOT=fp32_dot, num_warps=num_warps or (8 if block_d >= 256 else 4),
+            FP32_DOT=fp32_dot, HAS_ROWS=rows is not None, num_warps=num_warps or (8 if block_d >= 256 else 4),
             **({"num_stages": num_stages} if num_stages else {}),
         )
         return out
@@ -249,15 +265,16 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(tokens, kv_heads, splits, block_g, block_d, device=query.device, dtype=torch.float32)
     paged_window_kernel[(tokens, kv_heads, splits)](
-        query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, skip_flags, part_m,
-        part_l, part_acc, *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
+        query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, skip_flags, row_ids,
+        part_m, part_l, part_acc, *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(),
         *block_table.stride(), float(scale), float(softcap or 0.0),
         CACHE_BLOCK=key_cache.shape[1], GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_N=block_n,
         USE_SOFTCAP=bool(softcap), FP32_DOT=fp32_dot, SPLITS=splits, HAS_SKIP=skip is not None,
+        HAS_ROWS=rows is not None,
     )
     if splits > 1:
         paged_window_combine_kernel[(tokens, kv_heads)](
-            part_m, part_l, part_acc, out, skip_flags, *out.stride(), GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim,
-            BLOCK_D=block_d, SPLITS=splits, HAS_SKIP=skip is not None,
+            part_m, part_l, part_acc, out, skip_flags, row_ids, *out.stride(), GROUP=group, BLOCK_G=block_g,
+            HEAD_DIM=dim, BLOCK_D=block_d, SPLITS=splits, HAS_SKIP=skip is not None, HAS_ROWS=rows is not None,
         )
     return out

@@ -1,6 +1,6 @@
 """Triton kernels that changed since the last GPU run compile for an H100/H200 (sm_90) on this CPU machine: Triton's
 own compiler, down to PTX and a cubin, with the argument types the launchers pass (the row-layout and decode-graph
-kernels, and the paged window kernels with and without skipped rows). Triton's CPU interpreter (the other kernel
+kernels, and the paged window kernels with and without skipped rows or a mixed step's rows). Triton's CPU interpreter (the other kernel
 tests) runs Python on NumPy and accepts code the compiler refuses, and refuses some it accepts; this catches the
 first kind before a GPU session does. Skipped where the installed Triton has no NVIDIA backend or no `ptxas`."""
 
@@ -48,15 +48,20 @@ SCRIPT = textwrap.dedent("""
     for flags in (False, True):
         compile_one(rows.decode_window_kernel, decode, constexprs={"HAS_REMOVED": flags, "BLOCK_W": 128})
     attention = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "TABLE": "*i32", "SKIP": "*u8",
-                 "PART_M": "*fp32", "PART_L": "*fp32", "PART_ACC": "*fp32", **i64}
+                 "PART_M": "*fp32", "PART_L": "*fp32", "PART_ACC": "*fp32", "ROWS": "*i64", **i64}
     gemma = dict(GROUP=4, BLOCK_G=16, HEAD_DIM=256, BLOCK_D=256)  # Gemma-3-270M's sliding layers
-    for splits in (1, 8):
-        for skip in (False, True):
-            compile_one(window.paged_window_kernel, attention, ("scale", "softcap"),
-                        dict(CACHE_BLOCK=16, **gemma, BLOCK_N=64, USE_SOFTCAP=False, FP32_DOT=False, SPLITS=splits,
-                             HAS_SKIP=skip))
-    for skip in (False, True):
-        compile_one(window.paged_window_combine_kernel, attention, (), dict(**gemma, SPLITS=8, HAS_SKIP=skip))
+    for splits, skip, taken in ((1, False, False), (1, True, False), (8, False, False), (8, True, False),
+                                (1, False, True), (8, False, True)):  # taken: a mixed step's rows (ROWS)
+        compile_one(window.paged_window_kernel, attention, ("scale", "softcap"),
+                    dict(CACHE_BLOCK=16, **gemma, BLOCK_N=64, USE_SOFTCAP=False, FP32_DOT=False, SPLITS=splits,
+                         HAS_SKIP=skip, HAS_ROWS=taken))
+    for skip, taken in ((False, False), (True, False), (False, True)):
+        compile_one(window.paged_window_combine_kernel, attention, (),
+                    dict(**gemma, SPLITS=8, HAS_SKIP=skip, HAS_ROWS=taken))
+    for taken in (False, True):  # the launcher's tile at Gemma's head size: 32 rows x 4 heads, 8 warps
+        compile_one(window.paged_window_tiled_kernel, attention, ("scale", "softcap"),
+                    dict(CACHE_BLOCK=16, GROUP=4, BLOCK_G=4, BLOCK_M=32, HEAD_DIM=256, BLOCK_D=256, BLOCK_N=32,
+                         USE_SOFTCAP=False, FP32_DOT=False, HAS_ROWS=taken))
 """)
 
 
@@ -76,4 +81,4 @@ def test_the_changed_kernels_compile_for_sm90(tmp_path):
            "TRITON_DEFAULT_FP_FUSION": "1"}
     result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("compiled") == 2 + 3 + 4 + 2, result.stdout
+    assert result.stdout.count("compiled") == 2 + 3 + 6 + 3 + 2, result.stdout

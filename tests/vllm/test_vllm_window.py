@@ -181,6 +181,48 @@ def test_the_window_kernels_write_into_a_given_output_as_they_return_one(impl, t
         paged_window_attention(*args, **kw, out=query)
 
 
+@pytest.mark.parametrize("impl,tiled,splits", [("torch", False, 1), ("triton", False, 1), ("triton", True, 1),
+                                               ("triton", False, 4)])
+def test_the_window_kernels_take_only_the_rows_given_in_place(impl, tiled, splits):
+    """`rows=` (a step whose requests run on two kernels): the rows named, in any order, get bit for bit what the
+    kernel gives them gathered into a query of their own (the path `rows` replaced: gather, run, copy back), written
+    to their own rows of `out` (a view with other strides), and match the reference; every other row of `out` stays
+    as it was (NaN here). An empty `rows` writes nothing; `rows` without `out`, of a float dtype or 2-D, is
+    refused."""
+    torch.manual_seed(3)
+    heads, kv_heads, dim, block, window, n = 4, 2, 8, 16, 24, 45
+    packed = torch.randn(20, kv_heads, block, 2 * dim)
+    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
+    table = torch.randperm(19)[:16].view(2, 8).int() + 1
+    request = torch.randint(0, 2, (n,))
+    logical = torch.randint(0, 120, (n,))
+    count = torch.minimum(torch.randint(1, window + 1, (n,)), logical + 1)
+    query = torch.randn(n, heads, dim)
+    args = (query, key_cache, value_cache, table, request, logical, count)
+    kw = dict(window=window, scale=dim ** -0.5, impl=impl, tiled=tiled, splits=splits)
+    taken = torch.randperm(n)[:29]
+    gathered = paged_window_attention(query[taken], key_cache, value_cache, table, request[taken], logical[taken],
+                                      count[taken], **kw)
+    reference = paged_window_attention(*args, **{**kw, "impl": "torch"})
+    torch.testing.assert_close(gathered, reference[taken], atol=1e-5, rtol=1e-5)
+    expected = torch.full_like(query, float("nan"))
+    expected[taken] = gathered
+    others = torch.ones(n, dtype=torch.bool)
+    others[taken] = False
+    for ids in (taken, taken.int()):
+        buffer = torch.full((n, heads * dim + 8), float("nan"))
+        out = buffer[:, 8:].view(n, heads, dim)
+        assert paged_window_attention(*args, **kw, out=out, rows=ids) is out
+        assert torch.equal(out[taken], expected[taken]) and torch.isnan(out[others]).all()
+        assert torch.isnan(buffer[:, :8]).all()
+    out = torch.full_like(query, float("nan"))
+    paged_window_attention(*args, **kw, out=out, rows=taken[:0])
+    assert torch.isnan(out).all()
+    for bad, extra in ((taken, {}), (taken.float(), {"out": out}), (taken.view(1, -1), {"out": out})):
+        with pytest.raises(ValueError, match="rows: expected"):
+            paged_window_attention(*args, **kw, rows=bad, **extra)
+
+
 @pytest.mark.parametrize("impl,splits", [("torch", 1), ("triton", 1), ("triton", 2), ("triton", 8)])
 def test_skipped_rows_keep_what_the_output_holds_and_the_others_get_the_window(impl, splits):
     """`skip` (the decode graphs of an engine at p = 1: rows of requests that removed no KV entry keep vLLM's
@@ -287,10 +329,10 @@ def test_a_step_mixing_long_and_short_requests_runs_each_on_its_kernel(monkeypat
     launches = []
     run = window_kernels.paged_window_attention_triton
     monkeypatch.setattr(window_kernels, "paged_window_attention_triton",
-                        lambda *a, **kw: launches.append((a[0].shape[0], kw["tiled"])) or run(*a, **kw))
+                        lambda *a, **kw: launches.append((kw["rows"].numel(), kw["tiled"])) or run(*a, **kw))
     out = torch.full_like(query, float("nan"))
     paged_window_step(query, out, rows, cache, window, "triton")
-    assert launches == [(37, True), (5, False)]
+    assert launches == [(37, True), (5, False)]  # each on its rows of the whole query, in place
     ref = paged_window_attention(query.view(-1, heads, dim), key_cache, value_cache, table, request, logical, count,
                                  window=window, scale=dim ** -0.5, impl="torch")
     torch.testing.assert_close(out.view(-1, heads, dim), ref, atol=1e-5, rtol=1e-5)

@@ -234,19 +234,17 @@ def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, wi
     if skip is not None and kernel != "per_row":
         raise ValueError(f"skip: for rows on the per-row kernel only, not {kernel!r}")
 
-    def run(which: torch.Tensor | None, tiled: bool) -> torch.Tensor:
-        picked = (lambda t: t) if which is None else (lambda t: t.index_select(0, which))
+    def run(which: torch.Tensor | None, tiled: bool) -> None:
+        """The rows `which` (None: all) on one kernel, straight into vLLM's output buffer."""
         n = tokens if which is None else which.numel()
         splits = 1 if tiled or env.debug_unsplit_window() else split_count(n * cache.key_cache.shape[2], window)
-        return paged_window_attention(picked(q), cache.key_cache, cache.value_cache, rows.block_table,
-                                      picked(rows.request), picked(rows.logical), picked(rows.count), window=window,
-                                      scale=cache.scale, softcap=cache.softcap, impl=impl, tiled=tiled, splits=splits,
-                                      out=out if which is None else None,  # all rows: straight into vLLM's output
-                                      skip=skip)
+        paged_window_attention(q, cache.key_cache, cache.value_cache, rows.block_table, rows.request, rows.logical,
+                               rows.count, window=window, scale=cache.scale, softcap=cache.softcap, impl=impl,
+                               tiled=tiled, splits=splits, out=out, skip=skip, rows=which)
 
-    if kernel == "mixed":
-        out.index_copy_(0, rows.tiled_rows, run(rows.tiled_rows, True))
-        out.index_copy_(0, rows.per_row_rows, run(rows.per_row_rows, False))
+    if kernel == "mixed":  # each kernel reads and writes its own rows in place
+        run(rows.tiled_rows, True)
+        run(rows.per_row_rows, False)
     else:
         run(None, kernel == "tiled")
 
