@@ -54,9 +54,10 @@ def paged_window_attention(query, key_cache, value_cache, block_table, row_reque
     `out`: where to write (query's shape and dtype, any strides, not the query's memory; vLLM's output
     buffer: no copy after the kernel); returned. `skip` (bool [T], with `out`; not with `tiled`): rows whose output
     row is left as `out` holds it (in a decode graph, vLLM's result for the requests that removed no KV entry:
-    the per-row kernel reads nothing for them). `rows` (int [N], distinct, with `out`): only those rows are computed,
-    each written to its own row of `out`, the others left as they are (a step whose rows run on two kernels: no
-    gather of their queries, no copy of their outputs)."""
+    the per-row kernel reads nothing for them). `rows` (int [N], distinct, each in [0, T), with `out`): only those
+    rows are computed, each written to its own row of `out`, the others left as they are (a step whose rows run on
+    two kernels: no gather of their queries, no copy of their outputs); the Triton kernels do not check the range
+    (a check would read the device)."""
     _check(query, key_cache, value_cache, block_table, row_request, row_logical, row_count, window)
     if out is not None:
         _check_out(query, out)
@@ -64,6 +65,8 @@ def paged_window_attention(query, key_cache, value_cache, block_table, row_reque
                              or rows.device != query.device):
         raise ValueError(f"rows: expected a 1-D int32 or int64 tensor on {query.device}, with `out`; got "
                          f"{rows.dtype} {tuple(rows.shape)} on {rows.device}, out {'given' if out is not None else 'None'}")
+    if rows is not None:
+        rows = rows.contiguous()  # the kernels read ROWS[p] at stride 1
     if skip is not None and (out is None or tiled or skip.shape != (query.shape[0],) or skip.dtype != torch.bool):
         raise ValueError(f"skip: expected a bool tensor of shape ({query.shape[0]},), with `out` and the per-row "
                          f"kernel; got {skip.dtype} {tuple(skip.shape)}, out {'given' if out is not None else 'None'}, "

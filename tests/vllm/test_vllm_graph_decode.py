@@ -397,7 +397,8 @@ def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(mon
     a step may pick: the per-row kernel on one row on one program and split 8 ways at window 512 (one
     program only under the A/B aid UNIPREFILL_DEBUG_UNSPLIT_WINDOW), the
     tiled kernel on 16 and 17 rows; at p = 1 (decode graphs that keep vLLM's rows) the per-row ones also skipping
-    rows; not before the KV cache exists, and not again. (A capture's drop point takes the capture path, never this
+    rows; every one that does not skip also on rows named by `rows=` (a mixed step's); not before the KV cache
+    exists, and not again. (A capture's drop point takes the capture path, never this
     one.)"""
     from uniprefill.kernels import paged_window
     from uniprefill.vllm.drop_records import WindowLayer
@@ -413,7 +414,8 @@ def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(mon
     launched = []
     real = paged_window.paged_window_attention
     monkeypatch.setattr(paged_window, "paged_window_attention", lambda q, k, v, table, *a, **kw: (
-        launched.append((q.shape[0], kw["tiled"], kw["splits"], kw["skip"] is not None, table.data_ptr())),
+        launched.append((q.shape[0], kw["tiled"], kw["splits"], kw["skip"] is not None, kw["rows"] is not None,
+                         table.data_ptr())),
         real(q, k, v, table, *a, **kw))[1])
     q = torch.randn(1, HEADS * HEAD)
 
@@ -433,6 +435,7 @@ def test_the_window_kernel_is_compiled_in_a_dummy_forward_never_in_a_capture(mon
     per_row = [(1, False, 1)] + ([] if unsplit_aid else [(1, False, 8)])
     variants = ([(*v, False) for v in per_row] + [(*v, True) for v in per_row if p == 1.0]
                 + [(16, True, 1, False), (17, True, 1, False)])
+    variants = [(*v, False) for v in variants] + [(*v, True) for v in variants if not v[3]]
     assert runtime.windows_warmed == set(world.names[2:])
     assert launched == [v + (world.attn_metadata[n].block_table.data_ptr(),) for n in world.names[2:] for v in variants]
     dummy_forward()

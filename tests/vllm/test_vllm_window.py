@@ -186,8 +186,8 @@ def test_the_window_kernels_write_into_a_given_output_as_they_return_one(impl, t
 def test_the_window_kernels_take_only_the_rows_given_in_place(impl, tiled, splits):
     """`rows=` (a step whose requests run on two kernels): the rows named, in any order, get bit for bit what the
     kernel gives them gathered into a query of their own (the path `rows` replaced: gather, run, copy back), written
-    to their own rows of `out` (a view with other strides), and match the reference; every other row of `out` stays
-    as it was (NaN here). An empty `rows` writes nothing; `rows` without `out`, of a float dtype or 2-D, is
+    to their own rows of `out` (a view with other strides), and match the reference, `rows` given as int64, int32 or
+    a strided view; every other row of `out` stays as it was (NaN here). An empty `rows` writes nothing; `rows` without `out`, of a float dtype or 2-D, is
     refused."""
     torch.manual_seed(3)
     heads, kv_heads, dim, block, window, n = 4, 2, 8, 16, 24, 45
@@ -209,7 +209,8 @@ def test_the_window_kernels_take_only_the_rows_given_in_place(impl, tiled, split
     expected[taken] = gathered
     others = torch.ones(n, dtype=torch.bool)
     others[taken] = False
-    for ids in (taken, taken.int()):
+    strided = torch.stack([taken, torch.zeros_like(taken)], 1)[:, 0]  # stride 2: the kernels read at stride 1
+    for ids in (taken, taken.int(), strided):
         buffer = torch.full((n, heads * dim + 8), float("nan"))
         out = buffer[:, 8:].view(n, heads, dim)
         assert paged_window_attention(*args, **kw, out=out, rows=ids) is out

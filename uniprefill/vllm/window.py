@@ -269,10 +269,11 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
     after dummy forwards that run vLLM's own attention: a kernel's first launch would otherwise be captured) or
     in a first request's prefill. Every variant a step may pick: the per-row kernel on one row, on one program
     and split over programs (`split_count`: both counts a step may get, unless the A/B aid keeps one), and the
-    tiled kernel on 16 and 17 rows (Triton specialises on a row count divisible by 16), all request 0 at entry 0,
-    with the layer's query, cache and block table (the strides Triton specialises on are the real ones); only
-    scratch outputs are written. `skip`: also the per-row variants that skip rows (the decode graphs of an engine at
-    p = 1, `graph_decode.keeps_vllm_rows`). False when the forward has no metadata or the layer no cache yet (vLLM's
+    tiled kernel on 16 and 17 rows (Triton specialises on a row count divisible by 16), each also on rows named by
+    `rows=` (a mixed step's, `kernel_plan`: another compiled variant), all request 0 at entry 0, with the layer's
+    query, cache and block table (the strides Triton specialises on are the real ones); only scratch outputs are
+    written. `skip`: also the per-row variants that skip rows (the decode graphs of an engine at p = 1,
+    `graph_decode.keeps_vllm_rows`). False when the forward has no metadata or the layer no cache yet (vLLM's
     profiling run, before it allocates the KV cache): try again."""
     from uniprefill import env
     from uniprefill.kernels.paged_window import paged_window_attention
@@ -291,10 +292,12 @@ def warm_up_window_layer(context, name: str, query: torch.Tensor, window_layer_f
         variants.append((1, False, split_count(1, window)))  # a decode step of few rows x KV heads
     variants = [(*v, False) for v in variants] + ([(*v, True) for v in variants] if skip else [])
     variants += [(16, True, 1, False), (17, True, 1, False)]
-    for rows, tiled, splits, skips in variants:
+    variants = [(*v, False) for v in variants] + [(*v, True) for v in variants if not v[3]]  # mixed: never skips
+    for rows, tiled, splits, skips, taken in variants:
         zero = torch.zeros(rows, dtype=torch.long, device=query.device)
         out = torch.empty(rows, q.shape[1] * dim, dtype=q.dtype, device=q.device).view(rows, -1, dim)  # as vLLM's
         paged_window_attention(q.expand(rows, -1, -1).contiguous(), cache.key_cache, cache.value_cache, block_table[:1],
                                zero, zero, zero + 1, window=window, scale=cache.scale, softcap=cache.softcap, impl=impl,
-                               tiled=tiled, splits=splits, out=out, skip=zero.bool() if skips else None)
+                               tiled=tiled, splits=splits, out=out, skip=zero.bool() if skips else None,
+                               rows=torch.arange(rows, device=query.device) if taken else None)
     return True
