@@ -15,8 +15,10 @@ import types
 
 import torch
 from uniprefill.kernels.paged_window import paged_window_attention
+
 from uniprefill.vllm.drop_records import WindowLayer, WindowRows
 from uniprefill.vllm.window import kernel_plan, paged_window_step, split_count
+
 
 def layout(lens):
     """What `kernel_plan` reads of a step's layout."""
