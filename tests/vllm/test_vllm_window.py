@@ -153,22 +153,28 @@ def test_paged_window_attention_matches_a_dense_reference(impl):
                                window=window, scale=scale)
 
 
+def _two_request_step(seed: int, rows: int, heads: int = 4, kv_heads: int = 2, dim: int = 8, window: int = 24):
+    """(query, key_cache, value_cache, table, request, logical, count) of a random step: `rows` rows of two requests
+    in random order over 8 cache blocks of 16 entries each, in vLLM's FlashAttention layout."""
+    torch.manual_seed(seed)
+    packed = torch.randn(20, kv_heads, 16, 2 * dim)
+    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
+    table = torch.randperm(19)[:16].view(2, 8).int() + 1
+    request = torch.randint(0, 2, (rows,))
+    logical = torch.randint(0, 120, (rows,))
+    count = torch.minimum(torch.randint(1, window + 1, (rows,)), logical + 1)
+    return torch.randn(rows, heads, dim), key_cache, value_cache, table, request, logical, count
+
+
 @pytest.mark.parametrize("impl,tiled,splits", [("torch", False, 1), ("triton", False, 1), ("triton", True, 1),
                                                ("triton", False, 2)])
 def test_the_window_kernels_write_into_a_given_output_as_they_return_one(impl, tiled, splits):
     """`out=`: a sliding layer's step writes vLLM's output buffer directly (no copy after the kernel). The rows of
     a view into a wider buffer (other strides than the query's) get bit for bit what the returned tensor holds, the
     rest of the buffer stays untouched; an output of another shape or one sharing the query's memory is refused."""
-    torch.manual_seed(1)
-    heads, kv_heads, dim, block, window, rows = 4, 2, 8, 16, 24, 37
-    packed = torch.randn(20, kv_heads, block, 2 * dim)
-    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
-    table = torch.randperm(19)[:16].view(2, 8).int() + 1
-    request = torch.randint(0, 2, (rows,))
-    logical = torch.randint(0, 120, (rows,))
-    count = torch.minimum(torch.randint(1, window + 1, (rows,)), logical + 1)
-    query = torch.randn(rows, heads, dim)
-    args = (query, key_cache, value_cache, table, request, logical, count)
+    heads, dim, window, rows = 4, 8, 24, 37
+    args = _two_request_step(1, rows, heads=heads, dim=dim, window=window)
+    query = args[0]
     kw = dict(window=window, scale=dim ** -0.5, impl=impl, tiled=tiled, splits=splits)
     expected = paged_window_attention(*args, **kw)
     buffer = torch.full((rows, heads * dim + 8), float("nan"))
@@ -187,18 +193,11 @@ def test_the_window_kernels_take_only_the_rows_given_in_place(impl, tiled, split
     """`rows=` (a step whose requests run on two kernels): the rows named, in any order, get bit for bit what the
     kernel gives them gathered into a query of their own (the path `rows` replaced: gather, run, copy back), written
     to their own rows of `out` (a view with other strides), and match the reference, `rows` given as int64, int32 or
-    a strided view; every other row of `out` stays as it was (NaN here). An empty `rows` writes nothing; `rows` without `out`, of a float dtype or 2-D, is
-    refused."""
-    torch.manual_seed(3)
-    heads, kv_heads, dim, block, window, n = 4, 2, 8, 16, 24, 45
-    packed = torch.randn(20, kv_heads, block, 2 * dim)
-    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
-    table = torch.randperm(19)[:16].view(2, 8).int() + 1
-    request = torch.randint(0, 2, (n,))
-    logical = torch.randint(0, 120, (n,))
-    count = torch.minimum(torch.randint(1, window + 1, (n,)), logical + 1)
-    query = torch.randn(n, heads, dim)
-    args = (query, key_cache, value_cache, table, request, logical, count)
+    a strided view; every other row of `out` stays as it was (NaN here). An empty `rows` writes nothing; `rows`
+    without `out`, of a float dtype or 2-D, is refused."""
+    heads, dim, window, n = 4, 8, 24, 45
+    args = _two_request_step(3, n, heads=heads, dim=dim, window=window)
+    query, key_cache, value_cache, table, request, logical, count = args
     kw = dict(window=window, scale=dim ** -0.5, impl=impl, tiled=tiled, splits=splits)
     taken = torch.randperm(n)[:29]
     gathered = paged_window_attention(query[taken], key_cache, value_cache, table, request[taken], logical[taken],
