@@ -58,7 +58,7 @@ class PrefixCacheGuard:
 
     min_tokens: int
     p: float  # the config's top-p (no default: a guard that assumed 1 would publish every block)
-    keep_ratio: Any  # the config's forced keep ratio, or None (then p is read)
+    keep_ratio: float | None  # the config's forced keep ratio, or None (then p is read)
     withheld: int = 0  # calls that published nothing: the request may drop in this step or did earlier
     published: int = 0  # calls passed on to vLLM
 
