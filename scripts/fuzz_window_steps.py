@@ -1,12 +1,14 @@
 """A differential fuzzer of one sliding layer's step after a drop in vLLM (`uniprefill.vllm.window.paged_window_step`):
 random steps of 1-6 requests (decode rows, short prompts, prompts of 16-70 rows: steps on the per-row kernel, the tiled
 one, or both, "mixed"), random windows, heads, head sizes, cache blocks, softcaps and padded buffers. Each step runs
-on the Triton kernels (Triton's CPU interpreter: the tensors are on the CPU) and on the PyTorch reference;
+on the Triton kernels (Triton's CPU interpreter with the tensors on the CPU; compiled with `--device cuda`) and on
+the PyTorch reference (float32 throughout; the kernels' dots are IEEE);
 equal within 1e-5 on every row of the step, and the padding rows untouched. A mixed step is also run the way it ran
 before the kernels took `rows=` (each kernel's rows gathered into a query of their own, the output copied back): equal
 bit for bit.
 
     TRITON_INTERPRET=1 python scripts/fuzz_window_steps.py --seed 1000 --seconds 900
+    python scripts/fuzz_window_steps.py --device cuda --seed 1000 --seconds 120     # on a GPU
 """
 import argparse
 import random
@@ -20,13 +22,14 @@ from uniprefill.vllm.drop_records import WindowLayer, WindowRows
 from uniprefill.vllm.window import kernel_plan, paged_window_step, split_count
 
 
-def layout(lens):
+def layout(lens, device):
     """What `kernel_plan` reads of a step's layout."""
     qsl = torch.tensor([0] + lens).cumsum(0)
-    return types.SimpleNamespace(query_lens_cpu=torch.tensor(lens), query_start_loc_cpu=qsl, query_start_loc=qsl)
+    return types.SimpleNamespace(query_lens_cpu=torch.tensor(lens), query_start_loc_cpu=qsl,
+                                 query_start_loc=qsl.to(device))
 
 
-def case(seed: int) -> str:
+def case(seed: int, device: str = "cpu") -> str:
     """One random step; its kernel plan."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -47,7 +50,10 @@ def case(seed: int) -> str:
     T = int(sum(lens))
     extra = rng.randint(0, 3)  # output/query buffers longer than the step (vLLM's padded buffers)
     query = torch.randn(T + extra, heads * dim)
-    kernel, tiled_rows, per_row_rows = kernel_plan(layout(lens))
+    packed, table, request, logical, count, query = (t.to(device) for t in (packed, table, request, logical, count,
+                                                                            query))
+    key_cache, value_cache = packed.transpose(1, 2).split(dim, dim=-1)
+    kernel, tiled_rows, per_row_rows = kernel_plan(layout(lens, device))
     rows = WindowRows(table, request, logical, count, kernel, tiled_rows, per_row_rows)
     cache = WindowLayer(key_cache, value_cache, dim ** -0.5, rng.choice([None, 5.0]))
     outs = {}
@@ -60,7 +66,7 @@ def case(seed: int) -> str:
     torch.testing.assert_close(outs["triton"][:T], ref[:T], atol=1e-5, rtol=1e-5, msg=f"seed {seed} {lens}")
     if kernel == "mixed":  # the old path: gather, run on a compact query, copy back
         q = query[:T].view(T, heads, dim)
-        old = torch.full((T, heads, dim), float("nan"))
+        old = torch.full((T, heads, dim), float("nan"), device=device)
         for which, tiled in ((tiled_rows, True), (per_row_rows, False)):
             n = which.numel()
             splits = 1 if tiled else split_count(n * kv_heads, window)
@@ -76,13 +82,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0, help="the first case's seed (then +1 per case)")
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--device", default="cpu", help="cpu (set TRITON_INTERPRET=1) or cuda")
     args = parser.parse_args(argv)
     start, seed, kinds = time.time(), args.seed, {}
     while time.time() - start < args.seconds:
-        kind = case(seed)  # raises, naming the seed, on the first difference
+        kind = case(seed, args.device)  # raises, naming the seed, on the first difference
         kinds[kind] = kinds.get(kind, 0) + 1
         seed += 1
-    print(f"{sum(kinds.values())} steps {kinds} in {time.time() - start:.0f} s, seeds {args.seed}-{seed - 1}: "
+    print(f"{args.device}: {sum(kinds.values())} steps {kinds} in {time.time() - start:.0f} s, seeds {args.seed}-{seed - 1}: "
           "all equal")
     return 0
 

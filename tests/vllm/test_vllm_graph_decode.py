@@ -456,3 +456,28 @@ def test_window_rows_of_padding_rows_and_stale_tables_keep_the_kernels_contract(
     assert rows.count.tolist()[2:] == [1, 1]  # padding rows
     assert all(1 <= c <= min(8, l + 1) for c, l in zip(rows.count.tolist(), rows.logical.tolist()))
     assert rows.count[0] == 4 + 4  # kept 292..295 and decoded 296..299
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_upload_queues_the_copy_behind_the_stream_and_lands_every_value():
+    """`upload` (the decode tables' refill) copies through pinned memory without waiting for the stream: values queued
+    behind a long kernel still land, and a later refill of the same rows does not overwrite the earlier one's
+    source before the copy read it (the caching host allocator holds it)."""
+    from uniprefill.vllm.graph_decode import upload
+
+    table = torch.zeros(3, 8, dtype=torch.int32, device="cuda")
+    big = torch.randn(4096, 4096, device="cuda")
+    for round_ in range(20):
+        big @ big  # work queued before the copy
+        host = torch.arange(24, dtype=torch.int32).reshape(3, 8) + round_
+        upload(table[:, :5], host[:, :5])
+        del host  # the pinned copy must outlive this
+    torch.cuda.synchronize()
+    assert torch.equal(table[:, :5].cpu(), torch.arange(24, dtype=torch.int32).reshape(3, 8)[:, :5] + 19)
+    assert table[:, 5:].eq(0).all()
+    tail = torch.full((2, 8, 4), -1, dtype=torch.long, device="cuda")  # the window tables' transposed fill
+    host = torch.arange(5 * 2 * 4).reshape(5, 2, 4)
+    upload(tail[:, :5], host.transpose(0, 1))
+    torch.cuda.synchronize()
+    assert torch.equal(tail[:, :5].cpu(), host.transpose(0, 1)) and tail[:, 5:].eq(-1).all()

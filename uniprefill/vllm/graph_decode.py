@@ -84,15 +84,28 @@ class DecodeTables:
         host = torch.zeros(self.columns, self.max_num_reqs, dtype=torch.int32)
         for c in range(self.columns):
             host[c, :len(request_ids)] = store.kv_removed(rows, c + 1)
-        self.table.copy_(host)  # stream-ordered before the step's forward or graph replay
+        upload(self.table, host)  # stream-ordered before the step's forward or graph replay
         if self.max_window:
             tail, prompt_end, has = store.window_tables(rows)
             count = len(request_ids)
             self.tail[:, count:] = _ABSENT
-            self.tail[:, :count] = tail.transpose(0, 1).to(self.tail.device)
-            self.prompt_end.zero_()[:count] = prompt_end.to(self.prompt_end.device)
-            self.has.zero_()[:count] = has.to(self.has.device)
+            upload(self.tail[:, :count], tail.transpose(0, 1))
+            upload(self.prompt_end.zero_()[:count], prompt_end)
+            upload(self.has.zero_()[:count], has)
         self._filled = key
+
+
+def upload(destination: torch.Tensor, host: torch.Tensor) -> None:
+    """`destination.copy_(host)`, without stopping the host on a CUDA device: a blocking host-to-device copy
+    synchronizes the stream (the host waits for the previous step's kernels, which vLLM's asynchronous scheduling
+    overlaps with this host code); a non-blocking one from pinned memory is only queued behind them. The pinned
+    staging tensor comes from PyTorch's caching host allocator, which keeps it until the queued copy has read it; it
+    is contiguous whatever `host`'s strides, because `copy_` would otherwise make a pageable contiguous copy first."""
+    if destination.device.type == "cuda":
+        staging = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        destination.copy_(staging.copy_(host), non_blocking=True)
+    else:
+        destination.copy_(host)
 
 
 def segment_metadata(seq_lens: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor,
