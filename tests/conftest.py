@@ -1,6 +1,9 @@
 """Shared pytest setup.
 
 * Tests marked `gpu` are skipped cleanly where CUDA is missing.
+* Tests marked `interpreter` launch Triton kernels on CPU tensors, which only Triton's CPU interpreter runs: on a
+  CUDA machine they are skipped unless TRITON_INTERPRET=1 is set (run them there as
+  `TRITON_INTERPRET=1 pytest -m interpreter`, the rest as plain `pytest`).
 * Every test starts with dynamo's caches reset: each compiled model adds cache entries to
   the same transformers code objects, so without a reset a test's outcome would depend on
   how many models earlier tests compiled (dynamo's recompile limits).
@@ -25,10 +28,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-xdist runs the suite in proc
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return
+        skip = pytest.mark.skip(reason="Triton kernels on CPU tensors: Triton's CPU interpreter "
+                                       "(TRITON_INTERPRET=1 pytest -m interpreter)")
+        marker = "interpreter"
+    else:
+        skip, marker = pytest.mark.skip(reason="needs a CUDA device"), "gpu"
     for item in items:
-        if "gpu" in item.keywords:
+        if marker in item.keywords:
             item.add_marker(skip)
 
 

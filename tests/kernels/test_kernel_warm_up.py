@@ -20,6 +20,7 @@ def test_selection_modes_follow_the_config():
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_warm_up_runs_each_sequence_count_length_parity_and_sort_size(impl, monkeypatch):
     seen_scored, seen_selected = [], []
     real_score, real_select = api.score_and_select, api.select_blocks

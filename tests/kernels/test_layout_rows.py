@@ -35,6 +35,7 @@ def _per_row(qsl, kv_base, tables, block, kept, positions, source):
 
 
 @pytest.mark.parametrize("seed", range(8))
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_layout_rows_triton_equals_the_reference_and_the_definition(seed):
     """Up to 11 tables (more than one launch's 8), int32 tables with padding columns and extra rows, the three
     row modes (gathered through `kept`, vLLM's own batch, none)."""
@@ -70,6 +71,7 @@ def test_layout_rows_triton_equals_the_reference_and_the_definition(seed):
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("window", [1, 7, 64])
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_window_counts_triton_equals_the_reference_and_the_rule(seed, window):
     """Dropping requests count their rows within the window plus the context entries within it; the others
     min(W, pos + 1)."""
@@ -99,6 +101,7 @@ def test_window_counts_triton_equals_the_reference_and_the_rule(seed, window):
 
 
 @pytest.mark.parametrize("seed", range(6))
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_the_decode_kernels_equal_their_references(seed):
     """The decode graphs' computations (`vllm.graph_decode`): a step of R requests, some padding rows (seq_lens 0,
     slot -1), int32 seq_lens / removed / block table as vLLM and `DecodeTables` hold them; window tables with
@@ -139,6 +142,7 @@ def test_the_decode_kernels_equal_their_references(seed):
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 5, 33])
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_every_output_view_starts_on_16_bytes(tokens):
     """The window kernels read `row_request` / `row_logical` and the decode graphs' rows; a plain `triton.jit` kernel
     compiles a variant per pointer alignment, and the warm-up compiled the aligned one: an odd row count must not
@@ -186,6 +190,7 @@ def test_bad_inputs_raise_with_what_was_expected():
                       max_query_len=3)
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_warm_up_runs_the_kernels_only_where_triton_runs_them():
     from uniprefill.kernels.layout_rows import warm_up
 
@@ -194,6 +199,7 @@ def test_warm_up_runs_the_kernels_only_where_triton_runs_them():
     assert warm_up(torch.device("cpu"), "triton") == 7  # the interpreter here (tests/conftest.py)
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_the_warm_up_refuses_a_kernel_that_disagrees_with_its_reference(monkeypatch):
     """The warm-up (at the engine's first dummy forward) checks every kernel against its PyTorch reference on the
     device it will serve on: a kernel computing wrong layouts stops the engine's start with the reason, instead of

@@ -211,6 +211,7 @@ def test_decode_down_the_full_graph_path_equals_eager_decode_on_random_cases(gro
 
 @pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager-decode", "decode-graph-path"])
 @pytest.mark.parametrize("group", [0, 1])
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_the_row_kernels_on_triton_equal_their_reference_through_random_multi_step_cases(monkeypatch, group,
                                                                                          decode_graphs):
     """The layouts' rows, slots and window counts, and the decode graphs' lengths, slots and window rows, from the

@@ -59,6 +59,7 @@ def _history(request_id, prompt_len, seed):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])  # the dropping rows' counts: `kernels.layout_rows.window_counts`
 @pytest.mark.parametrize("window", [1, 8, 40])
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_window_counts_match_the_position_rule(window, impl):
     """A step mixing a dropping prefill, a decode with a drop history, a decode without one and
     a chunked prefill with context: each row's count = keys of its layer within the window."""
@@ -168,6 +169,7 @@ def _two_request_step(seed: int, rows: int, heads: int = 4, kv_heads: int = 2, d
 
 @pytest.mark.parametrize("impl,tiled,splits", [("torch", False, 1), ("triton", False, 1), ("triton", True, 1),
                                                ("triton", False, 2)])
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_the_window_kernels_write_into_a_given_output_as_they_return_one(impl, tiled, splits):
     """`out=`: a sliding layer's step writes vLLM's output buffer directly (no copy after the kernel). The rows of
     a view into a wider buffer (other strides than the query's) get bit for bit what the returned tensor holds, the
@@ -189,6 +191,7 @@ def test_the_window_kernels_write_into_a_given_output_as_they_return_one(impl, t
 
 @pytest.mark.parametrize("impl,tiled,splits", [("torch", False, 1), ("triton", False, 1), ("triton", True, 1),
                                                ("triton", False, 4)])
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_the_window_kernels_take_only_the_rows_given_in_place(impl, tiled, splits):
     """`rows=` (a step whose requests run on two kernels): the rows named, in any order, get bit for bit what the
     kernel gives them gathered into a query of their own (the path `rows` replaced: gather, run, copy back), written
@@ -224,6 +227,7 @@ def test_the_window_kernels_take_only_the_rows_given_in_place(impl, tiled, split
 
 
 @pytest.mark.parametrize("impl,splits", [("torch", 1), ("triton", 1), ("triton", 2), ("triton", 8)])
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_skipped_rows_keep_what_the_output_holds_and_the_others_get_the_window(impl, splits):
     """`skip` (the decode graphs of an engine at p = 1: rows of requests that removed no KV entry keep vLLM's
     result, written first): those output rows stay bit for bit, the others equal the kernel without `skip`; the
@@ -295,6 +299,7 @@ def test_the_window_kernel_splits_rows_only_in_steps_of_few_programs():
     assert split_count(63, 512) == 8 and split_count(64, 512) == 1
 
 
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_a_step_mixing_long_and_short_requests_runs_each_on_its_kernel(monkeypatch):
     """`kernel_plan`: requests of at least TILED_MIN_ROWS rows on the tiled kernel, decode rows and short prompts on
     the per-row one (a tile of decode rows of many requests would walk their windows one after another); all

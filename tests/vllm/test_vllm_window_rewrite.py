@@ -42,6 +42,7 @@ def free_blocks_behind_the_window(world, seq_lens: list[int], window: int, group
                                                      (True, 24, "unsplit")],
                          ids=["eager-decode", "decode-graph-path", "decode-graph-path-w64", "triton-window-kernels",
                               "triton-per-row-aid", "triton-split-decode-graphs", "triton-unsplit-aid-decode-graphs"])
+@pytest.mark.interpreter  # Triton on CPU tensors
 def test_sliding_layers_after_a_drop_window_over_original_positions(model, monkeypatch, decode_graphs, window, triton):
     """Layers 0 and 2 slide (window 24, one KV-cache group), the drop is at layer 1: layer 2
     runs `window_attention` over its right-aligned kept keys. Prefill, then vLLM frees the

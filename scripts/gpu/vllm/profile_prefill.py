@@ -161,6 +161,32 @@ def _union_ms(intervals: list[tuple[float, float]]) -> float:
     return total / 1e3
 
 
+def inside_summary(path: Path, op: str, top: int = 20) -> dict:
+    """Where the host's time goes inside each call of the CPU operator `op` (e.g. `uniprefill::vllm_drop`) of a
+    torch.profiler chrome trace: the calls' host ms, and every event nested in them on the same thread (operators,
+    CUDA runtime and driver calls) by name, as host ms and count per call of `op` (nested operators count in their
+    parents' time too)."""
+    import gzip
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")]
+    calls = [e for e in host if e["name"] == op]
+    inside: dict[tuple, list] = {}
+    for call in calls:
+        t0, t1 = call["ts"], call["ts"] + call["dur"]
+        for e in host:
+            if e is not call and e["tid"] == call["tid"] and t0 <= e["ts"] and e["ts"] + e["dur"] <= t1:
+                row = inside.setdefault((e["cat"], e["name"][:80]), [0, 0.0])
+                row[0] += 1
+                row[1] += e["dur"] / 1e3
+    n = max(len(calls), 1)
+    ranked = sorted(inside.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"file": path.name, "op": op, "calls": len(calls), "call_ms": [round(c["dur"] / 1e3, 3) for c in calls],
+            "per_call": [[cat, name, round(v[1] / n, 3), round(v[0] / n, 1)] for (cat, name), v in ranked]}
+
+
 def trace_summary(path: Path, top: int = 25) -> dict:
     """A torch.profiler chrome trace (vLLM's `profiler_config`, gzip or not), summarised: the span from the first to
     the last event, the device's busy time (the union of kernels, copies and sets), the CUDA runtime calls by name
@@ -334,10 +360,13 @@ def main(argv=None) -> int:
                         help="with --own-process: the engine process's allocator and GC counters over the timed "
                              "prefills, and one more prefill traced by vLLM's profiler into this folder, summarised")
     parser.add_argument("--summarise-trace", type=Path, default=None, help="print trace_summary of one trace file")
+    parser.add_argument("--inside", default=None, metavar="OP",
+                        help="with --summarise-trace: print inside_summary of the operator OP instead")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("STANDARD", "OTHER"))
     args = parser.parse_args(argv)
     if args.summarise_trace:
-        print(json.dumps(trace_summary(args.summarise_trace), indent=1))
+        summary_of = inside_summary(args.summarise_trace, args.inside) if args.inside else trace_summary(args.summarise_trace)
+        print(json.dumps(summary_of, indent=1))
         return 0
     if args.compare:
         print(compare(*(json.loads(p.read_text()) for p in args.compare)))
