@@ -238,6 +238,9 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
     if tokens == 0:
         return out
     fp32_dot = query.dtype == torch.float32 or interpret_enabled()  # the interpreter's bf16 dot is wrong
+    if not interpret_enabled() and min(block_n, tile_block_n or 16) < 16:  # tl.dot's smallest side on a GPU
+        raise ValueError(f"block_n={block_n}, tile_block_n={tile_block_n}: at least 16 on a GPU (Triton's dot); "
+                         "smaller tiles run only in Triton's CPU interpreter")
     if skip is not None and tiled:
         raise ValueError("skip: the per-row kernel's (the tiled one writes every row)")
     skip_flags = out if skip is None else skip.view(torch.uint8) if skip.dtype == torch.bool else skip

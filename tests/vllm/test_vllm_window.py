@@ -92,7 +92,8 @@ def test_window_counts_match_the_position_rule(window, impl):
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton-per-row", "triton-tiled", "triton-tiled-128", "triton-tiled-n16",
-                                  "triton-split", "triton-split-tiles"])
+                                  "triton-split",  # tiles of 4 entries: below a GPU dot's 16, the interpreter only
+                                  pytest.param("triton-split-tiles", marks=pytest.mark.interpreter)])
 def test_paged_window_attention_matches_a_dense_reference(impl):
     """The reference (one chunk and chunks of 3 rows) and both Triton kernels (CPU interpreter
     here) against a per-row loop; softcap on and off; strided caches as vLLM's views are. Rows of
@@ -341,3 +342,15 @@ def test_a_step_mixing_long_and_short_requests_runs_each_on_its_kernel(monkeypat
     ref = paged_window_attention(query.view(-1, heads, dim), key_cache, value_cache, table, request, logical, count,
                                  window=window, scale=dim ** -0.5, impl="torch")
     torch.testing.assert_close(out.view(-1, heads, dim), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_tiles_below_a_gpu_dot_are_refused_outside_the_interpreter(monkeypatch):
+    """Triton's dot needs sides of at least 16 on a GPU: a smaller `block_n` or `tile_block_n` raises a clear error
+    there instead of a compiler failure (the interpreter runs any size; the tests above use tiles of 4)."""
+    from uniprefill.kernels.paged_window import paged_window_attention_triton
+
+    step = _two_request_step(0, 6)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a GPU run sees
+    for kw in ({"block_n": 4}, {"tiled": True, "tile_block_n": 8}):
+        with pytest.raises(ValueError, match="at least 16 on a GPU"):
+            paged_window_attention_triton(*step, window=24, scale=0.3, **kw)
