@@ -147,6 +147,7 @@ def test_a_request_recomputed_from_scratch_replaces_its_history_and_totals_count
     assert histories[0] is not None and histories[1] is not histories[0] and len(runtime.store) == 2
     totals = runtime.totals
     assert (totals.forwards, totals.dropping_forwards, totals.requests_dropped) == (2, 2, 4)
+    assert totals.requests_removing_rows == 4
     assert totals.rows_in == 2 * (300 + 170) and totals.rows_kept < 0.6 * totals.rows_in
     # KV entries: layers 0 and 1 (the drop layer's attention runs before its drop) write every
     # prompt row, the later ones the kept rows only

@@ -270,6 +270,7 @@ def test_at_p1_the_sliding_layers_after_a_drop_give_vllms_own_bits(model, monkey
     runtime = state["runtime"]
     assert torch.equal(got, want)
     assert runtime.totals.requests_dropped == 2 and runtime.totals.rows_in == runtime.totals.rows_kept
+    assert runtime.totals.requests_removing_rows == 0  # through the drop points, nothing removed
     assert runtime.step.vllm_windows == {ours.names[2]} and not runtime.step.window_rows
     for decoded in range(2):
         new = torch.randint(0, VOCAB, (3,))

@@ -55,7 +55,8 @@ class DropTotals:
     forwards: int = 0  # forwards with attention metadata and requests (not vLLM's dummy runs)
     forwards_without_requests: int = 0  # with attention metadata but no request ids (dummy runs, or an unwrapped runner)
     dropping_forwards: int = 0  # ... in which at least one request dropped
-    requests_dropped: int = 0
+    requests_dropped: int = 0  # requests that went through the drop points (at p = 1 without a row removed, too)
+    requests_removing_rows: int = 0  # ... of which at least one prompt row was removed
     rows_in: int = 0  # prompt rows of the dropping requests entering the first drop point
     rows_kept: int = 0  # ... left after the last drop point
     # KV entries the dropping requests' prompts put in the cache, summed over the attention
@@ -82,6 +83,8 @@ class DropTotals:
         segment_rows = [rows_in] + [int(lay.query_lens_cpu[eligible].sum()) for lay in step.layouts]
         self.dropping_forwards += 1
         self.requests_dropped += int(eligible.sum())
+        last = step.layouts[-1].query_lens_cpu if step.layouts else step.base.query_lens_cpu
+        self.requests_removing_rows += int((last[eligible] < step.base.query_lens_cpu[eligible]).sum())
         self.rows_in += rows_in
         self.rows_kept += segment_rows[-1]
         self.kv_entries_prompt += rows_in * num_layers
