@@ -212,6 +212,16 @@ def paged_window_tiled_kernel(
              out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+def _check_dot_sides(rows: int, entries: int, rows_name: str, entries_name: str) -> None:
+    """Triton's dot takes sides of at least 16 on a GPU (the interpreter takes any): a clear error here instead of a
+    compiler failure at the launch."""
+    if interpret_enabled() or (rows >= 16 and entries >= 16):
+        return
+    raise ValueError(f"{entries_name}={entries}" + (f", {rows_name} giving {rows} query rows a program" if rows_name
+                     else "") + ": at least 16 of each on a GPU (Triton's dot); smaller tiles run only in Triton's "
+                     "CPU interpreter")
+
+
 def paged_window_attention_triton(query, key_cache, value_cache, block_table, row_request, row_logical, row_count,
                                   *, window: int, scale: float, softcap: float | None = None,
                                   block_n: int = 64, tiled: bool = False, tile_rows: int | None = None,
@@ -238,9 +248,6 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
     if tokens == 0:
         return out
     fp32_dot = query.dtype == torch.float32 or interpret_enabled()  # the interpreter's bf16 dot is wrong
-    if not interpret_enabled() and min(block_n, tile_block_n or 16) < 16:  # tl.dot's smallest side on a GPU
-        raise ValueError(f"block_n={block_n}, tile_block_n={tile_block_n}: at least 16 on a GPU (Triton's dot); "
-                         "smaller tiles run only in Triton's CPU interpreter")
     if skip is not None and tiled:
         raise ValueError("skip: the per-row kernel's (the tiled one writes every row)")
     skip_flags = out if skip is None else skip.view(torch.uint8) if skip.dtype == torch.bool else skip
@@ -249,6 +256,8 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
         block_d = max(16, next_power_of_2(dim))
         tile_rows = tile_rows or (128 if block_d >= 256 else 64)
         block_m = max(1, tile_rows // block_g)  # 128 query rows per program: 32 rows x 4 heads for Gemma-3-270M
+        entries = tile_block_n or (32 if block_d >= 256 else block_n)
+        _check_dot_sides(block_m * block_g, entries, "tile_rows", "tile_block_n")
         paged_window_tiled_kernel[(triton.cdiv(tokens, block_m), kv_heads)](
             query, key_cache, value_cache, out, block_table, row_request, row_logical, row_count, row_ids, tokens,
             *query.stride(), *key_cache.stride(), *value_cache.stride(), *out.stride(), *block_table.stride(),
@@ -261,6 +270,7 @@ def paged_window_attention_triton(query, key_cache, value_cache, block_table, ro
         return out
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits={splits}: expected a power of two")
+    _check_dot_sides(16, block_n, "", "block_n")  # the per-row kernel's query side is padded to 16
     block_g, block_d = max(16, next_power_of_2(group)), max(16, next_power_of_2(dim))
     part_m = part_l = part_acc = out  # unused with one split
     if splits > 1:

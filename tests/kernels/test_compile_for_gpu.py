@@ -79,7 +79,9 @@ def _has_nvidia_backend() -> bool:
 def test_the_changed_kernels_compile_for_sm90(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path / "cache"),
            "TRITON_DEFAULT_FP_FUSION": "1"}
-    # -P: the working directory off sys.path, so that `uniprefill` is the installed package (with its `kernels`)
-    result = subprocess.run([sys.executable, "-P", "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900)
+    # run in tmp_path: the repository root off sys.path, so that `uniprefill` is the installed package (with its
+    # `kernels`), not the source tree
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900,
+                            cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("compiled") == 2 + 3 + 6 + 3 + 2, result.stdout

@@ -9,6 +9,8 @@ import torch
 from uniprefill.kernels import api
 from uniprefill.kernels.warm_up import SEQUENCE_COUNTS, selection_modes, warm_up_score_and_select
 
+ON_CPU = pytest.mark.interpreter  # a case that runs Triton on CPU tensors (tests/conftest.py)
+
 TINY = dict(num_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float32, device="cpu", block_size=16,
             sink=16, last_q=16, min_tokens=64, max_seqlen=256)
 
@@ -19,8 +21,7 @@ def test_selection_modes_follow_the_config():
     assert selection_modes(0.9, 0.3, per_sequence_p=True) == [("one", 0.3)]  # a forced ratio ignores p
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.interpreter  # Triton on CPU tensors
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=ON_CPU)])
 def test_warm_up_runs_each_sequence_count_length_parity_and_sort_size(impl, monkeypatch):
     seen_scored, seen_selected = [], []
     real_score, real_select = api.score_and_select, api.select_blocks

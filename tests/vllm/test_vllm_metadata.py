@@ -35,6 +35,8 @@ from uniprefill.vllm.metadata import (
 )
 from uniprefill.vllm.plugin import BACKEND_QUALNAME, VllmTokenDropBackend, check_vllm_config, config_from_compilation_config
 
+ON_CPU = pytest.mark.interpreter  # a case that runs Triton on CPU tensors (tests/conftest.py)
+
 
 # ----------------------------------------------------------------------------- fakes
 @dataclasses.dataclass
@@ -173,10 +175,9 @@ BATCHES = {
 }
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])  # the row kernels (`kernels.layout_rows`; Triton interpreted)
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=ON_CPU)])  # the row kernels (interpreted)
 @pytest.mark.parametrize("block_sizes", [(16,), (1,), (64,), (16, 32)], ids=lambda b: "B" + "+".join(map(str, b)))
 @pytest.mark.parametrize("name", sorted(BATCHES))
-@pytest.mark.interpreter  # Triton on CPU tensors
 def test_compact_matches_brute_force(name, block_sizes, impl):
     query_lens, ctx, droppers = BATCHES[name]
     batch = make_batch(query_lens, ctx, block_sizes, seed=len(name), pad=5)
@@ -244,8 +245,7 @@ def test_two_drop_points_compose():
     assert (second.rows_of_source(torch.tensor(dropped)) == -1).all()
 
 
-@pytest.mark.parametrize("seed", range(12))
-@pytest.mark.interpreter  # Triton on CPU tensors
+@pytest.mark.parametrize("seed", [s if s % 2 == 0 else pytest.param(s, marks=ON_CPU) for s in range(12)])  # odd: Triton
 def test_random_mixed_steps_two_drop_points(seed):
     """Random ragged steps: prefills, decodes with and without history, chunks with context; the row kernels on
     the reference (even seeds) and on Triton (odd seeds, interpreted)."""
@@ -868,8 +868,7 @@ def test_the_former_environment_switches_are_config_fields_now(monkeypatch):
     assert UniPrefillConfig().stable_hash() != UniPrefillConfig(vllm_drop=True).stable_hash()
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.interpreter  # Triton on CPU tensors
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=ON_CPU)])
 def test_the_slots_of_many_kv_cache_groups_equal_each_groups_own(impl):
     """`compact` computes the slots of every group of one block size in one row kernel (`kernels.layout_rows`: up to
     8 tables a launch; Gemma-3-270M has 6 groups): 12 groups of two block sizes (10 of one: two launches) and table

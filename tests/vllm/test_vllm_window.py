@@ -14,6 +14,8 @@ from uniprefill.vllm.metadata import DropHistoryStore, DropRecord, RequestDropHi
 from uniprefill.kernels.paged_window import paged_window_attention
 from uniprefill.vllm.window import window_counts
 
+ON_CPU = pytest.mark.interpreter  # a case that runs Triton on CPU tensors (tests/conftest.py)
+
 DROPS, LAYERS = (1, 3), 6
 
 
@@ -57,9 +59,8 @@ def _history(request_id, prompt_len, seed):
     return RequestDropHistory(request_id, 0, prompt_len, tuple(drops))
 
 
-@pytest.mark.parametrize("impl", ["torch", "triton"])  # the dropping rows' counts: `kernels.layout_rows.window_counts`
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=ON_CPU)])  # `kernels.layout_rows.window_counts`
 @pytest.mark.parametrize("window", [1, 8, 40])
-@pytest.mark.interpreter  # Triton on CPU tensors
 def test_window_counts_match_the_position_rule(window, impl):
     """A step mixing a dropping prefill, a decode with a drop history, a decode without one and
     a chunked prefill with context: each row's count = keys of its layer within the window."""
@@ -93,7 +94,7 @@ def test_window_counts_match_the_position_rule(window, impl):
 
 @pytest.mark.parametrize("impl", ["torch", "triton-per-row", "triton-tiled", "triton-tiled-128", "triton-tiled-n16",
                                   "triton-split",  # tiles of 4 entries: below a GPU dot's 16, the interpreter only
-                                  pytest.param("triton-split-tiles", marks=pytest.mark.interpreter)])
+                                  pytest.param("triton-split-tiles", marks=ON_CPU)])
 def test_paged_window_attention_matches_a_dense_reference(impl):
     """The reference (one chunk and chunks of 3 rows) and both Triton kernels (CPU interpreter
     here) against a per-row loop; softcap on and off; strided caches as vLLM's views are. Rows of
@@ -168,9 +169,8 @@ def _two_request_step(seed: int, rows: int, heads: int = 4, kv_heads: int = 2, d
     return torch.randn(rows, heads, dim), key_cache, value_cache, table, request, logical, count
 
 
-@pytest.mark.parametrize("impl,tiled,splits", [("torch", False, 1), ("triton", False, 1), ("triton", True, 1),
-                                               ("triton", False, 2)])
-@pytest.mark.interpreter  # Triton on CPU tensors
+@pytest.mark.parametrize("impl,tiled,splits", [("torch", False, 1)] + [
+    pytest.param("triton", *case, marks=ON_CPU) for case in ((False, 1), (True, 1), (False, 2))])
 def test_the_window_kernels_write_into_a_given_output_as_they_return_one(impl, tiled, splits):
     """`out=`: a sliding layer's step writes vLLM's output buffer directly (no copy after the kernel). The rows of
     a view into a wider buffer (other strides than the query's) get bit for bit what the returned tensor holds, the
@@ -190,9 +190,8 @@ def test_the_window_kernels_write_into_a_given_output_as_they_return_one(impl, t
         paged_window_attention(*args, **kw, out=query)
 
 
-@pytest.mark.parametrize("impl,tiled,splits", [("torch", False, 1), ("triton", False, 1), ("triton", True, 1),
-                                               ("triton", False, 4)])
-@pytest.mark.interpreter  # Triton on CPU tensors
+@pytest.mark.parametrize("impl,tiled,splits", [("torch", False, 1)] + [
+    pytest.param("triton", *case, marks=ON_CPU) for case in ((False, 1), (True, 1), (False, 4))])
 def test_the_window_kernels_take_only_the_rows_given_in_place(impl, tiled, splits):
     """`rows=` (a step whose requests run on two kernels): the rows named, in any order, get bit for bit what the
     kernel gives them gathered into a query of their own (the path `rows` replaced: gather, run, copy back), written
@@ -227,8 +226,7 @@ def test_the_window_kernels_take_only_the_rows_given_in_place(impl, tiled, split
             paged_window_attention(*args, **kw, rows=bad, **extra)
 
 
-@pytest.mark.parametrize("impl,splits", [("torch", 1), ("triton", 1), ("triton", 2), ("triton", 8)])
-@pytest.mark.interpreter  # Triton on CPU tensors
+@pytest.mark.parametrize("impl,splits", [("torch", 1)] + [pytest.param("triton", s, marks=ON_CPU) for s in (1, 2, 8)])
 def test_skipped_rows_keep_what_the_output_holds_and_the_others_get_the_window(impl, splits):
     """`skip` (the decode graphs of an engine at p = 1: rows of requests that removed no KV entry keep vLLM's
     result, written first): those output rows stay bit for bit, the others equal the kernel without `skip`; the
@@ -351,6 +349,24 @@ def test_tiles_below_a_gpu_dot_are_refused_outside_the_interpreter(monkeypatch):
 
     step = _two_request_step(0, 6)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a GPU run sees
-    for kw in ({"block_n": 4}, {"tiled": True, "tile_block_n": 8}):
-        with pytest.raises(ValueError, match="at least 16 on a GPU"):
+    for kw in ({"block_n": 4}, {"tiled": True, "tile_block_n": 8}, {"tiled": True, "tile_rows": 8}):
+        with pytest.raises(ValueError, match="at least 16 of each on a GPU"):
             paged_window_attention_triton(*step, window=24, scale=0.3, **kw)
+    from uniprefill.kernels.paged_window import kernel as window_kernel
+
+    launched = []
+    for name in ("paged_window_kernel", "paged_window_tiled_kernel"):  # launches recorded, not run
+        monkeypatch.setattr(window_kernel, name, _Launch(name, launched))
+    for kw in ({"tiled": True, "tile_block_n": 32, "block_n": 8}, {"tile_block_n": 8}):  # the knob the path ignores
+        paged_window_attention_triton(*step, window=24, scale=0.3, **kw)
+    assert launched == ["paged_window_tiled_kernel", "paged_window_kernel"]
+
+
+class _Launch:
+    """A stand-in for a Triton kernel: `kernel[grid](...)` records the kernel's name."""
+
+    def __init__(self, name, launched):
+        self.name, self.launched = name, launched
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launched.append(self.name)

@@ -16,6 +16,8 @@ from uniprefill.vllm.graph import analyze_vllm_graph
 from uniprefill.vllm.rewrite import rewrite_vllm_graph
 from uniprefill.vllm.drop import VllmDropRuntime
 
+ON_CPU = pytest.mark.interpreter  # a case that runs Triton on CPU tensors (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -37,12 +39,11 @@ def free_blocks_behind_the_window(world, seq_lens: list[int], window: int, group
     return freed
 
 
-@pytest.mark.parametrize("decode_graphs, window, triton", [(False, 24, ""), (True, 24, ""), (True, 64, ""),
-                                                     (False, 24, "tiled"), (False, 24, "per-row"), (True, 24, "split"),
-                                                     (True, 24, "unsplit")],
+@pytest.mark.parametrize("decode_graphs, window, triton", [(False, 24, ""), (True, 24, ""), (True, 64, "")] + [
+    pytest.param(*case, marks=ON_CPU)
+    for case in ((False, 24, "tiled"), (False, 24, "per-row"), (True, 24, "split"), (True, 24, "unsplit"))],
                          ids=["eager-decode", "decode-graph-path", "decode-graph-path-w64", "triton-window-kernels",
                               "triton-per-row-aid", "triton-split-decode-graphs", "triton-unsplit-aid-decode-graphs"])
-@pytest.mark.interpreter  # Triton on CPU tensors
 def test_sliding_layers_after_a_drop_window_over_original_positions(model, monkeypatch, decode_graphs, window, triton):
     """Layers 0 and 2 slide (window 24, one KV-cache group), the drop is at layer 1: layer 2
     runs `window_attention` over its right-aligned kept keys. Prefill, then vLLM frees the

@@ -171,13 +171,21 @@ def inside_summary(path: Path, op: str, top: int = 20) -> dict:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
-    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")]
-    calls = [e for e in host if e["name"] == op]
+    host = sorted((e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")),
+                  key=lambda e: (e["ts"], -e["dur"]))
+    calls, end = [], {}
+    for e in host:  # the outermost calls only (an operator may appear nested in itself)
+        if e["name"] == op and e["ts"] >= end.get((e["pid"], e["tid"]), float("-inf")):
+            calls.append(e)
+            end[e["pid"], e["tid"]] = e["ts"] + e["dur"]
     inside: dict[tuple, list] = {}
     for call in calls:
-        t0, t1 = call["ts"], call["ts"] + call["dur"]
+        t0, t1 = call["ts"], call["ts"] + call["dur"] + 1  # 1 us: the trace's rounding
         for e in host:
-            if e is not call and e["tid"] == call["tid"] and t0 <= e["ts"] and e["ts"] + e["dur"] <= t1:
+            if e["ts"] > t1:
+                break
+            if (e is not call and (e["pid"], e["tid"]) == (call["pid"], call["tid"]) and t0 <= e["ts"]
+                    and e["ts"] + e["dur"] <= t1):
                 row = inside.setdefault((e["cat"], e["name"][:80]), [0, 0.0])
                 row[0] += 1
                 row[1] += e["dur"] / 1e3
@@ -364,6 +372,8 @@ def main(argv=None) -> int:
                         help="with --summarise-trace: print inside_summary of the operator OP instead")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("STANDARD", "OTHER"))
     args = parser.parse_args(argv)
+    if args.inside and not args.summarise_trace:
+        parser.error("--inside needs --summarise-trace")
     if args.summarise_trace:
         summary_of = inside_summary(args.summarise_trace, args.inside) if args.inside else trace_summary(args.summarise_trace)
         print(json.dumps(summary_of, indent=1))
