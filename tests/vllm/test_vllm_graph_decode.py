@@ -458,6 +458,18 @@ def test_window_rows_of_padding_rows_and_stale_tables_keep_the_kernels_contract(
     assert rows.count[0] == 4 + 4  # kept 292..295 and decoded 296..299
 
 
+def test_the_tables_refuse_a_refill_inside_a_capture(monkeypatch):
+    """A refill captured into a CUDA graph would replay its copy from a pinned staging buffer reused since: raised."""
+    from uniprefill.vllm.metadata import DropHistoryStore
+
+    tables = DecodeTables(1, 4)
+    tables.on(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        tables.fill(DropHistoryStore((1,), 3), ("a",))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_upload_queues_the_copy_behind_the_stream_and_lands_every_value():

@@ -80,6 +80,9 @@ class DecodeTables:
         key = (store.version, request_ids)
         if key == self._filled:
             return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the decode tables are refilled inside a CUDA graph capture: the capture would replay "
+                               "the copy from a staging buffer that is reused after it")
         rows = store.rows_for(request_ids)
         host = torch.zeros(self.columns, self.max_num_reqs, dtype=torch.int32)
         for c in range(self.columns):
