@@ -28,7 +28,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest-xdist runs the suite in proc
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
-        if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on"):  # as Triton reads it
+        from uniprefill.kernels._common import interpret_enabled  # TRITON_INTERPRET read as the kernels read it
+
+        if interpret_enabled():
             return
         skip = pytest.mark.skip(reason="Triton kernels on CPU tensors: Triton's CPU interpreter "
                                        "(TRITON_INTERPRET=1 pytest -m interpreter)")
