@@ -172,6 +172,22 @@ def test_sliding_layers_after_a_drop_see_the_context_of_a_dropping_last_chunk(mo
     assert_steps_match_the_reference(model, steps, prompt_kept, tokens, drops, windows)
 
 
+def test_sliding_layers_of_one_window_in_two_groups_share_the_copy_positions(model, monkeypatch):
+    """Layers 2 and 3 (window 24) are in KV-cache groups 0 and 1: the context tail's positions are built once per
+    drop point and window (`window.context_tail_positions`, a host build and a copy), each group's slots from them
+    through its own block table, and every step still equals the reference (the copy landed in both groups)."""
+    import uniprefill.vllm.window as window
+
+    built = []
+    real = window.context_tail_positions
+    monkeypatch.setattr(window, "context_tail_positions", lambda *a, **k: built.append(a[2]) or real(*a, **k))
+    config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=16, min_tokens=64)
+    drops, windows = (1,), {2: 24, 3: 24}
+    runtime, steps, prompt_kept, tokens = run_chunked(model, config, drops, windows)
+    assert built == [24]  # the one step with last chunks that drop copies their tails: one build for both layers
+    assert_steps_match_the_reference(model, steps, prompt_kept, tokens, drops, windows)
+
+
 @pytest.mark.parametrize("drops, windows", [((1,), {2: 300}), ((1, 2), {3: 280}), ((1,), {2: 300, 3: 120}),
                                             ((1, 3), {2: 300}), ((0, 2), {1: 300, 3: 300})],
                          ids=["one-drop", "two-drops", "two-windows", "sliding-between-drops",

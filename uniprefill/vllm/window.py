@@ -33,12 +33,13 @@ CUDA, beside its PyTorch reference) reads those entries from vLLM's paged cache 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from uniprefill.kernels.layout_rows import window_counts as row_window_counts
 
 from .graph_decode import _capturing_full_graph, keeps_vllm_rows
-from .host_arrays import _ranges, _to_device
+from .host_arrays import _ranges, _to_device, ranges_np
 from .layout import TokenLayout
 from .metadata import DropHistoryStore
 
@@ -118,10 +119,15 @@ def copy_context_tail(right: TokenLayout, group: int, requests: list[int], windo
     the layer's KV update (a context entry may be written in the same forward). The gap must hold them
     (`context_tail_fits`, checked with the engine's largest window): the copy never writes below `ctx`, where
     the context's blocks may be shared with other requests through the prefix cache. `plans` (one drop point's:
-    one layout) keeps the source and destination slots for its later sliding layers of the same group and window."""
+    one layout) keeps, for its later sliding layers, the copy's positions per window (the same in every KV-cache
+    group: built once) and its slots per (group, window): a layer whose group and window met a plan before costs
+    two gathers and two scatters (Gemma-3's sliding layers are each in another group than the one before)."""
     plans = {} if plans is None else plans
     if (group, window) not in plans:
-        plans[group, window] = context_tail_slots(right, group, requests, window, cache.key_cache.device)
+        if ("positions", window) not in plans:
+            plans["positions", window] = context_tail_positions(right, requests, window, cache.key_cache.device)
+        positions = plans["positions", window]
+        plans[group, window] = None if positions is None else _tail_slots(right, group, *positions)
     plan = plans[group, window]
     if plan is None:
         return
@@ -130,25 +136,29 @@ def copy_context_tail(right: TokenLayout, group: int, requests: list[int], windo
         c[dst_blocks, dst_offsets] = c[src_blocks, src_offsets]
 
 
-def context_tail_slots(right: TokenLayout, group: int, requests: list[int], window: int, device):
-    """(source blocks, source offsets, destination blocks, destination offsets) of `copy_context_tail`'s copy in
-    KV-cache group `group`, or None when no request has a context tail to copy."""
-    table, block = right.block_tables[group], right.block_sizes[group]
-    src, dst, rows = [], [], []
-    for r in requests:
-        ctx = int(right.num_computed_tokens_cpu[r])
-        n = context_tail(ctx, window)
-        if n == 0:
-            continue
-        base = int(right.kv_base_cpu[r])  # the first kept entry
-        if base - n < ctx:
-            raise RuntimeError(f"request {r}: a gap of {base - ctx} entries cannot hold its context tail of {n}")
-        src.append(torch.arange(ctx - n, ctx))
-        dst.append(torch.arange(base - n, base))
-        rows.append(torch.full((n,), r))
-    if not src:
+def context_tail_positions(right: TokenLayout, requests: list[int], window: int, device):
+    """(request, source entry, destination entry) per copied entry of `copy_context_tail` under `window`, device
+    int64 (one copy), or None when no request has a context tail to copy. Built on the host without a loop over
+    requests; a request whose gap cannot hold its tail raises."""
+    r = np.asarray(requests, dtype=np.int64)
+    ctx = right.num_computed_tokens_cpu.numpy()[r].astype(np.int64)
+    n = np.minimum(max(window - 1, 0), ctx)  # `context_tail`
+    base = right.kv_base_cpu.numpy()[r].astype(np.int64)  # the first kept entry
+    short = (n > 0) & (base - n < ctx)
+    if short.any():
+        i = int(np.flatnonzero(short)[0])
+        raise RuntimeError(f"request {int(r[i])}: a gap of {int(base[i] - ctx[i])} entries cannot hold its context "
+                           f"tail of {int(n[i])}")
+    if not (n > 0).any():
         return None
-    src, dst, rows = (torch.cat(t).to(device, non_blocking=True) for t in (src, dst, rows))
+    rows = np.repeat(r, n)
+    return _to_device([rows, ranges_np(ctx - n, n), ranges_np(base - n, n)], [torch.int64] * 3, device)
+
+
+def _tail_slots(right: TokenLayout, group: int, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor):
+    """(source blocks, source offsets, destination blocks, destination offsets) of the copied entries in KV-cache
+    group `group` (its block table and block size)."""
+    table, block = right.block_tables[group], right.block_sizes[group]
     return table[rows, src // block].long(), src % block, table[rows, dst // block].long(), dst % block
 
 
