@@ -26,9 +26,12 @@ class SelectionRule:
 
     block_size: tokens per block.
     sink, last_q: the blocks touching a sequence's first `sink` or last `last_q` tokens are
-        forced (always kept).
+        forced (always kept). `sink` is one number, or a host int32 / int64 tensor [B] with each
+        sequence's own (a serving engine's last chunk of a prompt whose context holds its
+        sink tokens forces none of them: one selection call for the whole step).
     min_tokens: a sequence shorter than max(min_tokens, sink + last_q)
-        (`effective_min_tokens`) keeps every block.
+        (`effective_min_tokens`; `sequence_min_tokens(sink)` with one sink per sequence) keeps
+        every block.
     p: top-p in (0, 1]; the default 1.0 keeps every block. One number, or a host float32
         tensor [B] with each sequence's own p (`select_blocks` checks its length against the
         batch; its values are checked here, so do not change them in place afterwards).
@@ -40,7 +43,7 @@ class SelectionRule:
     """
 
     block_size: int
-    sink: int
+    sink: int | torch.Tensor
     last_q: int
     min_tokens: int
     p: float | torch.Tensor = 1.0
@@ -51,7 +54,7 @@ class SelectionRule:
         _check_p(self.p)
         _check_keep_ratio(self.keep_ratio)
         check_int("block_size", self.block_size, low=1)
-        check_int("sink", self.sink, low=0)
+        _check_sink(self.sink)
         check_int("last_q", self.last_q, low=1)
         check_int("min_tokens", self.min_tokens, low=0)
         if self.selection not in SELECTIONS:
@@ -59,13 +62,30 @@ class SelectionRule:
 
     @property
     def effective_min_tokens(self) -> int:
-        """Shortest sequence selected from: never below sink + last_q (shorter ones keep all)."""
-        return max(self.min_tokens, self.sink + self.last_q)
+        """Shortest sequence selected from: never below sink + last_q (shorter ones keep all). With one sink per
+        sequence each has its own (`sequence_min_tokens`): this raises."""
+        if self.per_sequence_sink:
+            raise ValueError("a rule with one sink per sequence has no single effective_min_tokens: "
+                             "use sequence_min_tokens(sink)")
+        return self.sequence_min_tokens(self.sink)
+
+    def sequence_min_tokens(self, sink: int) -> int:
+        """Shortest sequence selected from, for a sequence with `sink` forced sink tokens."""
+        return max(self.min_tokens, int(sink) + self.last_q)
 
     @property
     def per_sequence_p(self) -> bool:
         """Whether `p` is a tensor with one p per sequence."""
         return isinstance(self.p, torch.Tensor)
+
+    @property
+    def per_sequence_sink(self) -> bool:
+        """Whether `sink` is a tensor with one sink count per sequence."""
+        return isinstance(self.sink, torch.Tensor)
+
+    def sinks(self, batch: int) -> list[int]:
+        """Each of `batch` sequences' sink count."""
+        return self.sink.tolist() if self.per_sequence_sink else [self.sink] * batch
 
     @classmethod
     def from_config(cls, config, drop_index: int, num_drop_points: int) -> SelectionRule:
@@ -92,6 +112,17 @@ def _check_p(p) -> None:
             raise ValueError(f"p: every sequence's p must lie in (0, 1]; got {p.tolist()[:8]}")
     elif isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
         raise ValueError(f"p={p!r} must be a number in (0, 1] (or a host float32 tensor [B], one per sequence)")
+
+
+def _check_sink(sink) -> None:
+    if isinstance(sink, torch.Tensor):  # one sink per sequence: its length is checked against the batch
+        if sink.dim() != 1 or sink.dtype not in (torch.int32, torch.int64) or sink.device.type != "cpu":
+            raise ValueError(f"sink as a tensor must be a host int32 / int64 tensor [B] (one sink count per "
+                             f"sequence), got {sink.dtype} {tuple(sink.shape)} on {sink.device}")
+        if sink.numel() and not bool((sink >= 0).all()):
+            raise ValueError(f"sink: every sequence's sink count must be >= 0; got {sink.tolist()[:8]}")
+    else:
+        check_int("sink", sink, low=0)
 
 
 def _check_keep_ratio(keep_ratio) -> None:

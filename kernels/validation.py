@@ -127,7 +127,7 @@ def read_layout(
 
 
 def check_select_inputs(block_scores, cu_blocks, cu_seqlens_k, rule) -> None:
-    """The tensors of a selection, and `rule`'s p tensor (if any) against their batch; the
+    """The tensors of a selection, and `rule`'s p and sink tensors (if any) against their batch; the
     rule's own values were checked when it was built (`rule.SelectionRule`)."""
     check_rule(rule)
     if not isinstance(block_scores, torch.Tensor) or block_scores.dim() != 1:
@@ -141,6 +141,10 @@ def check_select_inputs(block_scores, cu_blocks, cu_seqlens_k, rule) -> None:
     if rule.per_sequence_p and p.shape[0] != batch:  # a host tensor, moved by the caller
         raise ValueError(f"p as a tensor must be a host float32 tensor [B] = [{batch}] (one p per sequence), "
                          f"got {p.dtype} {tuple(p.shape)} on {p.device}")
+    sink = rule.sink
+    if rule.per_sequence_sink and sink.shape[0] != batch:
+        raise ValueError(f"sink as a tensor must be a host int tensor [B] = [{batch}] (one sink count per "
+                         f"sequence), got {sink.dtype} {tuple(sink.shape)} on {sink.device}")
 
 
 def check_rule(rule) -> None:

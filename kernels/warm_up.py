@@ -59,17 +59,23 @@ def selection_modes(p: float, keep_ratio: float | None, per_sequence_p: bool) ->
     return [("one", None)] + ([("per_sequence", None)] if per_sequence_p else [])
 
 
-def _rule_for(base: SelectionRule, kind: str, keep_ratio: float | None, batch: int) -> SelectionRule:
-    """`base` in one selection mode: its p for every sequence, or as a tensor of `batch` copies."""
+def _rule_for(base: SelectionRule, kind: str, keep_ratio: float | None, batch: int,
+              per_sequence_sink: bool = False) -> SelectionRule:
+    """`base` in one selection mode: its p for every sequence, or as a tensor of `batch` copies; its sink as one
+    number, or (`per_sequence_sink`) as a tensor of `batch` copies."""
     p = torch.full((batch,), base.p, dtype=torch.float32) if kind == "per_sequence" else base.p
-    return dataclasses.replace(base, p=p, keep_ratio=keep_ratio)
+    sink = torch.full((batch,), base.sink, dtype=torch.int64) if per_sequence_sink else base.sink
+    return dataclasses.replace(base, p=p, sink=sink, keep_ratio=keep_ratio)
 
 
 def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                              device: torch.device | str, block_size: int, sink: int, last_q: int,
                              min_tokens: int, max_seqlen: int, p: float = 0.95, keep_ratio: float | None = None,
-                             per_sequence_p: bool = True, impl: str = "auto", selection: str = "paper") -> WarmUp:
-    """Run the kernel variants a server will meet (module docstring); returns what ran."""
+                             per_sequence_p: bool = True, impl: str = "auto", selection: str = "paper",
+                             per_sequence_sink: bool = False) -> WarmUp:
+    """Run the kernel variants a server will meet (module docstring); returns what ran. `per_sequence_sink`: the
+    caller passes its sink counts as a tensor (one per sequence, the vLLM runtime's selection), so compile that
+    variant instead of the one-number one."""
     start = time.perf_counter()
     base = SelectionRule(block_size=block_size, sink=sink, last_q=last_q, min_tokens=min_tokens, p=p,
                          keep_ratio=keep_ratio, selection=selection)
@@ -89,7 +95,7 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
             k = torch.randn(sum(lengths), num_kv_heads, head_dim, generator=generator, device=device).to(dtype)
             (cu_q, host_q), (cu_k, host_k) = _offsets(n_q, device), _offsets(lengths, device)
             for kind, ratio in modes:
-                score_and_select(q, k, cu_q, cu_k, length, _rule_for(base, kind, ratio, batch),
+                score_and_select(q, k, cu_q, cu_k, length, _rule_for(base, kind, ratio, batch, per_sequence_sink),
                                  scale=head_dim ** -0.5, impl=impl, host_cu_seqlens=(host_q, host_k))
                 scored += 1
     selected = 0
@@ -104,7 +110,7 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
             cu_blocks = block_offsets(cu_k, block_size)
             scores = torch.rand(batch * blocks, generator=generator, device=device)
             for kind, ratio in modes:
-                keep = select_blocks(scores, cu_blocks, cu_k, _rule_for(base, kind, ratio, batch), impl=impl,
+                keep = select_blocks(scores, cu_blocks, cu_k, _rule_for(base, kind, ratio, batch, per_sequence_sink), impl=impl,
                                      max_seqlen_k=lengths[0])
                 compact_tokens(keep, cu_blocks, cu_k, block_size, impl=impl)
                 selected += 1

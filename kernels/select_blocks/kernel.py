@@ -34,13 +34,17 @@ _KEEP_EVERYTHING = 2**31 - 1  # as min_len: every sequence is shorter, so all is
 
 @triton.jit
 def _select_blocks_kernel(
-    scores_ptr, cu_blocks_ptr, cu_k_ptr, target_tokens_ptr, keep_ptr, p_ptr,
+    scores_ptr, cu_blocks_ptr, cu_k_ptr, target_tokens_ptr, keep_ptr, p_ptr, sink_ptr,
     p, block_size, sink, last_q, min_len,
-    TOP_P: tl.constexpr, PER_SEQUENCE_P: tl.constexpr, CONTENT: tl.constexpr, BLOCK: tl.constexpr,
+    TOP_P: tl.constexpr, PER_SEQUENCE_P: tl.constexpr, PER_SEQUENCE_SINK: tl.constexpr, CONTENT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     seq = tl.program_id(0)
     if PER_SEQUENCE_P:
         p = tl.load(p_ptr + seq)
+    if PER_SEQUENCE_SINK:  # min_len is then the rule's min_tokens: each sequence raises it to its sink + last_q
+        sink = tl.load(sink_ptr + seq)
+        min_len = tl.maximum(min_len, sink + last_q)
     first = tl.load(cu_blocks_ptr + seq)
     n_blocks = tl.load(cu_blocks_ptr + seq + 1) - first
     n_k = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
@@ -100,9 +104,11 @@ def select_blocks_fwd(
     keep = torch.empty(block_scores.shape[0], dtype=torch.int8, device=block_scores.device)
     if block_scores.shape[0] == 0:
         return keep.view(torch.bool)
-    min_len = rule.effective_min_tokens
-    per_sequence = rule.per_sequence_p
+    per_sequence, per_sequence_sink = rule.per_sequence_p, rule.per_sequence_sink
+    min_len = rule.min_tokens if per_sequence_sink else rule.effective_min_tokens
     p_values = p.to(block_scores.device, non_blocking=True) if per_sequence else block_scores  # (unused if one p)
+    sinks = (rule.sink.to(block_scores.device, torch.int32, non_blocking=True) if per_sequence_sink
+             else block_scores)  # (unused if one sink)
     if keep_ratio is None and not per_sequence and p >= 1.0:
         min_len = _KEEP_EVERYTHING
     if keep_ratio is None:
@@ -115,9 +121,11 @@ def select_blocks_fwd(
     # interpreter runs each sorting stage in Python, so it gets the smallest block.
     block = max(256 if block_scores.is_cuda else 16, next_power_of_2(max_blocks_per_sequence))
     _select_blocks_kernel[(batch,)](
-        block_scores, cu_blocks, cu_seqlens_k, target_tokens, keep, p_values,
-        1.0 if per_sequence else float(p), block_size, rule.sink, rule.last_q, min(min_len, _KEEP_EVERYTHING),
+        block_scores, cu_blocks, cu_seqlens_k, target_tokens, keep, p_values, sinks,
+        1.0 if per_sequence else float(p), block_size, 0 if per_sequence_sink else rule.sink, rule.last_q,
+        min(min_len, _KEEP_EVERYTHING),
         TOP_P=keep_ratio is None, PER_SEQUENCE_P=per_sequence and keep_ratio is None,
+        PER_SEQUENCE_SINK=per_sequence_sink,
         CONTENT=rule.selection == "content" and keep_ratio is None, BLOCK=block,
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
     )

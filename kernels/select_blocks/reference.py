@@ -27,25 +27,26 @@ def select_blocks_reference(
     cu_seqlens_k: torch.Tensor,
     rule: SelectionRule,
 ) -> torch.Tensor:
-    """Block keep flags, bool [total_blocks]; see `api.select_blocks` for the rules (rule.p:
-    one number, or a host tensor with one per sequence)."""
+    """Block keep flags, bool [total_blocks]; see `api.select_blocks` for the rules (rule.p and
+    rule.sink: one number each, or a host tensor with one per sequence)."""
     keep = torch.zeros_like(block_scores, dtype=torch.bool)
     blocks, tokens = cu_blocks.tolist(), cu_seqlens_k.tolist()
     ps = rule.p.tolist() if rule.per_sequence_p else [rule.p] * (len(blocks) - 1)  # one p per sequence
+    sinks = rule.sinks(len(blocks) - 1)
     for b in range(len(blocks) - 1):
         n_tokens = tokens[b + 1] - tokens[b]
         scores = block_scores[blocks[b] : blocks[b + 1]]
-        if n_tokens < rule.effective_min_tokens or (rule.keep_ratio is None and ps[b] >= 1.0):
+        if n_tokens < rule.sequence_min_tokens(sinks[b]) or (rule.keep_ratio is None and ps[b] >= 1.0):
             keep[blocks[b] : blocks[b + 1]] = True
             continue
-        own = dataclasses.replace(rule, p=ps[b]) if rule.per_sequence_p else rule
+        own = dataclasses.replace(rule, p=ps[b], sink=sinks[b])
         keep[blocks[b] : blocks[b + 1]] = select_one(scores, n_tokens, own)
     return keep
 
 
 def select_one(scores: torch.Tensor, n_tokens: int, rule: SelectionRule) -> torch.Tensor:
     """One sequence's keep flags from its block scores (`api.select_blocks` defines the rules),
-    under `rule` with one number as p; `rule.min_tokens` is not read (the caller decides
+    under `rule` with one number as p and as sink; `rule.min_tokens` is not read (the caller decides
     whether the sequence is selected from at all).
 
     selection "paper": the forced blocks' scores count toward p * (all blocks' score);

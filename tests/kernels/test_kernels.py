@@ -277,6 +277,62 @@ def test_per_sequence_p_is_checked():
             api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(p=bad, **settings))
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("rule_kind", ["p=0.8", "p-per-sequence", "ratio=0.3"])
+@pytest.mark.parametrize("case", SELECT_CASES[:4], ids=[c[0] for c in SELECT_CASES[:4]])
+def test_one_sink_per_sequence_equals_each_sequence_with_its_own_sink(case, rule_kind, impl):
+    """A serving engine's step mixes whole prompts (the config's sink) with last chunks whose context holds
+    some or all of the sink tokens: a host tensor [B] of sink counts selects, for every sequence, exactly what
+    a call with that sequence's sink alone selects, its own shortest length (sink + last_q) included; with one
+    p, a p per sequence, or a forced keep ratio."""
+    _, lens, block, _, last_q, min_tokens = case
+    cu_k = cumsum0(lens)
+    cu_blocks = cumsum0([math.ceil(n / block) for n in lens])
+    scores = integer_scores(cu_blocks.tolist(), seed=5 * len(lens) + block)
+    sinks = [2 * block, 0, 1, 3 * block, 0][: len(lens)]
+    ps = [0.8, 0.5, 0.95, 0.3, 0.9][: len(lens)]
+    p = torch.tensor(ps) if rule_kind == "p-per-sequence" else 0.8
+    ratio = 0.3 if rule_kind == "ratio=0.3" else None
+    settings = dict(keep_ratio=ratio, block_size=block, last_q=last_q, min_tokens=min_tokens)
+    out = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(p=p, sink=torch.tensor(sinks), **settings),
+                            impl=impl, max_seqlen_k=max(lens))
+    bounds = cu_blocks.tolist()
+    for b, sink in enumerate(sinks):
+        own_p = ps[b] if rule_kind == "p-per-sequence" else 0.8
+        alone = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(p=own_p, sink=sink, **settings),
+                                  impl=impl, max_seqlen_k=max(lens))
+        assert torch.equal(out[bounds[b]:bounds[b + 1]], alone[bounds[b]:bounds[b + 1]]), f"sequence {b}, sink {sink}"
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_per_sequence_sink_forces_that_sequences_first_blocks_only(impl):
+    """Two equal sequences (the same scores), sinks 0 and 160 at p = 0.3: only the second keeps its first ten
+    blocks whatever their scores, and the first equals a call with no sink."""
+    lens, block = [1000, 1000], 16
+    cu_k, cu_blocks = cumsum0(lens), cumsum0([63, 63])
+    one = integer_scores([0, 63], seed=11)
+    scores = torch.cat([one, one])
+    settings = dict(p=0.3, keep_ratio=None, block_size=block, last_q=8, min_tokens=0)
+    out = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(sink=torch.tensor([0, 160]), **settings),
+                            impl=impl, max_seqlen_k=1000).cpu()
+    alone = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(sink=0, **settings), impl=impl,
+                              max_seqlen_k=1000).cpu()
+    assert out[63:73].all() and not out[:10].all()
+    assert torch.equal(out[:63], alone[:63])
+
+
+def test_per_sequence_sink_is_checked():
+    cu_k, cu_blocks = cumsum0([64, 64]), cumsum0([4, 4])
+    scores = torch.ones(8, device=DEVICE)
+    settings = dict(p=0.9, keep_ratio=None, block_size=16, last_q=1, min_tokens=0)
+    for bad, message in ((torch.tensor([4]), r"\[B\] = \[2\]"), (torch.tensor([4, -1]), ">= 0"),
+                         (torch.tensor([4.0, 1.0]), "int32 / int64"), (torch.tensor([[4, 1]]), "int32 / int64")):
+        with pytest.raises(ValueError, match=message):  # the values when the rule is built, the length at the call
+            api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(sink=bad, **settings))
+    with pytest.raises(ValueError, match="sequence_min_tokens"):
+        SelectionRule(sink=torch.tensor([4, 1]), **settings).effective_min_tokens
+
+
 def check_selection(scores, keep, cu_blocks, lens, rule):
     """The properties of a selection, sequence by sequence (`rule` with one number as p)."""
     p, keep_ratio, block_size, sink, last_q = rule.p, rule.keep_ratio, rule.block_size, rule.sink, rule.last_q

@@ -100,24 +100,24 @@ def test_the_last_chunk_drops_among_its_own_tokens_and_decode_follows(model, dro
 def test_a_last_chunk_forces_only_the_sinks_its_context_lacks(model, monkeypatch, first, sinks):
     """The sinks are the prompt's first `sink` tokens: a last chunk whose context holds them all forces
     none, one whose context holds 20 of 32 forces the other 12 (one block of 16: the rule forces whole
-    blocks), a prompt prefilled whole forces 32. Requests are selected in groups of one sink count, the
-    larger count on the lower or the higher batch row; every hidden state still equals the reference (its
-    context whole, the kept rows)."""
+    blocks), a prompt prefilled whole forces 32. The step's requests are selected in one call with one sink
+    count each (the larger count on the lower or the higher batch row); every hidden state still equals the
+    reference (its context whole, the kept rows)."""
     from uniprefill.kernels import api
 
     calls = []
     score_and_select = api.score_and_select
 
     def recording(q, k, cu_q, cu_k, max_k, rule, **kwargs):
-        calls.append((rule.sink, len(cu_k) - 1))
+        calls.append((rule.sink.tolist(), len(cu_k) - 1))
         return score_and_select(q, k, cu_q, cu_k, max_k, rule, **kwargs)
 
     monkeypatch.setattr(api, "score_and_select", recording)
     config = UniPrefillConfig(keep_ratio=0.5, block_size=BLOCK, last_q=16, sink=32, min_tokens=64)
     runtime, steps, prompt_kept, tokens = run_chunked(model, config, (1,), first=first)
     assert steps[1][1] == [SkipReason.ELIGIBLE, SkipReason.DECODE, SkipReason.ELIGIBLE]
-    # step 1: request 1 whole; step 2: the two last chunks, one group per sink count, in increasing order
-    assert BLOCK == 16 and calls == [(32, 1), (0, 1), (16, 1)]
+    # step 1: request 1 whole; step 2: the two last chunks in one call, each with its own sink count
+    assert BLOCK == 16 and calls == [([32], 1), (sinks, 2)]
     hidden, _, query_lens = steps[1]
     qsl = torch.tensor([0] + query_lens).cumsum(0)
     for r, sink in zip((0, 2), sinks):

@@ -283,7 +283,7 @@ class VllmDropRuntime:
                          device=q.device, block_size=cfg.block_size, sink=cfg.sink, last_q=cfg.last_q,
                          min_tokens=cfg.effective_min_tokens, max_seqlen=self.warm_up_max_seqlen, p=cfg.p,
                          keep_ratio=cfg.keep_ratio_at(drop_index, len(self.drop_layers)), impl=cfg.impl,
-                         selection=cfg.selection)
+                         selection=cfg.selection, per_sequence_sink=True)  # as `selection.select_rows` passes sinks
         self.totals.kernel_warm_ups += 1
         logger.info("uniprefill: compiled the score-and-select kernels before serving (prompts up to %d tokens): "
                     "%s", self.warm_up_max_seqlen, ran)

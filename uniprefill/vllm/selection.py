@@ -2,7 +2,7 @@
 select over each eligible request's own rows, `kernels.api.score_and_select`), for `VllmDropRuntime`.
 
 Index arithmetic runs on the host, vectorised (numpy, `host_arrays`), its results on the device in one copy per
-dtype; one gather of q and k per forced-sink count; one host sync for the kept counts (inside `score_and_select`).
+dtype; one gather of q and k and one selection call (one sink count per request); one host sync for the kept counts (inside `score_and_select`).
 Under tensor parallelism `group` sums the block scores across ranks, so every rank keeps the same rows.
 """
 
@@ -24,31 +24,26 @@ def select_rows(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, layo
                 drop_index: int, num_drop_points: int, p_of: Callable[[torch.Tensor], float | torch.Tensor],
                 group=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept rows and host counts per request: selected for the eligible requests, all rows
-    for the others. Index arithmetic on the host (vectorised), one gather of q and k per sink count.
+    for the others. Index arithmetic on the host (vectorised), one gather of q and k, one selection call.
 
     The sinks are the prompt's first `sink` tokens: a request whose step starts after some of them
     (the last chunk of a chunked prefill, a prefix-cache hit; their context stays whole) forces only
     the `sink - context` of them its step holds (rounded up to whole blocks), none once its context
-    covers them. Requests are
-    selected in groups of one forced-sink count (usually one group; the same groups on every
-    tensor-parallel rank, which sum their block scores per call)."""
+    covers them: the selection takes one sink count per request (`SelectionRule.sink` as a tensor), so a
+    step whose requests have different counts still makes one call (one host sync; on
+    a tensor-parallel engine, one all-reduce of the block scores)."""
     cfg = config
     qsl, qlen = layout.query_start_loc_cpu.numpy(), layout.query_lens_cpu.numpy()  # host arithmetic in numpy
     eligible = eligible.numpy().astype(bool, copy=False)
     chosen = np.flatnonzero(eligible)
     lacking = np.maximum(cfg.sink - layout.num_computed_tokens_cpu.numpy()[chosen], 0)
     # A partial count goes up to whole blocks (the rule forces "blocks touching the first sink tokens": the
-    # same blocks), capped at `sink` (a request without context keeps the config's rule exactly): so the
-    # values are 0, `sink` or multiples of the block size, not every count a context length leaves
+    # same blocks), capped at `sink` (a request without context keeps the config's rule exactly)
     sinks = np.minimum((lacking + cfg.block_size - 1) // cfg.block_size * cfg.block_size, cfg.sink)
     counts = qlen.astype(np.int64)  # a copy
-    parts = []
-    for sink in np.unique(sinks).tolist():
-        members = chosen[sinks == sink]
-        rows, kept_counts = _select_group(config, q, k, qsl, qlen, members, drop_index, num_drop_points, int(sink),
-                                          p_of, group)
-        parts.append(rows)
-        counts[members] = kept_counts
+    rows, kept_counts = _select(config, q, k, qsl, qlen, chosen, drop_index, num_drop_points, sinks, p_of, group)
+    counts[chosen] = kept_counts
+    parts = [rows]
     others = np.flatnonzero(~eligible)
     if others.size:
         parts.append(torch.from_numpy(ranges_np(qsl[:-1][others], qlen[others])).to(q.device, non_blocking=True))
@@ -56,10 +51,10 @@ def select_rows(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, layo
     return kept, torch.from_numpy(counts)
 
 
-def _select_group(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray, qlen: np.ndarray,
-                  chosen: np.ndarray, drop_index: int, num_drop_points: int, sink: int, p_of, group
-                  ) -> tuple[torch.Tensor, np.ndarray]:
-    """`score_and_select` over the requests `chosen` (host indices) with `sink` forced sink tokens:
+def _select(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, qsl: np.ndarray, qlen: np.ndarray,
+            chosen: np.ndarray, drop_index: int, num_drop_points: int, sinks: np.ndarray, p_of, group
+            ) -> tuple[torch.Tensor, np.ndarray]:
+    """`score_and_select` over the requests `chosen` (host indices), each with its forced sink count `sinks`:
     their kept rows (device, batch row numbers) and kept counts (host)."""
     from uniprefill.kernels.api import SelectionRule, score_and_select
 
@@ -73,7 +68,10 @@ def _select_group(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, qs
     cu_k, cu_q = offsets_np(lens), offsets_np(n_q)
     key_rows_d, query_rows_d, cu_q_d, cu_k_d = _to_device(  # one copy per dtype
         [key_rows, query_rows, cu_q, cu_k], [torch.int64, torch.int64, torch.int32, torch.int32], device)
-    rule = dataclasses.replace(SelectionRule.from_config(cfg, drop_index, num_drop_points), sink=sink)
+    # always a tensor, even where every count is the same: one kernel variant for every step (the one the
+    # engine's warm-up compiles, `VllmDropRuntime._warm_up_kernels`)
+    rule = dataclasses.replace(SelectionRule.from_config(cfg, drop_index, num_drop_points),
+                               sink=torch.from_numpy(sinks.astype(np.int64)))
     if rule.keep_ratio is None:  # top-p: a request may bring its own p
         rule = dataclasses.replace(rule, p=p_of(torch.from_numpy(chosen)))
     selection = score_and_select(
