@@ -12,7 +12,6 @@ import random
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -670,7 +669,9 @@ def test_vllm_config_checks():
     assert check_vllm_config(fake_vllm_config(mode=1), aot_compile=True).errors == []
 
 
-def test_register_is_idempotent_and_imports_nothing():
+def test_register_is_idempotent_and_imports_nothing(tmp_path):
+    """In a fresh interpreter, run outside the source tree: the installed package (on the GPU box the source tree,
+    which has no `uniprefill.kernels`, would shadow the installed one and fail the import, 2026-12-06)."""
     code = (
         "import sys, uniprefill\n"
         "assert 'uniprefill.vllm.plugin' not in sys.modules\n"
@@ -680,8 +681,7 @@ def test_register_is_idempotent_and_imports_nothing():
         "assert 'vllm' not in sys.modules and 'torch._dynamo' not in sys.modules, 'register imported too much'\n"
         "print('ok')\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 

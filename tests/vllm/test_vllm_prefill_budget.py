@@ -128,12 +128,12 @@ def test_install_where_vllm_runs_needs_the_engine_arguments_module(monkeypatch):
     assert prefill_budget.install_where_vllm_runs() is False
 
 
-def test_the_plugins_register_wraps_vllms_engine_arguments():
+def test_the_plugins_register_wraps_vllms_engine_arguments(tmp_path):
     """The path vLLM takes: `EngineArgs.__post_init__` loads the plugins, `register()` wraps the method, and the
     config built next gets the budget. A stand-in vLLM in a fresh process (the plugin registers once per process)."""
     code = (
         "import sys, types\n"
-        "sys.path.insert(0, 'tests/vllm')\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
         "from test_vllm_prefill_budget import EngineArgs, MODEL, options\n"
         "from types import SimpleNamespace as NS\n"
         "for name in ('vllm', 'vllm.engine', 'vllm.engine.arg_utils', 'vllm.v1', 'vllm.v1.core', 'vllm.v1.core.sched',\n"
@@ -148,8 +148,8 @@ def test_the_plugins_register_wraps_vllms_engine_arguments():
         "args._set_default_max_num_seqs_and_batched_tokens_args(None, MODEL, NS(use_batched_dp_moe=False))\n"
         "print('budget', args.max_num_batched_tokens)\n"
     )
-    root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    # outside the source tree: on the GPU box it would shadow the installed package (the metadata test's lesson)
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "budget 33791" in result.stdout
     assert "max_num_batched_tokens 8192 -> 33791" in result.stderr  # the warning reaches the process's output
