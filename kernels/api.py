@@ -107,7 +107,9 @@ def select_blocks(
     """Which blocks to keep: bool [total_blocks], under `rule` (whose fields are named below).
 
     Forced blocks are every block touching the first `sink` tokens or the last `last_q`
-    tokens of its sequence; they are always kept, and they COUNT TOWARD p.
+    tokens of its sequence; they are always kept, and they COUNT TOWARD p. `sink` is one
+    number, or a host int tensor [B] with each sequence's own (a serving engine's step that
+    mixes whole prompts with last chunks whose context holds their sink tokens).
 
     - Top-p (`keep_ratio` None): keep the smallest set of blocks that contains the forced
       blocks and whose score sum is >= p * (the sum of all the sequence's block scores).
@@ -123,7 +125,7 @@ def select_blocks(
     - Keep ratio r: keep the forced blocks, then the highest-scoring blocks (same order)
       until the kept TOKEN count is >= ceil(r * len_i).
 
-    A sequence with len_i < max(min_tokens, sink + last_q) keeps every block.
+    A sequence with len_i < max(min_tokens, sink_i + last_q) keeps every block.
     `max_seqlen_k` (the longest len_i, or a bound) sizes the Triton sort without a host
     sync; left None with B > 1, the Triton path reads `cu_blocks` to the host once.
     The Triton path handles at most `select_blocks.MAX_BLOCKS_PER_SEQUENCE` blocks per

@@ -110,8 +110,8 @@ def warm_up_score_and_select(*, num_heads: int, num_kv_heads: int, head_dim: int
             cu_blocks = block_offsets(cu_k, block_size)
             scores = torch.rand(batch * blocks, generator=generator, device=device)
             for kind, ratio in modes:
-                keep = select_blocks(scores, cu_blocks, cu_k, _rule_for(base, kind, ratio, batch, per_sequence_sink), impl=impl,
-                                     max_seqlen_k=lengths[0])
+                rule = _rule_for(base, kind, ratio, batch, per_sequence_sink)
+                keep = select_blocks(scores, cu_blocks, cu_k, rule, impl=impl, max_seqlen_k=lengths[0])
                 compact_tokens(keep, cu_blocks, cu_k, block_size, impl=impl)
                 selected += 1
             blocks *= 2

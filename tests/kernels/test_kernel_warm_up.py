@@ -54,3 +54,24 @@ def test_warm_up_stops_at_the_select_kernels_limit(monkeypatch):
     monkeypatch.setattr("uniprefill.kernels.select_blocks.kernel.MAX_BLOCKS_PER_SEQUENCE", 4)
     ran = warm_up_score_and_select(**{**TINY, "max_seqlen": 10_000}, per_sequence_p=False, impl="torch")
     assert ran.select_calls == 2 * 3  # 1, 2, 4 blocks: never a size the kernel refuses
+
+
+def test_warm_up_with_per_sequence_sinks_runs_that_variant_only(monkeypatch):
+    """The vLLM runtime passes one sink count per request (a tensor) in every call: its warm-up runs every call with
+    a sink tensor of the batch's length holding the config's sink, never the one-number variant it does not use."""
+    sinks = []
+    real_score, real_select = api.score_and_select, api.select_blocks
+
+    def spy_score(q, k, cu_q, cu_k, max_seqlen_k, rule, **kw):
+        sinks.append((rule.per_sequence_sink, rule.sinks(cu_k.shape[0] - 1)))
+        return real_score(q, k, cu_q, cu_k, max_seqlen_k, rule, **kw)
+
+    def spy_select(scores, cu_blocks, cu_k, rule, **kw):
+        sinks.append((rule.per_sequence_sink, rule.sinks(cu_k.shape[0] - 1)))
+        return real_select(scores, cu_blocks, cu_k, rule, **kw)
+
+    monkeypatch.setattr("uniprefill.kernels.warm_up.score_and_select", spy_score)
+    monkeypatch.setattr("uniprefill.kernels.warm_up.select_blocks", spy_select)
+    ran = warm_up_score_and_select(**TINY, impl="torch", per_sequence_sink=True)
+    assert len(sinks) == ran.score_and_select_calls + ran.select_calls == 12 + 20
+    assert all(tensor and set(values) == {TINY["sink"]} for tensor, values in sinks)

@@ -562,6 +562,7 @@ def test_score_and_select_kernels_are_warmed_up_once_at_the_first_dummy_forward(
     assert {key: calls[0][key] for key in ("num_heads", "num_kv_heads", "head_dim", "max_seqlen", "p", "keep_ratio")} \
         == {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "max_seqlen": 4096, "p": 0.9, "keep_ratio": None}
     assert (calls[0]["block_size"], calls[0]["sink"], calls[0]["last_q"], calls[0]["min_tokens"]) == (16, 16, 16, 64)
+    assert calls[0]["per_sequence_sink"]  # the variant `selection.select_rows` calls, one sink count per request
 
     forced = UniPrefillConfig(keep_ratio=0.3, drop_layers=(1,), min_tokens=64, sink=16, last_q=16, block_size=16,
                               impl="torch")

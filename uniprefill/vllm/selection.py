@@ -2,7 +2,8 @@
 select over each eligible request's own rows, `kernels.api.score_and_select`), for `VllmDropRuntime`.
 
 Index arithmetic runs on the host, vectorised (numpy, `host_arrays`), its results on the device in one copy per
-dtype; one gather of q and k and one selection call (one sink count per request); one host sync for the kept counts (inside `score_and_select`).
+dtype; one gather of q and k and one selection call (one sink count per request); one host sync for the kept counts
+(inside `score_and_select`).
 Under tensor parallelism `group` sums the block scores across ranks, so every rank keeps the same rows.
 """
 
