@@ -103,11 +103,14 @@ class RowKernelCalls:
             setattr(module, name, real)
 
 
-def one_step(length: int, batch: int, seed: int = 0, graph_decode_max_reqs: int = 0, world_out: list | None = None):
+def one_step(length: int, batch: int, seed: int = 0, graph_decode_max_reqs: int = 0, world_out: list | None = None,
+             context: int = 0):
     """(runtime, prepare, run): `run()` is one prefill step's two drop points on fresh requests (`prepare()` makes
-    them); `graph_decode_max_reqs`: the runtime's, for decode under full graphs; `world_out` receives the world."""
+    them); `graph_decode_max_reqs`: the runtime's, for decode under full graphs; `world_out` receives the world;
+    `context` > 0: the step's last request is the last chunk of a prompt whose first `context` tokens an earlier
+    step prefilled (its sink tokens among them: a step mixing two sink counts, as chunked prefill makes them)."""
     world = make_world([length] * batch, layers=LAYERS, groups=GROUPS, block=BLOCK, kv_heads=KV_HEADS,
-                       head_size=HEAD_SIZE, room=1)
+                       head_size=HEAD_SIZE, room=1 + context)
     if world_out is not None:
         world_out.append(world)
     full = {d for d in range(LAYERS) if d % GROUPS == GROUPS - 1}
@@ -120,9 +123,12 @@ def one_step(length: int, batch: int, seed: int = 0, graph_decode_max_reqs: int 
                            HEAD_SIZE ** -0.5, window=WINDOW)
 
     config = UniPrefillConfig(p=0.95, drop_layers=DROPS, impl="torch")
+    computed = [0] * (batch - 1) + [context]
+    prompts = torch.tensor([c + length for c in computed])
     runtime = VllmDropRuntime(config, world.names, DROPS, lambda: world, lambda name: BLOCK,
                               request_ids_fn=lambda: world.request_ids, windows=windows,
-                              window_layer_fn=window_layer, graph_decode_max_reqs=graph_decode_max_reqs)
+                              window_layer_fn=window_layer, graph_decode_max_reqs=graph_decode_max_reqs,
+                              num_prompt_tokens_fn=lambda: prompts)
     gen = torch.Generator().manual_seed(seed)
     rows = length * batch
     q0 = torch.randn(rows, Q_HEADS, HEAD_SIZE, generator=gen)
@@ -136,7 +142,7 @@ def one_step(length: int, batch: int, seed: int = 0, graph_decode_max_reqs: int 
             runtime.free(r)
         world.request_ids = [f"s{count}-{r}" for r in range(batch)]
         count += 1
-        step(world, [0] * batch, [length] * batch)
+        step(world, computed, [length] * batch)
 
     def run():
         runtime.begin_step()
@@ -148,29 +154,34 @@ def one_step(length: int, batch: int, seed: int = 0, graph_decode_max_reqs: int 
 
 
 class ReplayedScores:
-    """`score_and_select` answering each drop point's call with what it returned the first time: the PyTorch
-    reference of the score kernels (Triton kernels on a GPU) then costs nothing, and the CPU time left is the
-    runtime's own."""
+    """`score_and_select` answering each call of a step with what the same call of the first step returned: the
+    PyTorch reference of the score kernels (Triton kernels on a GPU) then costs nothing, and the CPU time left is the
+    runtime's own. `step_done()` after the first step fixes the calls a step makes."""
 
     def __init__(self, api) -> None:
-        self.api, self.real, self.answers, self.calls = api, api.score_and_select, [], 0
+        self.api, self.real, self.answers, self.calls, self.per_step = api, api.score_and_select, [], 0, None
 
     def __enter__(self):
-        def replay(*args, **kwargs):  # the first step's calls record, every later call answers from them
+        def replay(*args, **kwargs):
             i, self.calls = self.calls, self.calls + 1
-            if i < len(DROPS):
+            if self.per_step is None:  # the first step records
                 self.answers.append(self.real(*args, **kwargs))
-            return self.answers[i % len(DROPS)]
+                return self.answers[-1]
+            return self.answers[i % self.per_step]
 
         self.api.score_and_select = replay
         return self
+
+    def step_done(self) -> None:
+        if self.per_step is None:
+            self.per_step = self.calls
 
     def __exit__(self, *exc) -> None:
         self.api.score_and_select = self.real
 
 
-def measure(length: int, batch: int, repeats: int) -> dict:
-    runtime, prepare, run = one_step(length, batch)
+def measure(length: int, batch: int, repeats: int, context: int = 0) -> dict:
+    runtime, prepare, run = one_step(length, batch, context=context)
     prepare()
     run()  # first use: lazy imports, caches
     prepare()
@@ -190,17 +201,18 @@ def measure(length: int, batch: int, repeats: int) -> dict:
         run()
         times.append(time.perf_counter() - start)
     import uniprefill.kernels.api as api
-    with ReplayedScores(api):
+    with ReplayedScores(api) as replayed:
         for _ in range(repeats + 1):  # the first records the scores
             prepare()
             start = time.perf_counter()
             run()
             own.append(time.perf_counter() - start)
+            replayed.step_done()
     ops = counter.ops
     return {"length": length, "batch": batch, "kept": kept, "ops": sum(ops.values()),
             "runtime_ops": counter.runtime_ops(), "row_kernels": row_kernels.calls,
             "read_back": sum(n for f, n in ops.items() if f in READ_BACK),
-            "python_calls": calls, "ms": 1e3 * statistics.median(times),
+            "python_calls": calls, "selections": replayed.per_step, "ms": 1e3 * statistics.median(times),
             "own_ms": 1e3 * statistics.median(own[1:]), "top": counter.sites.most_common(15)}
 
 
@@ -210,17 +222,21 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--top", action="store_true", help="also print where the ops come from")
+    parser.add_argument("--context", type=int, default=0,
+                        help="the last request of each step: the last chunk of a prompt with this many tokens before it")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}; Gemma-3-270M layout: {LAYERS} layers, {GROUPS} KV-cache groups, drops at "
           f"{DROPS}, window {WINDOW}, p = 0.95; per prefill step (both drop points)")
-    print("length  batch  rows kept  aten ops  of uniprefill's code  row kernels  read-backs  python calls  CPU ms  "
-          "of which the runtime's (medians)")
+    if args.context:
+        print(f"the last request of each step: a last chunk after {args.context} tokens of context")
+    print("length  batch  rows kept  aten ops  of uniprefill's code  row kernels  selections  read-backs  python calls  "
+          "CPU ms  of which the runtime's (medians)")
     for length in (int(x) for x in args.lengths.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
-            r = measure(length, batch, args.repeats)
+            r = measure(length, batch, args.repeats, args.context)
             print(f"{length:6d}  {batch:5d}  {r['kept']:9d}  {r['ops']:8d}  {r['runtime_ops']:20d}  "
-                  f"{r['row_kernels']:11d}  {r['read_back']:10d}  "
+                  f"{r['row_kernels']:11d}  {r['selections']:10d}  {r['read_back']:10d}  "
                   f"{r['python_calls']:12d}  {r['ms']:6.1f}  {r['own_ms']:6.2f}")
             if args.top:
                 print("    " + ", ".join(f"{f} {n}" for f, n in r["top"]))

@@ -39,7 +39,8 @@ def select_blocks_reference(
         if n_tokens < rule.sequence_min_tokens(sinks[b]) or (rule.keep_ratio is None and ps[b] >= 1.0):
             keep[blocks[b] : blocks[b + 1]] = True
             continue
-        own = dataclasses.replace(rule, p=ps[b], sink=sinks[b])
+        per_sequence = rule.per_sequence_p or rule.per_sequence_sink
+        own = dataclasses.replace(rule, p=ps[b], sink=sinks[b]) if per_sequence else rule
         keep[blocks[b] : blocks[b + 1]] = select_one(scores, n_tokens, own)
     return keep
 
