@@ -106,9 +106,11 @@ def select_blocks_fwd(
         return keep.view(torch.bool)
     per_sequence, per_sequence_sink = rule.per_sequence_p, rule.per_sequence_sink
     min_len = rule.min_tokens if per_sequence_sink else rule.effective_min_tokens
-    p_values = p.to(block_scores.device, non_blocking=True) if per_sequence else block_scores  # (unused if one p)
-    sinks = (rule.sink.to(block_scores.device, torch.int32, non_blocking=True) if per_sequence_sink
-             else block_scores)  # (unused if one sink)
+    # the kernel reads element `seq` of each: contiguous copies (a host view may be strided)
+    p_values = p.contiguous().to(block_scores.device, non_blocking=True) if per_sequence else block_scores
+    # a sink at least a sequence's length forces all of it: capped at 2**30, each fits int32 beside `last_q`
+    sinks = (rule.sink.clamp(max=2**30).to(torch.int32).contiguous().to(block_scores.device, non_blocking=True)
+             if per_sequence_sink else block_scores)  # (unused if one p / one sink)
     if keep_ratio is None and not per_sequence and p >= 1.0:
         min_len = _KEEP_EVERYTHING
     if keep_ratio is None:

@@ -278,7 +278,7 @@ def test_per_sequence_p_is_checked():
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
-@pytest.mark.parametrize("rule_kind", ["p=0.8", "p-per-sequence", "ratio=0.3"])
+@pytest.mark.parametrize("rule_kind", ["p=0.8", "p-per-sequence", "ratio=0.3", "content"])
 @pytest.mark.parametrize("case", SELECT_CASES[:4], ids=[c[0] for c in SELECT_CASES[:4]])
 def test_one_sink_per_sequence_equals_each_sequence_with_its_own_sink(case, rule_kind, impl):
     """A serving engine's step mixes whole prompts (the config's sink) with last chunks whose context holds
@@ -293,7 +293,8 @@ def test_one_sink_per_sequence_equals_each_sequence_with_its_own_sink(case, rule
     ps = [0.8, 0.5, 0.95, 0.3, 0.9][: len(lens)]
     p = torch.tensor(ps) if rule_kind == "p-per-sequence" else 0.8
     ratio = 0.3 if rule_kind == "ratio=0.3" else None
-    settings = dict(keep_ratio=ratio, block_size=block, last_q=last_q, min_tokens=min_tokens)
+    selection = "content" if rule_kind == "content" else "paper"
+    settings = dict(keep_ratio=ratio, block_size=block, last_q=last_q, min_tokens=min_tokens, selection=selection)
     out = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(p=p, sink=torch.tensor(sinks), **settings),
                             impl=impl, max_seqlen_k=max(lens))
     bounds = cu_blocks.tolist()
@@ -319,6 +320,25 @@ def test_a_per_sequence_sink_forces_that_sequences_first_blocks_only(impl):
                               max_seqlen_k=1000).cpu()
     assert out[63:73].all() and not out[:10].all()
     assert torch.equal(out[:63], alone[:63])
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_per_sequence_sinks_beyond_int32_and_strided_views(impl):
+    """A sink beyond int32 forces its whole sequence (the Triton wrapper caps the counts at 2**30 before its int32
+    copy: a sequence that long does not exist), and a strided view of sink counts reads as its values."""
+    lens, block = [200, 200, 200], 16
+    cu_k, cu_blocks = cumsum0(lens), cumsum0([13, 13, 13])
+    scores = integer_scores(cu_blocks.tolist(), seed=7)
+    settings = dict(p=0.3, keep_ratio=None, block_size=block, last_q=8, min_tokens=0)
+    huge = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(sink=torch.tensor([0, 2**32, 16]), **settings),
+                             impl=impl, max_seqlen_k=200).cpu()
+    assert huge[13:26].all() and not huge[:13].all()
+    strided = torch.tensor([0, 99, 160, 99, 16, 99], dtype=torch.int32)[::2]
+    view = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(sink=strided, **settings), impl=impl,
+                             max_seqlen_k=200)
+    dense = api.select_blocks(scores, cu_blocks, cu_k, SelectionRule(sink=torch.tensor([0, 160, 16]), **settings),
+                              impl=impl, max_seqlen_k=200)
+    assert torch.equal(view, dense) and not torch.equal(view.cpu(), huge)
 
 
 def test_per_sequence_sink_is_checked():

@@ -370,3 +370,36 @@ class _Launch:
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launched.append(self.name)
+
+
+def _tail_layout(ctx, kv_base, tables, block_sizes):
+    """What `window.context_tail_positions` and `_tail_slots` read of a right-aligned layout."""
+    return types.SimpleNamespace(num_computed_tokens_cpu=torch.tensor(ctx), kv_base_cpu=torch.tensor(kv_base),
+                                 block_tables=tables, block_sizes=block_sizes)
+
+
+def test_context_tail_positions_and_slots_per_group():
+    """The copy's positions (built once per drop point and window) and each KV-cache group's slots equal the
+    per-request loop they replace: requests without context copy nothing, the others their last min(W - 1, ctx)
+    entries to just below their first kept entry; two groups with other block sizes and tables; window 1 copies
+    nothing; a gap too short raises."""
+    from uniprefill.vllm.window import _tail_slots, context_tail_positions
+
+    gen = torch.Generator().manual_seed(0)
+    tables = [torch.randperm(400, generator=gen)[:3 * 40].view(3, 40).to(torch.int32),
+              torch.randperm(400, generator=gen)[:3 * 10].view(3, 10).to(torch.int32)]
+    right = _tail_layout([0, 5, 40], [10, 30, 100], tables, [4, 16])
+    rows, src, dst = context_tail_positions(right, [0, 1, 2], 8, "cpu")
+    assert rows.tolist() == [1] * 5 + [2] * 7
+    assert src.tolist() == list(range(0, 5)) + list(range(33, 40))
+    assert dst.tolist() == list(range(25, 30)) + list(range(93, 100))
+    for group, block in enumerate((4, 16)):
+        src_blocks, src_offsets, dst_blocks, dst_offsets = _tail_slots(right, group, rows, src, dst)
+        want = [(int(tables[group][r, p // block]), p % block) for r, p in zip(rows.tolist(), src.tolist())]
+        assert list(zip(src_blocks.tolist(), src_offsets.tolist())) == want
+        want = [(int(tables[group][r, p // block]), p % block) for r, p in zip(rows.tolist(), dst.tolist())]
+        assert list(zip(dst_blocks.tolist(), dst_offsets.tolist())) == want
+    assert context_tail_positions(right, [0, 1, 2], 1, "cpu") is None  # a window of 1 sees no context entry
+    assert context_tail_positions(right, [0], 8, "cpu") is None  # no context
+    with pytest.raises(RuntimeError, match="request 2: a gap of 5 entries cannot hold its context tail of 7"):
+        context_tail_positions(_tail_layout([0, 5, 40], [10, 30, 45], tables, [4, 16]), [0, 1, 2], 8, "cpu")

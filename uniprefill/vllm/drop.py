@@ -324,7 +324,7 @@ class VllmDropRuntime:
             # its `window_attention`: after its KV update, since a context block may be written in this very forward
             # (a prefix-cache hit on blocks another request of the step publishes as it is scheduled)
             following = next((d for d in self.drop_layers if d > layer), len(self.layer_names))
-            plans: dict = {}  # this drop point's copy slots per (group, window), shared by its sliding layers
+            plans: dict = {}  # this drop point's copy positions per window and slots per (group, window)
             for name in names:
                 if self.layer_names.index(name) < following:
                     self.step.pending_copies[name] = (right, groups[name], with_context, plans)
