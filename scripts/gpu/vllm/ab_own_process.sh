@@ -39,7 +39,8 @@ for run in "$@"; do
   echo "$name: exit $? in $(( $(date +%s) - start )) s; $(grep -h -m1 prefill_wall_ms_median "$OUT/$name.log" | cut -c1-200)"
   grep -E "Traceback|Error" "$OUT/$name.log" | head -3 | cut -c1-300
   gzip -f "$OUT/$name.log"
-  trace="$(find "/tmp/trace-$name" -name '*.pt.trace.json*' 2>/dev/null | head -1)"
+  trace=""  # only this run's trace (an earlier call's may still lie in /tmp)
+  [[ "${TRACE:-0}" == 1 ]] && trace="$(find "/tmp/trace-$name" -name '*.pt.trace.json*' 2>/dev/null | head -1)"
   if [[ -n "$trace" ]]; then
     for op in vllm_drop vllm_window_attention; do
       python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" --summarise-trace "$trace" --inside "uniprefill::$op" \
