@@ -39,3 +39,17 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`host.to(device)` for a small host tensor, without making the host wait for the GPU.
+
+    A copy from pageable host memory to a CUDA device synchronises the stream first (CUDA's documented behaviour,
+    whatever `non_blocking` says): it drains the queue of launched kernels and leaves the GPU idle while Python
+    issues the next ones. A copy from a pinned staging tensor is queued behind them instead; PyTorch's caching host
+    allocator keeps the staging tensor until the copy has read it (the source may change or die right after).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or host.device.type != "cpu":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import api as kernels_api
+from .kernels._common import to_device  # noqa: F401  (re-exported: `uniprefill.ops.to_device`)
 from .kernels.rule import SelectionRule
 
 LIB = "uniprefill"
@@ -104,20 +105,6 @@ def _last_tokens(src_flat: torch.Tensor, counts: list[int], take: list[int]) -> 
     pieces = [torch.arange(int(e) - t, int(e)) for e, t in zip(ends, take)]
     rows = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
     return src_flat.index_select(0, to_device(rows, src_flat.device))
-
-
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a small host tensor to `device` without making the host wait for the GPU.
-
-    A copy from pageable host memory to a CUDA device synchronises the stream first (CUDA's
-    documented behaviour), which drains the queue of launched kernels and leaves the GPU
-    idle while Python issues the next ones; on the H200 such copies were most of the extra
-    syncs of a Gemma-3 prefill. A pinned staging copy is asynchronous; PyTorch's caching
-    host allocator keeps it alive until the copy has run.
-    """
-    if host.device == device or device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 # --------------------------------------------------------------------------------------

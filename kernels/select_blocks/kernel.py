@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._common import next_power_of_2
+from .._common import next_power_of_2, to_device
 from ..rule import SelectionRule
 
 MAX_BLOCKS_PER_SEQUENCE = 8192  # 512K tokens at block_size 64; the key has room for 65536
@@ -107,9 +107,9 @@ def select_blocks_fwd(
     per_sequence, per_sequence_sink = rule.per_sequence_p, rule.per_sequence_sink
     min_len = rule.min_tokens if per_sequence_sink else rule.effective_min_tokens
     # the kernel reads element `seq` of each: contiguous copies (a host view may be strided)
-    p_values = p.contiguous().to(block_scores.device, non_blocking=True) if per_sequence else block_scores
+    p_values = to_device(p.contiguous(), block_scores.device) if per_sequence else block_scores
     # a sink at least a sequence's length forces all of it: capped at 2**30, each fits int32 beside `last_q`
-    sinks = (rule.sink.clamp(max=2**30).to(torch.int32).contiguous().to(block_scores.device, non_blocking=True)
+    sinks = (to_device(rule.sink.clamp(max=2**30).to(torch.int32).contiguous(), block_scores.device)
              if per_sequence_sink else block_scores)  # (unused if one p / one sink)
     if keep_ratio is None and not per_sequence and p >= 1.0:
         min_len = _KEEP_EVERYTHING

@@ -3,7 +3,8 @@
 A torch op on the host costs microseconds of dispatch each, and a small model's step is bound by the host
 (docs/results/vllm-gemma-profile-own-h200-2026-12-05): the host arithmetic runs in numpy on `.numpy()` views,
 results are wrapped with `torch.from_numpy` (no copy), and what the device needs goes there in one copy per dtype
-(`_to_device`).
+(`_to_device`), staged in pinned memory (`kernels._common.to_device`): a copy from pageable memory would make the
+host wait for every kernel queued before it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from uniprefill.kernels._common import to_device
 
 
 def offsets_np(lens: np.ndarray) -> np.ndarray:
@@ -49,7 +52,7 @@ def _to_device(arrays: Sequence[np.ndarray], dtypes: Sequence[torch.dtype], devi
         host = np.zeros(int(starts[-1]), dtype=np_dtype)
         for i, start in zip(members, starts[:-1]):
             host[start:start + len(arrays[i])] = arrays[i]
-        moved = torch.from_numpy(host).to(device, non_blocking=True)
+        moved = to_device(torch.from_numpy(host), device)  # from pinned memory: no stream sync
         for i, start in zip(members, starts[:-1]):
             out[i] = moved[start:start + len(arrays[i])]
     return out

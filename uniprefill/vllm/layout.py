@@ -37,6 +37,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from uniprefill.kernels._common import to_device
 from uniprefill.kernels.layout_rows import layout_rows
 
 from .host_arrays import _ranges, _to_device, offsets_np, ranges_np  # noqa: F401  (re-exported)
@@ -378,7 +379,7 @@ def relayout_kv(layout: TokenLayout, kv_removed_cpu: torch.Tensor) -> TokenLayou
 
 def _request_of_rows(counts_cpu: torch.Tensor, tokens: int, device) -> torch.Tensor:
     requests = torch.arange(counts_cpu.numel(), device=device)
-    return torch.repeat_interleave(requests, counts_cpu.to(device, non_blocking=True), output_size=tokens)
+    return torch.repeat_interleave(requests, to_device(counts_cpu, device), output_size=tokens)
 
 
 def _slots(table: torch.Tensor, block: int, request: torch.Tensor, logical: torch.Tensor) -> torch.Tensor:

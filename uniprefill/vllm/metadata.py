@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from uniprefill.kernels._common import to_device
+
 from .layout import (  # noqa: F401  (re-exported: the plugin, the runner and tests use them from here)
     _ABSENT, KVCacheGroup, TokenLayout, _check_shape, _host_int, _ranges, _request_of_rows, batch_layout, compact,
     install_layer_metadata, relayout_kv,
@@ -321,7 +323,7 @@ class DropHistoryStore:
         offsets = np.zeros(take.size + 1, dtype=np.int64)
         np.cumsum(take, out=offsets[1:])
         rows = np.repeat(ends - take - offsets[:-1], take) + np.arange(int(offsets[-1]), dtype=np.int64)
-        values = layout.positions[torch.from_numpy(rows).to(layout.positions.device)].cpu()
+        values = layout.positions[to_device(torch.from_numpy(rows), layout.positions.device)].cpu()
         return values, offsets.tolist()
 
     # ---------------------------------------------------------------- decode helpers (vectorised)

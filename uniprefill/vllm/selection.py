@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from uniprefill.config import UniPrefillConfig
+from uniprefill.kernels._common import to_device
 
 from .host_arrays import _to_device, offsets_np, ranges_np
 from .layout import TokenLayout
@@ -47,7 +48,7 @@ def select_rows(config: UniPrefillConfig, q: torch.Tensor, k: torch.Tensor, layo
     parts = [rows]
     others = np.flatnonzero(~eligible)
     if others.size:
-        parts.append(torch.from_numpy(ranges_np(qsl[:-1][others], qlen[others])).to(q.device, non_blocking=True))
+        parts.append(to_device(torch.from_numpy(ranges_np(qsl[:-1][others], qlen[others])), q.device))
     kept = parts[0] if len(parts) == 1 else torch.sort(torch.cat(parts)).values  # requests' rows are disjoint ranges
     return kept, torch.from_numpy(counts)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from uniprefill.kernels._common import to_device
 from uniprefill.kernels.layout_rows import window_counts as row_window_counts
 
 from .graph_decode import _capturing_full_graph, keeps_vllm_rows
@@ -80,7 +81,7 @@ def window_counts(layout: TokenLayout, window: int, dropping_cpu: torch.Tensor,
             pos = _ranges(layout.num_computed_tokens_cpu[requests], lens)  # not dropping now: ctx + i
             store_rows = torch.repeat_interleave(history_rows_cpu.long()[requests], lens)
             _, count = store.window_first_visible(store_rows, pos, layer, window)
-            counts = counts.index_copy(0, rows.to(device, non_blocking=True), count.to(device, non_blocking=True))
+            counts = counts.index_copy(0, to_device(rows, device), to_device(count, device))
     return counts
 
 
@@ -107,7 +108,7 @@ def keep_whole_where_the_tail_does_not_fit(layout: TokenLayout, kept: torch.Tens
     mask = torch.zeros(layout.num_actual_tokens, dtype=torch.bool, device=kept.device)
     mask[kept] = True
     whole = _ranges(layout.query_start_loc_cpu[:-1][refused], layout.query_lens_cpu[refused])
-    mask[whole.to(kept.device)] = True
+    mask[to_device(whole, kept.device)] = True
     return torch.nonzero(mask).flatten(), torch.where(refused, layout.query_lens_cpu, counts_cpu), refused
 
 
@@ -223,7 +224,7 @@ def kernel_plan(layout: TokenLayout) -> tuple[str, torch.Tensor | None, torch.Te
         return "tiled", None, None
     starts = layout.query_start_loc_cpu[:-1].long()
     device = layout.query_start_loc.device
-    return "mixed", *(_ranges(starts[m], lens[m]).to(device, non_blocking=True) for m in (long, ~long))
+    return "mixed", *(to_device(_ranges(starts[m], lens[m]), device) for m in (long, ~long))
 
 
 def paged_window_step(query: torch.Tensor, output: torch.Tensor, rows, cache, window: int, impl: str,
