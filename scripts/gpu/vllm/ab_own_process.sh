@@ -12,6 +12,9 @@
 # P (default 0.95); TRACE=1 adds one traced prefill and summarises the drop points' and the window calls' host work
 # (OUT_DIR/NAME-inside-OP.json). Tree runs replace the installed package (/tmp/usite) by that tree; the script
 # puts this tree back at the end. Results go straight into OUT_DIR (an outer `timeout` must not lose them).
+# Order matters: on 2026-12-06 the first uniprefill engine of each call was the slowest in all three calls
+# (docs/results/vllm-h100-2026-12-06h); name the runs in an ABBA order (`head old=DIR old=DIR head`: files head,
+# old, old-2, head-2) and read the pairs.
 set -uo pipefail
 OUT="${1:?usage: ab_own_process.sh OUT_DIR RUN...}"; shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -24,8 +27,12 @@ install_tree() {  # the package files of tree $1 into /tmp/usite (the wheel's me
   find /tmp/usite/uniprefill -name __pycache__ -prune -exec rm -rf {} +
 }
 
+declare -A seen=()
 for run in "$@"; do
-  name="${run%%=*}" args=(--model-dir /tmp/gemma-270m --length "${LENGTH:-8192}" --batch "${BATCH:-16}"
+  name="${run%%=*}"
+  seen[$name]=$(( ${seen[$name]:-0} + 1 ))
+  (( ${seen[$name]} > 1 )) && name="$name-${seen[$name]}"  # a run named again: its own files (ABBA orders)
+  args=(--model-dir /tmp/gemma-270m --length "${LENGTH:-8192}" --batch "${BATCH:-16}"
                           --repeats "${REPEATS:-9}" --own-process --out "$OUT/$name.json")
   case "$run" in
     standard) ;;
