@@ -15,6 +15,9 @@ would cost host time on a GPU, per step:
 * ops that read a value back to the host (`item`, `tolist`, `bool` of a tensor, `nonzero`: a
   device sync on the GPU; here every tensor is on the CPU, so this counts the calls that WOULD
   sync if their input lived on the device, host-side `_cpu` tensors included: an upper bound),
+* host-to-device copies (calls of `kernels._common.to_device`, through which the runtime and the kernels move host
+  arrays: one `cudaMemcpyAsync` each on a GPU, from pinned memory; `tests/checks/test_host_copies.py` keeps every copy
+  on it),
 * Python function calls (cProfile) and the median CPU time (tiny head size, one thread: the
   tensors' arithmetic is small beside the dispatch).
 
@@ -103,6 +106,24 @@ class RowKernelCalls:
             setattr(module, name, real)
 
 
+class UploadCalls(RowKernelCalls):
+    """Counts the host-to-device copies: calls of `kernels._common.to_device` from the modules that import it."""
+
+    def __init__(self) -> None:
+        import importlib
+
+        names = ("uniprefill.vllm.host_arrays", "uniprefill.vllm.selection", "uniprefill.vllm.window",
+                 "uniprefill.vllm.layout", "uniprefill.vllm.metadata", "uniprefill.kernels.select_blocks.kernel")
+        modules = []
+        for name in names:
+            try:
+                modules.append(importlib.import_module(name))
+            except ImportError:  # the Triton kernel module on a machine without Triton
+                continue
+        self.targets = [(m, "to_device") for m in modules if hasattr(m, "to_device")]
+        self.calls = 0
+
+
 def one_step(length: int, batch: int, seed: int = 0, graph_decode_max_reqs: int = 0, world_out: list | None = None,
              context: int = 0):
     """(runtime, prepare, run): `run()` is one prefill step's two drop points on fresh requests (`prepare()` makes
@@ -186,7 +207,7 @@ def measure(length: int, batch: int, repeats: int, context: int = 0) -> dict:
     run()  # first use: lazy imports, caches
     prepare()
     counter = OpCounter()
-    with counter, RowKernelCalls() as row_kernels:
+    with counter, RowKernelCalls() as row_kernels, UploadCalls() as uploads:
         kept = run()
     prepare()
     profile = cProfile.Profile()
@@ -210,7 +231,7 @@ def measure(length: int, batch: int, repeats: int, context: int = 0) -> dict:
             replayed.step_done()
     ops = counter.ops
     return {"length": length, "batch": batch, "kept": kept, "ops": sum(ops.values()),
-            "runtime_ops": counter.runtime_ops(), "row_kernels": row_kernels.calls,
+            "runtime_ops": counter.runtime_ops(), "row_kernels": row_kernels.calls, "uploads": uploads.calls,
             "read_back": sum(n for f, n in ops.items() if f in READ_BACK),
             "python_calls": calls, "selections": replayed.per_step, "ms": 1e3 * statistics.median(times),
             "own_ms": 1e3 * statistics.median(own[1:]), "top": counter.sites.most_common(15)}
@@ -230,13 +251,13 @@ def main() -> None:
           f"{DROPS}, window {WINDOW}, p = 0.95; per prefill step (both drop points)")
     if args.context:
         print(f"the last request of each step: a last chunk after {args.context} tokens of context")
-    print("length  batch  rows kept  aten ops  of uniprefill's code  row kernels  selections  read-backs  python calls  "
-          "CPU ms  of which the runtime's (medians)")
+    print("length  batch  rows kept  aten ops  of uniprefill's code  row kernels  uploads  selections  read-backs  "
+          "python calls  CPU ms  of which the runtime's (medians)")
     for length in (int(x) for x in args.lengths.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
             r = measure(length, batch, args.repeats, args.context)
             print(f"{length:6d}  {batch:5d}  {r['kept']:9d}  {r['ops']:8d}  {r['runtime_ops']:20d}  "
-                  f"{r['row_kernels']:11d}  {r['selections']:10d}  {r['read_back']:10d}  "
+                  f"{r['row_kernels']:11d}  {r['uploads']:7d}  {r['selections']:10d}  {r['read_back']:10d}  "
                   f"{r['python_calls']:12d}  {r['ms']:6.1f}  {r['own_ms']:6.2f}")
             if args.top:
                 print("    " + ", ".join(f"{f} {n}" for f, n in r["top"]))

@@ -18,6 +18,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vllm_drop_ho
 # checks, layout fields and slot mappings were computed once or only where read. The H200 trace of 2026-12-05
 # (docs/results/vllm-gemma-profile-own-h200-2026-12-05) put each op at 17-20 us of a host-bound step.
 RUNTIME_OPS_BUDGET = 300
+UPLOADS_BUDGET = 14
 
 
 def _bench():
@@ -35,6 +36,10 @@ def test_the_drop_points_host_ops_do_not_grow_with_the_prompt_and_stay_in_budget
     assert abs(short["runtime_ops"] - long["runtime_ops"]) <= 16, (short["top"], long["top"])
     assert long["runtime_ops"] + long["row_kernels"] <= RUNTIME_OPS_BUDGET, long["top"]
     assert long["row_kernels"] == 7  # vLLM's batch once; per drop point the left and right layouts, the window counts
+    # host-to-device copies (one cudaMemcpyAsync each on a GPU, from pinned memory): 13 a step at the time of writing,
+    # one per dtype of each layout and of the selection, the window counts' inputs, the sinks; like the ops, a change
+    # has to argue for more
+    assert 0 < long["uploads"] <= UPLOADS_BUDGET and short["uploads"] == long["uploads"], (short["uploads"], long["uploads"])
 
 
 def test_a_decode_graph_replays_few_kernels_of_uniprefills():
