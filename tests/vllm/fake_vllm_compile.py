@@ -98,7 +98,7 @@ def fake_mode3_config(settings, *, layers: int, block: int, splitting_ops=(), cu
     inductor = dict(inductor_options or {}) | ({} if settings is None else {"uniprefill": dict(settings)})
     compilation_config = ns(mode=3, backend="inductor", inductor_compile_config=inductor,
                             splitting_ops=list(splitting_ops), cudagraph_mode=ns(name=cudagraph_mode),
-                            use_inductor_graph_partition=False)
+                            use_inductor_graph_partition=False, traced_files=set())
     for key, value in compilation.items():
         setattr(compilation_config, key, value)
     return ns(compilation_config=compilation_config,

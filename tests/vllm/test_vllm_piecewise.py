@@ -9,6 +9,7 @@ Reference: the mode-2 path (`compile_with_drops`: the same rewrite, run eagerly)
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,6 +141,7 @@ def test_a_config_without_settings_is_left_to_vllm(model, runtimes):
         compiled(ids, positions)
     backend = backends[-1]
     assert backend.compilation_config.splitting_ops == FAKE_SPLITTING_OPS and not runtimes
+    assert backend.compilation_config.traced_files == set()  # vLLM's compile-cache key as vLLM makes it
 
 
 @pytest.mark.parametrize("compilation, reason", [
@@ -400,3 +402,32 @@ def test_p1_pieces_give_standard_modes_numbers_bit_for_bit(model, runtimes, drop
     assert sum(runtime.step.points[-1].kept) == sum(lens[-1])  # and kept every row
     for standard, p1 in zip(outputs["standard"], outputs["p1"]):
         assert torch.equal(standard, p1), (standard - p1).abs().max()
+
+
+def test_the_rewrites_sources_go_into_vllms_compile_cache_key(model, runtimes):
+    """vLLM names its compile-cache directory by the config and the text of `traced_files` and loads each piece by its
+    index: the code that rewrote the graph must be among those files, or an engine started after uniprefill changed
+    would run pieces compiled from the graph the old code rewrote."""
+    import uniprefill.passes
+    import uniprefill.vllm
+
+    compiled, backends = compile_mode3(model, SETTINGS)
+    query_lens = [120]
+    ids, positions = batch(query_lens)
+    WORLD.context = fake_context(query_lens)
+    with torch.no_grad():
+        compiled(ids, positions)
+    traced = backends[-1].compilation_config.traced_files
+    assert runtimes  # rewritten
+    vllm_dir, passes_dir = (Path(m.__file__).resolve().parent for m in (uniprefill.vllm, uniprefill.passes))
+    assert {str(vllm_dir / "rewrite.py"), str(vllm_dir / "graph_ops.py"), str(passes_dir / "token_drop.py")} <= traced
+    assert any(path.endswith("kernels/api.py") for path in traced)  # the kernels behind the inserted ops
+    assert all(Path(path).is_file() for path in traced)
+
+
+def test_a_vllm_without_traced_files_gets_nothing_added():
+    assert piecewise.add_rewrite_sources(types.SimpleNamespace()) == 0
+    config = types.SimpleNamespace(traced_files={"model.py"})
+    added = piecewise.add_rewrite_sources(config)
+    assert added > 20 and len(config.traced_files) == added + 1
+    assert piecewise.add_rewrite_sources(config) == 0  # a second backend call adds nothing new

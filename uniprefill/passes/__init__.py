@@ -22,17 +22,25 @@ _SOURCES = ("uniprefill.passes", "uniprefill.kernels", "uniprefill.ops", "unipre
             "uniprefill.config")
 
 
+def source_files(extra_sources: tuple[str, ...] = ()) -> list[tuple[str, Path]]:
+    """(name, path) of every source file whose code decides what a rewritten graph computes (`_SOURCES`
+    and `extra_sources`, modules or packages), in a fixed order."""
+    out = []
+    for name in _SOURCES + tuple(extra_sources):
+        path = Path(importlib.import_module(name).__file__).resolve()
+        files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
+        out.extend((f"{name}/{file.relative_to(path.parent).as_posix()}", file) for file in files)
+    return out
+
+
 def pass_uuid(config, extra_sources: tuple[str, ...] = ()) -> str:
     """A hex digest of the rewrite's source files and `config.stable_hash()`, as Inductor's
     `CustomGraphPass.uuid()` and vLLM's `InductorPass.uuid()` name a pass: equal for the same code
     and settings in any process, different when either changes. `extra_sources`: more modules or
     packages whose code decides the rewrite (the vLLM backend adds `uniprefill.vllm`)."""
     digest = hashlib.sha256()
-    for name in _SOURCES + tuple(extra_sources):
-        path = Path(importlib.import_module(name).__file__).resolve()
-        files = sorted(path.parent.rglob("*.py")) if path.name == "__init__.py" else [path]
-        for file in files:
-            digest.update(f"{name}/{file.relative_to(path.parent).as_posix()}".encode())
-            digest.update(file.read_bytes())
+    for name, file in source_files(extra_sources):
+        digest.update(name.encode())
+        digest.update(file.read_bytes())
     digest.update(config.stable_hash().encode())
     return digest.hexdigest()

@@ -16,7 +16,8 @@ wraps `VllmBackend.__call__`; for a backend whose config carries those settings 
    reason logged, where that cannot run;
 3. gives every node of the rewritten graph its fake value (`example_value`, which vLLM's split
    and piecewise compilation read; after a drop point the row count is the drop's unbacked size);
-4. adds `graph_ops.SPLITTING_OPS` to the splitting ops: the drop point, its row count, the
+4. adds the rewrite's source files to the files vLLM hashes into its compile-cache directory
+   (`add_rewrite_sources`), and `graph_ops.SPLITTING_OPS` to the splitting ops: the drop point, its row count, the
    per-step reset and the window attention then run in Python on every step, between the
    compiled pieces, as vLLM's attention does; and turns off Inductor's `benchmark_combo_kernel`
    (vLLM's default on): it needs a size hint for every symbol, which a drop's row count has not;
@@ -128,6 +129,23 @@ def set_example_values(gm: Any) -> int:
     return count
 
 
+def add_rewrite_sources(compilation_config: Any) -> int:
+    """Add the rewrite's source files (`passes.source_files`: the passes, the ops and kernels they insert,
+    `uniprefill.vllm`) to `compilation_config.traced_files`, the files whose text vLLM hashes into its
+    compile-cache directory with the config (`VllmBackend.__call__`); the number added. Without them an
+    engine started after uniprefill changed would load pieces compiled from the graph the OLD code
+    rewrote (vLLM loads a piece by its index, not by its graph); the settings themselves are in the
+    config's hash already. A vLLM without `traced_files`: nothing added."""
+    from ..passes import source_files
+
+    traced = getattr(compilation_config, "traced_files", None)
+    if not isinstance(traced, set):
+        return 0
+    before = len(traced)
+    traced.update(str(path) for _, path in source_files(extra_sources=("uniprefill.vllm",)))
+    return len(traced) - before
+
+
 def add_splitting_ops(compilation_config: Any) -> list[str]:
     """Append `SPLITTING_OPS` to `compilation_config.splitting_ops` (those missing); the ops added."""
     ops = compilation_config.splitting_ops
@@ -156,6 +174,7 @@ def _rewriting_call(original):
         if prepared is None:
             return original(self, graph, example_inputs)
         rewritten, runtime, backed = prepared
+        add_rewrite_sources(self.compilation_config)
         add_splitting_ops(self.compilation_config)
         hint = backed_rows.token_count_hint(rewritten)
         if not backed.renamed and hint is not None and "unbacked_symint_fallback" not in self.inductor_config:
