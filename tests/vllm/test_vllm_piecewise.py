@@ -61,6 +61,16 @@ def compile_mode3(model, settings, **compilation):
     return torch.compile(model, backend=backend, dynamic=True, fullgraph=True), backends
 
 
+def compile_and_run_once(model, settings, query_lens=(120,)):
+    """Compile as mode 3 does and run one step of these prompt lengths; the backend that compiled."""
+    compiled, backends = compile_mode3(model, settings)
+    ids, positions = batch(list(query_lens))
+    WORLD.context = fake_context(list(query_lens))
+    with torch.no_grad():
+        compiled(ids, positions)
+    return backends[-1]
+
+
 def batch(query_lens, seed=1):
     ids = torch.randint(0, VOCAB, (sum(query_lens),), generator=torch.Generator().manual_seed(seed))
     return ids, torch.cat([torch.arange(q) for q in query_lens])
@@ -133,13 +143,7 @@ def test_a_piecewise_cuda_graph_step_keeps_every_row_from_one_tensor(model, runt
 
 
 def test_a_config_without_settings_is_left_to_vllm(model, runtimes):
-    compiled, backends = compile_mode3(model, None)
-    query_lens = [120]
-    ids, positions = batch(query_lens)
-    WORLD.context = fake_context(query_lens)
-    with torch.no_grad():
-        compiled(ids, positions)
-    backend = backends[-1]
+    backend = compile_and_run_once(model, None)
     assert backend.compilation_config.splitting_ops == FAKE_SPLITTING_OPS and not runtimes
     assert backend.compilation_config.traced_files == set()  # vLLM's compile-cache key as vLLM makes it
 
@@ -411,13 +415,7 @@ def test_the_rewrites_sources_go_into_vllms_compile_cache_key(model, runtimes):
     import uniprefill.passes
     import uniprefill.vllm
 
-    compiled, backends = compile_mode3(model, SETTINGS)
-    query_lens = [120]
-    ids, positions = batch(query_lens)
-    WORLD.context = fake_context(query_lens)
-    with torch.no_grad():
-        compiled(ids, positions)
-    traced = backends[-1].compilation_config.traced_files
+    traced = compile_and_run_once(model, SETTINGS).compilation_config.traced_files
     assert runtimes  # rewritten
     vllm_dir, passes_dir = (Path(m.__file__).resolve().parent for m in (uniprefill.vllm, uniprefill.passes))
     assert {str(vllm_dir / "rewrite.py"), str(vllm_dir / "graph_ops.py"), str(passes_dir / "token_drop.py")} <= traced
