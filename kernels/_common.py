@@ -47,9 +47,13 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     A copy from pageable host memory to a CUDA device synchronises the stream first (CUDA's documented behaviour,
     whatever `non_blocking` says): it drains the queue of launched kernels and leaves the GPU idle while Python
     issues the next ones. A copy from a pinned staging tensor is queued behind them instead; PyTorch's caching host
-    allocator keeps the staging tensor until the copy has read it (the source may change or die right after).
+    allocator keeps the staging tensor until the copy has read it (the source may change or die right after). The
+    staging tensor is always a fresh contiguous one: `pin_memory()` would keep a strided view's strides (the copy
+    would then make a pageable contiguous temporary) and return an already pinned source itself (a later write
+    into it would race the queued copy).
     """
     device = torch.device(device)
     if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    staging = torch.empty(host.shape, dtype=host.dtype, pin_memory=True).copy_(host)
+    return staging.to(device, non_blocking=True)

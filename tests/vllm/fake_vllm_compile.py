@@ -8,6 +8,7 @@ source (`split_graph`, `PiecewiseCompileInterpreter`, `PiecewiseBackend`, `Induc
 * compile every other piece with Inductor (`torch._inductor.standalone_compile`, dynamic shapes
   "from_graph") on the fake values of its placeholders (`meta["example_value"]`), passing the
   Inductor options it holds (`inductor_config`, which rejects unknown keys);
+* hash `compilation_config.traced_files` into the cache key and clear it (here: keep a copy, `hashed_files`);
 * return an object with `optimized_call` (the split module) and `graph_module` (what its AOT-compile
   cache would save).
 
@@ -57,6 +58,11 @@ class FakeVllmBackend:
         self.piece_kernels: dict[str, int] = {}  # kernels Inductor generated for each compiled piece
 
     def __call__(self, graph: fx.GraphModule, example_inputs):
+        # vLLM hashes the text of `traced_files` into its compile-cache directory here, then clears the set
+        traced = getattr(self.compilation_config, "traced_files", None)
+        self.hashed_files = set(traced or ())
+        if traced is not None:
+            traced.clear()
         split_ops = set(self.compilation_config.splitting_ops or [])
         piece, ids, splitting = 0, {}, set()
         nodes = [n for n in graph.graph.nodes if n.op not in ("placeholder", "output")]

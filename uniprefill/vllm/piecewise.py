@@ -135,7 +135,8 @@ def add_rewrite_sources(compilation_config: Any) -> int:
     compile-cache directory with the config (`VllmBackend.__call__`); the number added. Without them an
     engine started after uniprefill changed would load pieces compiled from the graph the OLD code
     rewrote (vLLM loads a piece by its index, not by its graph); the settings themselves are in the
-    config's hash already. A vLLM without `traced_files`: nothing added."""
+    config's hash already. Called for every backend call of an engine with the settings (vLLM clears the set
+    after each call, and names the directory at the first). A vLLM without `traced_files`: nothing added."""
     from ..passes import source_files
 
     traced = getattr(compilation_config, "traced_files", None)
@@ -170,11 +171,13 @@ def _rewriting_call(original):
         if config_from_compilation_config(self.compilation_config) is None:
             return original(self, graph, example_inputs)
         self.inductor_config.pop(CONFIG_KEY, None)
+        # every backend of an engine with the settings, rewritten or not: vLLM names the cache directory at the
+        # engine's first backend call (an encoder's, or a module left unrewritten) and later calls reuse it
+        add_rewrite_sources(self.compilation_config)
         prepared = rewrite_for_vllm_backend(self, graph, example_inputs)
         if prepared is None:
             return original(self, graph, example_inputs)
         rewritten, runtime, backed = prepared
-        add_rewrite_sources(self.compilation_config)
         add_splitting_ops(self.compilation_config)
         hint = backed_rows.token_count_hint(rewritten)
         if not backed.renamed and hint is not None and "unbacked_symint_fallback" not in self.inductor_config:
