@@ -17,7 +17,8 @@ wraps `VllmBackend.__call__`; for a backend whose config carries those settings 
 3. gives every node of the rewritten graph its fake value (`example_value`, which vLLM's split
    and piecewise compilation read; after a drop point the row count is the drop's unbacked size);
 4. adds the rewrite's source files to the files vLLM hashes into its compile-cache directory
-   (`add_rewrite_sources`), and `graph_ops.SPLITTING_OPS` to the splitting ops: the drop point, its row count, the
+   (`add_rewrite_sources`; before step 2, so also where the graph then runs unrewritten), and
+   `graph_ops.SPLITTING_OPS` to the splitting ops: the drop point, its row count, the
    per-step reset and the window attention then run in Python on every step, between the
    compiled pieces, as vLLM's attention does; and turns off Inductor's `benchmark_combo_kernel`
    (vLLM's default on): it needs a size hint for every symbol, which a drop's row count has not;
