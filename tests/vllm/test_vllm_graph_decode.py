@@ -106,6 +106,23 @@ def test_removed_table_follows_the_steps_requests_in_batch_order():
         runtime.before_step(tuple(f"r{i}" for i in range(9)))
 
 
+def test_removed_table_is_refilled_only_before_a_full_graph_replay():
+    """A step that replays no FULL graph (a prefill: eager or piecewise) leaves the tables as they are (its drop
+    points read the histories on the host); the next replay finds them stale and refills them."""
+    world, runtime = dropped_world((1,))
+    table = runtime.graph_decode.on(torch.device("cpu"))
+    ids = tuple(world.request_ids)
+    runtime.before_step(ids, full_graph=False)
+    assert table.abs().sum().item() == 0
+    runtime.before_step(ids, full_graph=True)
+    filled = table.clone()
+    assert filled[0, :3].tolist() == [runtime.store.kv_removed(runtime.store.rows_for([r]), 1).item() for r in ids]
+    runtime.before_step((ids[2],), full_graph=False)  # another batch, no replay: still the last replay's tables
+    assert torch.equal(table, filled)
+    runtime.before_step((ids[2],))
+    assert table[0, 0].item() == filled[0, 2].item() and table[0, 1:].abs().sum().item() == 0
+
+
 def test_segment_metadata_keeps_padding_rows_at_minus_one():
     table = torch.tensor([[3, 7], [5, 9], [0, 0]], dtype=torch.int32)
     seq_lens = torch.tensor([20, 5, 0], dtype=torch.int32)  # the third row pads the captured batch

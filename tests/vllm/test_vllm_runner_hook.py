@@ -227,3 +227,68 @@ def test_request_settings_in_the_servers_flat_form(caplog):
     assert mask.tolist() == [True, True, False, True, True, False, True, False]
     assert p[2].item() == pytest.approx(0.7) and torch.isnan(p[[0, 1, 3, 4, 5, 6, 7]]).all()
     assert sum("keeps every row" in r.getMessage() for r in caplog.records) == 3  # d, e, g
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_runner_hook_says_whether_the_step_replays_a_full_graph(runner, monkeypatch):
+    """The decode tables (`vllm.graph_decode`) are read only by a FULL CUDA graph's replay, so the hooks tell the
+    runtimes which steps replay one: V2 from the `batch_desc.cg_mode` its `prepare_inputs` receives, V1 from the
+    forward context it runs `_model_forward` in (a fake `vllm.forward_context` here). A mode that cannot be read
+    counts as a replay (the tables are refilled, as before)."""
+    import sys
+
+    import numpy as np
+
+    from uniprefill.vllm import runner_hook as hook
+
+    said = []
+
+    class Listener:
+        free = staticmethod(lambda request_id: None)
+
+        @staticmethod
+        def before_step(request_ids, full_graph):
+            said.append((request_ids, full_graph))
+
+    listeners = hook.FinishedListeners()
+    listener = Listener()
+    listeners.add(listener)
+    modes = [types.SimpleNamespace(name=name) for name in ("FULL", "PIECEWISE", "NONE")] + [None]
+    if runner == "v2":
+        class Runner:
+            def prepare_inputs(self, scheduler_output, batch_desc):
+                return types.SimpleNamespace(req_ids=["a", "b"], prefill_len_np=np.array([1, 1]))
+
+            def execute_model(self, scheduler_output):
+                return None
+
+        assert hook.install_v2(Runner, listeners)
+        for mode in modes[:3]:
+            Runner().prepare_inputs(None, types.SimpleNamespace(cg_mode=mode))
+        Runner().prepare_inputs(None, batch_desc=types.SimpleNamespace(cg_mode=modes[0]))  # by keyword
+        Runner().prepare_inputs(None, None)
+        assert said == [(("a", "b"), True), (("a", "b"), False), (("a", "b"), False), (("a", "b"), True),
+                        (("a", "b"), True)]
+        return
+
+    class Runner:
+        input_batch = types.SimpleNamespace(req_ids=["a"], num_prompt_tokens_cpu_tensor=torch.tensor([4]))
+
+        def _update_states(self, scheduler_output):
+            return None
+
+        def _model_forward(self):
+            return None
+
+    assert hook.install(Runner, listeners)
+    context = types.SimpleNamespace(cudagraph_runtime_mode=None)
+    fake = types.ModuleType("vllm.forward_context")
+    fake.get_forward_context = lambda: context
+    fake.is_forward_context_available = lambda: context is not None
+    monkeypatch.setitem(sys.modules, "vllm.forward_context", fake)
+    for mode in modes:
+        context.cudagraph_runtime_mode = mode
+        Runner()._model_forward()
+    context = None
+    Runner()._model_forward()  # no forward context: counts as a replay
+    assert said == [(("a",), True), (("a",), False), (("a",), False), (("a",), True), (("a",), True)]

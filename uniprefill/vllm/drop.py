@@ -137,10 +137,12 @@ class VllmDropRuntime:
     def begin_step(self) -> None:
         self.step = StepDrops()
 
-    def before_step(self, request_ids: Sequence[str]) -> None:
+    def before_step(self, request_ids: Sequence[str], full_graph: bool = True) -> None:
         """Called by the model-runner hook before each step's forward (or graph replay): under
-        CUDA-graph decoding, refill the removed-KV table the graphs read, in batch order."""
-        if self.graph_decode is not None:
+        CUDA-graph decoding, refill the removed-KV table the graphs read, in batch order, when the step
+        replays a FULL graph (`full_graph`; eager and piecewise steps read the histories on the host, and
+        `fill` skips nothing it needs: the next FULL step finds the tables stale and refills them)."""
+        if self.graph_decode is not None and full_graph:
             self.graph_decode.fill(self.store, tuple(request_ids))
 
     # ------------------------------------------------------------------ the drop point
