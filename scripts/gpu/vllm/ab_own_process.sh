@@ -10,7 +10,8 @@
 # folder). Each run starts its own engine (vLLM's own process, as vLLM runs by default) and times LENGTH x BATCH
 # prefills (default 8192 x 16, REPEATS=9, medians) with scripts/gpu/vllm/profile_prefill.py --own-process at
 # P (default 0.95); TRACE=1 adds one traced prefill and summarises the drop points' and the window calls' host work
-# (OUT_DIR/NAME-inside-OP.json). Tree runs replace the installed package (/tmp/usite) by that tree; the script
+# (OUT_DIR/NAME-inside-OP.json); TRACE_STACK=1 records Python stacks too and keeps the trace (OUT_DIR/NAME.pt.trace.json.gz),
+# to name the callers of host ops (its host times are inflated: not for walls). Tree runs replace the installed package (/tmp/usite) by that tree; the script
 # puts this tree back at the end. Results go straight into OUT_DIR (an outer `timeout` must not lose them).
 # Order matters: on 2026-12-06 the first uniprefill engine of each call was the slowest in all three calls
 # (docs/results/vllm-h100-2026-12-06h); name the runs in an ABBA order (`head old=DIR old=DIR head`: files head,
@@ -41,6 +42,7 @@ for run in "$@"; do
     *) echo "unknown run $run (standard | head | NAME=DIR)" >&2; exit 2 ;;
   esac
   [[ "${TRACE:-0}" == 1 && "$run" != standard ]] && { rm -rf "/tmp/trace-$name"; args+=(--trace-dir "/tmp/trace-$name"); }
+  [[ "${TRACE:-0}" == 1 && "${TRACE_STACK:-0}" == 1 && "$run" != standard ]] && args+=(--trace-stack)
   start=$(date +%s)
   timeout "${RUN_TIMEOUT:-420}" python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" "${args[@]}" > "$OUT/$name.log" 2>&1
   echo "$name: exit $? in $(( $(date +%s) - start )) s; $(grep -h -m1 prefill_wall_ms_median "$OUT/$name.log" | cut -c1-200)"
@@ -49,6 +51,7 @@ for run in "$@"; do
   trace=""  # only this run's trace (an earlier call's may still lie in /tmp)
   [[ "${TRACE:-0}" == 1 ]] && trace="$(find "/tmp/trace-$name" -name '*.pt.trace.json*' 2>/dev/null | head -1)"
   if [[ -n "$trace" ]]; then
+    [[ "${TRACE_STACK:-0}" == 1 ]] && cp "$trace" "$OUT/$name.pt.trace.json.gz"
     for op in vllm_drop vllm_window_attention; do
       python3 -P "$ROOT/scripts/gpu/vllm/profile_prefill.py" --summarise-trace "$trace" --inside "uniprefill::$op" \
         > "$OUT/$name-inside-$op.json" 2>&1

@@ -276,7 +276,7 @@ def profile(args) -> dict:
         kwargs["compilation_config"] = {"inductor_compile_config": {"uniprefill": json.loads(args.uniprefill)}}
     if args.trace_dir:
         kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": str(args.trace_dir.resolve()),
-                                     "torch_profiler_with_stack": False}
+                                     "torch_profiler_with_stack": args.trace_stack}
     llm = LLM(model=str(args.model_dir), tokenizer=str(args.model_dir), **kwargs)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -367,6 +367,9 @@ def main(argv=None) -> int:
     parser.add_argument("--trace-dir", type=Path, default=None,
                         help="with --own-process: the engine process's allocator and GC counters over the timed "
                              "prefills, and one more prefill traced by vLLM's profiler into this folder, summarised")
+    parser.add_argument("--trace-stack", action="store_true",
+                        help="with --trace-dir: the trace records Python stacks (host times grow; it names the "
+                             "callers of host ops)")
     parser.add_argument("--summarise-trace", type=Path, default=None, help="print trace_summary of one trace file")
     parser.add_argument("--inside", default=None, metavar="OP",
                         help="with --summarise-trace: print inside_summary of the operator OP instead")
