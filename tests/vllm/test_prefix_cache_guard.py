@@ -45,8 +45,9 @@ def config(*, drop=True, caching=True, min_tokens=64, **settings):
               cache_config=NS(enable_prefix_caching=caching))
 
 
-def request(name, prompt_tokens, **extra_args):
-    return NS(request_id=name, num_prompt_tokens=prompt_tokens, sampling_params=NS(extra_args=extra_args or None))
+def request(name, prompt_tokens, prompt_logprobs=None, **extra_args):
+    return NS(request_id=name, num_prompt_tokens=prompt_tokens,
+              sampling_params=NS(extra_args=extra_args or None, prompt_logprobs=prompt_logprobs))
 
 
 @pytest.fixture()
@@ -105,6 +106,8 @@ def test_an_engine_at_p_1_publishes_as_standard_vllm_does(installed):
 
 @pytest.mark.parametrize("extra_args, publishes", [
     ({}, False),
+    ({"prompt_logprobs": 0}, True),  # prompt logprobs: the worker keeps every row (not an extra_args key)
+    ({"prompt_logprobs": 5, "uniprefill": {"p": 0.5}}, True),
     ({"uniprefill": False}, True),
     ({"uniprefill": "off"}, True),
     ({"uniprefill": 0}, True),  # the server's JSON false
@@ -125,9 +128,10 @@ def test_requests_that_cannot_remove_a_row_publish_and_the_worker_reads_the_same
     scheduler = Scheduler(config())  # p = 0.95
     scheduler.schedule(request("r", 500, **extra_args), 500)
     assert ("r" in scheduler.kv_cache_manager.coordinator.published) is publishes
+    extra_args = dict(extra_args)
+    logprobs = extra_args.pop("prompt_logprobs", None)
     worker = RequestSettings()
-    worker.arrive([NS(req_id="r", sampling_params=NS(extra_args=extra_args, prompt_logprobs=None))],
-                  logprobs_in_params=True)
+    worker.arrive([NS(req_id="r", sampling_params=NS(extra_args=extra_args, prompt_logprobs=logprobs))])
     keeps_every_row = "r" in worker.opted_out or worker.p.get("r", 0.95) >= 1.0
     assert keeps_every_row is publishes
 

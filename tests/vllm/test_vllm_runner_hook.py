@@ -77,14 +77,20 @@ def test_runner_hook_v1_frees_a_preempted_requests_history_and_keeps_its_setting
     listeners.add(listener)
     assert hook.install(Runner, listeners)
     runner = Runner()
-    arriving = [types.SimpleNamespace(req_id="p", sampling_params=types.SimpleNamespace(extra_args={"uniprefill": False}))]
+    arriving = [types.SimpleNamespace(req_id="p", sampling_params=types.SimpleNamespace(extra_args={"uniprefill": False})),
+                types.SimpleNamespace(req_id="q", sampling_params=types.SimpleNamespace(extra_args=None, prompt_logprobs=1))]
     runner._update_states(types.SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=arriving,
                                                 preempted_req_ids=set()))
-    runner._update_states(types.SimpleNamespace(finished_req_ids={"q"}, scheduled_new_reqs=[],
+    runner._update_states(types.SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[],
                                                 preempted_req_ids={"p", "q"}))
-    assert sorted(freed) == ["p", "q"] and freed.count("q") == 1  # each once, finished or preempted
-    runner._model_forward()  # "p" resumed: still opted out
-    assert seen[-1].tolist() == [True, False]
+    assert sorted(freed) == ["p", "q"]
+    # both resumed: "p" still opted out, and "q" (prompt logprobs) too, though V1's batch lists prompt-logprob
+    # requests only until their first prefill completes (the prefix-cache guard publishes q's blocks)
+    runner._model_forward()
+    assert seen[-1].tolist() == [True, True]
+    runner._update_states(types.SimpleNamespace(finished_req_ids={"q"}, scheduled_new_reqs=[],
+                                                preempted_req_ids={"q"}))
+    assert freed.count("q") == 2  # once for the preemption, once more when it finished: each call once
     runner._update_states(types.SimpleNamespace(finished_req_ids=set(), scheduled_new_reqs=[]))  # no field: fine
     assert hook.uninstall(Runner)
 
@@ -193,8 +199,7 @@ def test_request_settings_from_sampling_params(caplog):
     assert settings.of_step(ids) == (None, None)  # nothing live: nothing computed
     with caplog.at_level("WARNING", logger=hook.__name__):
         settings.arrive([arriving("a", {"p": 0.8}), arriving("b", False), arriving("c", {"p": 1.5}),
-                         arriving("d", {"p": 0.9, "x": 1}), arriving("e", logprobs=2), arriving("f", True)],
-                        logprobs_in_params=True)
+                         arriving("d", {"p": 0.9, "x": 1}), arriving("e", logprobs=2), arriving("f", True)])
     mask, p = settings.of_step(ids)
     assert mask.tolist() == [False, True, True, True, True, False]
     assert p[0].item() == pytest.approx(0.8) and torch.isnan(p[1:]).all()
@@ -202,8 +207,8 @@ def test_request_settings_from_sampling_params(caplog):
     settings.finish({"a", "b", "c", "d", "e"})
     assert settings.of_step(ids) == (None, None)
     v1 = hook.RequestSettings()
-    v1.arrive([arriving("e", logprobs=2)], logprobs_in_params=False)  # V1 reads logprobs from its batch
-    assert v1.of_step(("e",)) == (None, None) and v1.of_step(("e",), {"e": 2})[0].tolist() == [True]
+    v1.arrive([arriving("f")])
+    assert v1.of_step(("f",)) == (None, None) and v1.of_step(("f",), {"f": 2})[0].tolist() == [True]  # V1's batch too
 
 
 def test_request_settings_in_the_servers_flat_form(caplog):
@@ -221,8 +226,7 @@ def test_request_settings_in_the_servers_flat_form(caplog):
         settings.arrive([arriving("a", {"uniprefill": "off"}), arriving("b", {"uniprefill": 0}),
                          arriving("c", {"uniprefill_p": 0.7}), arriving("d", {"uniprefill_p": 0}),
                          arriving("e", {"uniprefill": {"p": 0.5}, "uniprefill_p": 0.6}),
-                         arriving("f", {"uniprefill": 1}), arriving("g", {"uniprefill": 0.0})],
-                        logprobs_in_params=True)
+                         arriving("f", {"uniprefill": 1}), arriving("g", {"uniprefill": 0.0})])
     mask, p = settings.of_step(("a", "b", "c", "d", "e", "f", "g", "h"))
     assert mask.tolist() == [True, True, False, True, True, False, True, False]
     assert p[2].item() == pytest.approx(0.7) and torch.isnan(p[[0, 1, 3, 4, 5, 6, 7]]).all()

@@ -14,8 +14,9 @@ least `effective_min_tokens` tokens (the worker's own lower bound for a drop,
 - a step that reaches the end of its prompt may drop, and so may every step after it: they publish
   nothing (the blocks of its earlier chunks were published when those ran).
 Shorter requests publish as usual, and so do requests that cannot remove a row whatever their scores:
-those that opt out (`extra_args={"uniprefill": False}`, or a setting the worker does not understand)
-and, where the config forces no keep ratio, those whose top-p (their own, else the config's) is 1, which
+those that opt out (`extra_args={"uniprefill": False}`, or a setting the worker does not understand),
+those that ask for prompt logprobs (the worker keeps every row of theirs for their whole life,
+`runner_hook.RequestSettings`) and, where the config forces no keep ratio, those whose top-p (their own, else the config's) is 1, which
 keeps every block. Both sides read a request's setting with one function
 (`uniprefill.vllm.request_option.read_request_option`). So an engine at p = 1 caches prefixes as
 standard vLLM does. Stateless: a request that vLLM preempts and recomputes follows the same rule.
@@ -70,10 +71,11 @@ class PrefixCacheGuard:
         return prompt >= self.min_tokens and num_tokens >= prompt and self.can_remove_rows(request)
 
     def can_remove_rows(self, request: Any) -> bool:
-        """False for a request that keeps every row whatever its scores: opted out, or top-p 1 (its own, else
-        the config's) where no keep ratio is forced."""
-        option = read_request_option(_get(request, "sampling_params"))
-        if option.opted_out:
+        """False for a request that keeps every row whatever its scores: opted out, asking for prompt logprobs,
+        or top-p 1 (its own, else the config's) where no keep ratio is forced."""
+        params = _get(request, "sampling_params")
+        option = read_request_option(params)
+        if option.opted_out or _get(params, "prompt_logprobs", None) is not None:
             return False
         if self.keep_ratio is not None:
             return True

@@ -15,7 +15,9 @@ forward context), and finished and preempted ids are handed to every registered 
 (the runtimes free their histories: a preempted request's KV is computed anew when it resumes).
 
 Requests that must not drop (`opted_out()`): those asking for prompt logprobs (vLLM reads
-the logits at every prompt position; `input_batch.num_prompt_logprobs`) and those whose
+the logits at every prompt position; read from the sampling params when the request arrives, so it
+holds for the request's whole life, a recompute after a preemption included, as the prefix-cache guard
+assumes; V1's `input_batch.num_prompt_logprobs` is read too) and those whose
 sampling params say `extra_args={"uniprefill": False}` (recorded when the request arrives,
 `scheduler_output.scheduled_new_reqs`). `extra_args={"uniprefill": {"p": x}}` gives a request
 its own top-p (`request_p()`); see `RequestSettings`. When no live request has a setting,
@@ -106,17 +108,18 @@ class RequestSettings:
     """Per-request settings of the live requests, read when a request arrives (`read_request_option`:
     False / "off" opts out, `{"p": x}` its own top-p; a setting it does not understand is logged and the
     request keeps every row, so a bad setting never silently changes an answer). Prompt logprobs opt out
-    too (`logprobs_in_params`: V2 reads them from the sampling params; V1 from its batch). Nothing per
+    too, for the request's whole life (the prefix-cache guard publishes such a request's blocks,
+    `PrefixCacheGuard.can_remove_rows`, so it must never drop, a recompute after a preemption included). Nothing per
     step is computed while no live request has a setting."""
 
     def __init__(self) -> None:
         self.opted_out: set[str] = set()
         self.p: dict[str, float] = {}
 
-    def arrive(self, new_requests, logprobs_in_params: bool) -> None:
+    def arrive(self, new_requests) -> None:
         for new in new_requests or ():
             params = getattr(new, "sampling_params", None)
-            if logprobs_in_params and getattr(params, "prompt_logprobs", None) is not None:
+            if getattr(params, "prompt_logprobs", None) is not None:
                 self.opted_out.add(new.req_id)
             option = read_request_option(params)
             if option.problem:
@@ -182,7 +185,7 @@ def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
     def _update_states(self, scheduler_output, *args, **kwargs):
         finished = tuple(getattr(scheduler_output, "finished_req_ids", ()) or ())
         settings.finish(finished)
-        settings.arrive(getattr(scheduler_output, "scheduled_new_reqs", ()), logprobs_in_params=False)
+        settings.arrive(getattr(scheduler_output, "scheduled_new_reqs", ()))
         # a preempted request's KV is freed and computed anew when it resumes, perhaps over a prefix-cache hit
         # (then its recompute does not start at position 0, where `VllmDropRuntime` would see the history as
         # stale): its drop history goes now. V1 keeps the request itself (and its settings) across a preemption.
@@ -221,7 +224,7 @@ def install_v2(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
             finished = set(getattr(scheduler_output, "finished_req_ids", ()) or ())
             finished |= set(getattr(scheduler_output, "preempted_req_ids", ()) or ())
             settings.finish(finished)
-            settings.arrive(getattr(scheduler_output, "scheduled_new_reqs", ()), logprobs_in_params=True)
+            settings.arrive(getattr(scheduler_output, "scheduled_new_reqs", ()))
             listeners.notify(finished)
         token = _STEP.set(None)
         try:
