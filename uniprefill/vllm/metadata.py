@@ -209,7 +209,7 @@ class DropHistoryStore:
     def add(self, history: RequestDropHistory, tail_candidates: Sequence[torch.Tensor] | None = None) -> int:
         """Keep `history`; returns its store row.
 
-        tail_candidates: per drop, a host tensor holding (at least) the kept positions in the
+        tail_candidates: per drop, a host tensor or numpy array holding (at least) the kept positions in the
         last `max_window` positions of the prompt; `record_step` gathers them for all requests
         with one device-to-host copy per drop point. Without them (direct use) each drop's
         positions are copied to the host here, one sync per drop.
@@ -246,7 +246,8 @@ class DropHistoryStore:
                 raise ValueError(f"tail_candidates: expected {len(history.drops)} tensors (one per drop), "
                                  f"got {len(tail_candidates)}")
             prompt = [np.arange(max(history.context_len, low), end, dtype=np.int64)] + [
-                t.cpu().numpy().astype(np.int64, copy=False) for t in tail_candidates]
+                t if isinstance(t, np.ndarray) else t.cpu().numpy() for t in tail_candidates]
+            prompt = [keys.astype(np.int64, copy=False) for keys in prompt]
             tail = self._tail.numpy()
             for c, keys in enumerate(prompt):
                 keys = np.concatenate([context, keys[keys >= low]])
@@ -298,33 +299,33 @@ class DropHistoryStore:
         if len(request_ids) != base.num_reqs or dropped.shape != (base.num_reqs,):
             raise ValueError(f"request_ids / dropped: expected {base.num_reqs} entries, got "
                              f"{len(request_ids)} / {tuple(dropped.shape)}")
-        droppers = torch.nonzero(dropped.cpu()).flatten()
+        droppers = np.flatnonzero(dropped.cpu().numpy())
         tails = [self._last_kept_positions(lay, droppers) for lay in drop_layouts] if self.max_window else None
         # one copy of each layout's positions (one launch per drop point, not one per request); the requests'
-        # records are views of it
+        # records are views of it. Host numbers are read through numpy (no torch op per request)
         positions = [lay.positions.clone() for lay in drop_layouts]
         starts = [lay.query_start_loc_cpu.tolist() for lay in drop_layouts]
+        computed, query_lens = base.num_computed_tokens_cpu.tolist(), base.query_lens_cpu.tolist()
         rows = []
         for i, r in enumerate(droppers.tolist()):
             drops = []
             for layer, kept, qsl in zip(self.drop_layers, positions, starts):
                 drops.append(DropRecord(layer, qsl[r + 1] - qsl[r], kept[qsl[r]:qsl[r + 1]]))
-            history = RequestDropHistory(request_ids[r], int(base.num_computed_tokens_cpu[r]),
-                                         int(base.query_lens_cpu[r]), tuple(drops), self.policy)
+            history = RequestDropHistory(request_ids[r], int(computed[r]), int(query_lens[r]), tuple(drops), self.policy)
             rows.append(self.add(history, [values[offsets[i]:offsets[i + 1]] for values, offsets in tails]
                                  if tails else None))
         return rows
 
-    def _last_kept_positions(self, layout: TokenLayout, requests: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Host copy of the last `max_window` kept positions of each request (one D2H copy)."""
-        picked = requests.numpy()
+    def _last_kept_positions(self, layout: TokenLayout, picked: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        """Host copy of the last `max_window` kept positions of each request in `picked` (int array; one D2H
+        copy), as a numpy array with each request's offsets."""
         ends = layout.query_start_loc_cpu.numpy()[1:][picked].astype(np.int64)
         take = np.minimum(layout.query_lens_cpu.numpy()[picked], self.max_window).astype(np.int64)
         offsets = np.zeros(take.size + 1, dtype=np.int64)
         np.cumsum(take, out=offsets[1:])
         rows = np.repeat(ends - take - offsets[:-1], take) + np.arange(int(offsets[-1]), dtype=np.int64)
         values = layout.positions[to_device(torch.from_numpy(rows), layout.positions.device)].cpu()
-        return values, offsets.tolist()
+        return values.numpy().astype(np.int64, copy=False), offsets.tolist()
 
     # ---------------------------------------------------------------- decode helpers (vectorised)
     def kv_removed(self, rows: torch.Tensor, column: int) -> torch.Tensor:
