@@ -345,15 +345,20 @@ def test_a_step_mixing_long_and_short_requests_runs_each_on_its_kernel(monkeypat
 def test_tiles_below_a_gpu_dot_are_refused_outside_the_interpreter(monkeypatch):
     """Triton's dot needs sides of at least 16 on a GPU: a smaller `block_n` or `tile_block_n` raises a clear error
     there instead of a compiler failure (the interpreter runs any size; the tests above use tiles of 4)."""
+    from uniprefill.kernels.paged_window import kernel as window_kernel
     from uniprefill.kernels.paged_window import paged_window_attention_triton
 
+    # the kernels' module is imported above, under the interpreter: Triton chooses between its interpreter and its
+    # compiler when a kernel is decorated, so a first import below, with the switch off, would leave this test
+    # process's window kernels compiled-only for every later test (a CI run's xdist worker failed three that way)
+    from uniprefill.kernels._common import interpret_enabled
+
+    assert (type(window_kernel.paged_window_kernel).__name__ == "InterpretedFunction") == interpret_enabled()
     step = _two_request_step(0, 6)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a GPU run sees
     for kw in ({"block_n": 4}, {"tiled": True, "tile_block_n": 8}, {"tiled": True, "tile_rows": 8}):
         with pytest.raises(ValueError, match="at least 16 of each on a GPU"):
             paged_window_attention_triton(*step, window=24, scale=0.3, **kw)
-    from uniprefill.kernels.paged_window import kernel as window_kernel
-
     launched = []
     for name in ("paged_window_kernel", "paged_window_tiled_kernel"):  # launches recorded, not run
         monkeypatch.setattr(window_kernel, name, _Launch(name, launched))
