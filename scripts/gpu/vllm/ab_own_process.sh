@@ -15,7 +15,9 @@
 # puts this tree back at the end. Results go straight into OUT_DIR (an outer `timeout` must not lose them).
 # Order matters: on 2026-12-06 the first uniprefill engine of each call was the slowest in all three calls
 # (docs/results/vllm-h100-2026-12-06h); name the runs in an ABBA order (`head old=DIR old=DIR head`: files head,
-# old, old-2, head-2) and read the pairs.
+# old, old-2, head-2) and read the pairs. On a fresh box the first engine compiles from nothing and autotunes FlashInfer
+# (2026-12-06 on an H200: over 135 s, RUN_TIMEOUT's share of a call): give the first run more, or let a throwaway
+# first run warm the caches (docs/results/vllm-h200-2026-12-06i).
 set -uo pipefail
 OUT="${1:?usage: ab_own_process.sh OUT_DIR RUN...}"; shift
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
