@@ -154,9 +154,13 @@ def _v1_replays_full_graph() -> bool:
         from vllm.forward_context import get_forward_context, is_forward_context_available
     except ImportError:
         return True
-    if not is_forward_context_available():
-        return True
-    mode = getattr(get_forward_context(), "cudagraph_runtime_mode", None)
+    return not is_forward_context_available() or _replays_full_graph(
+        getattr(get_forward_context(), "cudagraph_runtime_mode", None))
+
+
+def _replays_full_graph(mode) -> bool:
+    """Whether a step run in CUDA-graph mode `mode` (vLLM's `CUDAGraphMode`, compared by name) replays a FULL graph;
+    True where the mode is not known."""
     return mode is None or getattr(mode, "name", mode) == "FULL"
 
 
@@ -240,8 +244,8 @@ def install_v2(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
         prefill = torch.as_tensor(batch.prefill_len_np[:len(ids)]).to(torch.long)
         _STEP.set(StepRequests(ids, prefill, mask, p))  # seen by the forward execute_model runs next
         # before the forward, or the replay of a FULL graph (`batch_desc.cg_mode`, as `execute_model` reads it)
-        mode = getattr(kwargs.get("batch_desc", args[0] if args else None), "cg_mode", None)
-        listeners.before_step(ids, mode is None or getattr(mode, "name", mode) == "FULL")
+        batch_desc = kwargs.get("batch_desc", args[0] if args else None)
+        listeners.before_step(ids, _replays_full_graph(getattr(batch_desc, "cg_mode", None)))
         return batch
 
     for wrapped in (execute_model, prepare_inputs):
