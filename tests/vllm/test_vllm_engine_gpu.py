@@ -100,17 +100,19 @@ def test_long_prompts_drop_in_a_mixed_batch_and_every_request_decodes(model_fold
     assert runtime["rows_kept"] <= 0.6 * runtime["rows_in"], runtime
 
 
-def _same_prompt_twice(model_folder, settings=None, extra_args=None, cached=None):
+def _same_prompt_twice(model_folder, settings=None, extra_args=None, cached=None, first_prompt_logprobs=None):
     """One 1,000-token prompt, then the same prompt again in a second call, with vLLM's prefix caching
     on (its default): the two texts and the drop totals (`cached`, a list, receives the prompt's length,
-    then each call's `num_cached_tokens`)."""
+    then each call's `num_cached_tokens`). `first_prompt_logprobs`: the first call asks for prompt logprobs."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, extra_args=extra_args)
+    first = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, extra_args=extra_args,
+                           prompt_logprobs=first_prompt_logprobs)
     long = prompts(1, 1000)
     llm = engine(model_folder, settings, enable_prefix_caching=True)
     try:
-        outputs = [llm.generate(t, params, use_tqdm=False)[0] for t in (long, long)]
+        outputs = [llm.generate(long, p, use_tqdm=False)[0] for p in (first, params)]
         totals = collect_drop_totals(llm)[0][0]
     finally:
         release(llm)
@@ -153,6 +155,16 @@ def test_requests_that_cannot_remove_a_row_keep_standard_prefix_cache_hits(model
     assert first == 0 and second >= prompt_len // 2, cached  # the second call read the first one's blocks
     assert totals["rows_kept"] == totals["rows_in"], totals  # and those blocks held every row
     assert texts[0] == texts[1], texts
+
+
+def test_a_prompt_logprobs_request_publishes_its_blocks(model_folder):
+    """A request asking for prompt logprobs keeps every row of a dropping engine for its whole life
+    (`runner_hook.RequestSettings`), so the guard publishes its blocks as standard vLLM's: the same prompt again,
+    without prompt logprobs (vLLM reads no cache for a request that asks for them), finds its start cached."""
+    cached = []
+    _same_prompt_twice(model_folder, cached=cached, first_prompt_logprobs=1)
+    prompt_len, first, second = cached
+    assert first == 0 and second >= prompt_len // 2, cached
 
 
 def test_a_chunked_prompt_drops_at_its_last_chunk_and_publishes_its_first(model_folder):
