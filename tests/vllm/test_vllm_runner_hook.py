@@ -271,8 +271,9 @@ def test_runner_hook_says_whether_the_step_replays_a_full_graph(runner, monkeypa
             Runner().prepare_inputs(None, types.SimpleNamespace(cg_mode=mode))
         Runner().prepare_inputs(None, batch_desc=types.SimpleNamespace(cg_mode=modes[0]))  # by keyword
         Runner().prepare_inputs(None, None)
+        Runner().prepare_inputs(None, types.SimpleNamespace(cg_mode=types.SimpleNamespace(name="LATER")))
         assert said == [(("a", "b"), True), (("a", "b"), False), (("a", "b"), False), (("a", "b"), True),
-                        (("a", "b"), True)]
+                        (("a", "b"), True), (("a", "b"), True)]  # a mode not known refills
         return
 
     class Runner:

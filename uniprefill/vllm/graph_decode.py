@@ -159,7 +159,9 @@ def _runtime_mode(context) -> str | None:
 def _capturing_full_graph(context) -> bool:
     """Whether this forward is being captured into a CUDA graph: the current CUDA stream is
     capturing (vLLM 0.26's runner V2 captures its FULL graphs with the forward context's mode set
-    to NONE, read in `CudaGraphManager.capture`), or the forward context says FULL (runner V1)."""
+    to NONE, read in `CudaGraphManager.capture`), or the forward context says FULL (runner V1). The tables such a
+    graph reads are refilled only before steps the runners report as FULL (`runner_hook`): a graph of another mode
+    captured through a drop point (none in vLLM 0.26: its breakable graphs run uncompiled) would replay stale ones."""
     if _runtime_mode(context) == "FULL":
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -206,7 +206,8 @@ class DropHistoryStore:
     def get(self, request_id: str) -> RequestDropHistory | None:
         return self._histories.get(request_id)
 
-    def add(self, history: RequestDropHistory, tail_candidates: Sequence[torch.Tensor] | None = None) -> int:
+    def add(self, history: RequestDropHistory,
+            tail_candidates: Sequence[torch.Tensor | np.ndarray] | None = None) -> int:
         """Keep `history`; returns its store row.
 
         tail_candidates: per drop, a host tensor or numpy array holding (at least) the kept positions in the

@@ -159,9 +159,9 @@ def _v1_replays_full_graph() -> bool:
 
 
 def _replays_full_graph(mode) -> bool:
-    """Whether a step run in CUDA-graph mode `mode` (vLLM's `CUDAGraphMode`, compared by name) replays a FULL graph;
-    True where the mode is not known."""
-    return mode is None or getattr(mode, "name", mode) == "FULL"
+    """Whether a step run in CUDA-graph mode `mode` (vLLM's `CUDAGraphMode`, compared by name) may replay a FULL
+    graph: False only for NONE and PIECEWISE, so a mode not known (None, or one a later vLLM adds) refills."""
+    return getattr(mode, "name", mode) not in ("NONE", "PIECEWISE")
 
 
 def install(runner_cls, listeners: FinishedListeners = LISTENERS) -> bool:
