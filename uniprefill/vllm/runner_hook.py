@@ -148,7 +148,7 @@ def _v1_replays_full_graph() -> bool:
     """Whether runner V1's forward about to run replays a FULL CUDA graph: V1 sets the forward context (its
     `cudagraph_runtime_mode`) around `_model_forward`. True where that cannot be read (the decode tables are
     then refilled, as for a replay). Only a FULL replay reads the tables: eager and piecewise steps read the drop
-    histories on the host, so a prefill step skips the refill (3-4.7 ms of host time a 33K-token Gemma step on
+    histories on the host, so a prefill step skips the refill (2.9-4.7 ms of host time a 21K-34K-token Gemma step on
     the H100 trace of 2026-12-06f) and the next decode step does it once."""
     try:
         from vllm.forward_context import get_forward_context, is_forward_context_available
