@@ -47,9 +47,9 @@ def test_the_tree_nests_by_time_and_counts_the_kernels_inside(tmp_path):
     assert lines[1:] == [
         "  10.00 use execute_context_1(8)_generation_0(0)",  # durations 7 wide, two spaces a level
         "     9.80 pyt runner.py(1): execute_model",
-        "         4.00 pyt drop.py(175): _drop",
-        "           1.00 cpu aten::sort",
-        "         2.00 cpu aten::mm",
+        "       4.00 pyt drop.py(175): _drop",
+        "         1.00 cpu aten::sort",
+        "       2.00 cpu aten::mm",
     ]
     second = tree.tree_lines(tree.load_events(path), "execute_context_1", 1, 0.5)
     assert second[0].endswith("5.00 ms on the host, kernels starting inside it 0.00 ms")
