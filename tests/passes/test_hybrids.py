@@ -116,3 +116,27 @@ def test_hybrid_left_padded_batch_generation_equals_each_row_alone(name):
             alone = fast.generate(input_ids=p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
                                   max_new_tokens=4, do_sample=False)
             assert torch.equal(out[row, 320:], alone[0, p.numel():]), f"row {row}"
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-6", "qwen3.5-6"])
+def test_gated_deltanet_layers_after_the_drops_equal_the_eager_reference(name):
+    """Full attention at layers 1 and 4 of 6: the Gated DeltaNet layers after each drop point convolve and scan the
+    kept tokens only, in order; the eager reference runs each module on those tokens as one sequence."""
+    from uniprefill.testing.eager_reference import dropped_run, reference_last_logits
+    from uniprefill.testing.fuzz import build_model
+
+    model = build_model(name, torch.float32)
+    assert layer_kinds(model.config) == ["linear", "full", "linear", "linear", "full", "linear"]
+    ids = torch.randint(3, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(1))
+    out, kept, full = dropped_run(model, ids, UniPrefillConfig(keep_ratio=0.5, drop_layers=(1, 4), **SMALL))
+    assert sorted(kept) == [1, 4] and kept[4].numel() < kept[1].numel() < 200
+    out_at_1 = [i for i in range(200) if i not in set(kept[1].tolist())]
+    out_at_4 = [i for i in kept[1].tolist() if i not in set(kept[4].tolist())]
+    other = sorted(set(kept[1].tolist()) - {out_at_4[0]} | {out_at_1[0]})  # one row of layer 1 swapped, 4's kept
+    other = torch.tensor(other)
+    with torch.no_grad():
+        ref = reference_last_logits(model, ids, kept)
+        swapped = reference_last_logits(model, ids, {1: other, 4: kept[4]})
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert (out - full).abs().max() > 1e-3, "the layers after the drops ran on fewer tokens"
+    assert (ref - swapped).abs().max() > 1e-5, "the reference tells the kept sets apart"

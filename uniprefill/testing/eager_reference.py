@@ -1,9 +1,11 @@
 """An independent, slow, obviously-correct eager reference of token dropping (tests and the fuzzer).
 
-It runs a Hugging Face Llama, Gemma-3 or GPT-OSS model sublayer by sublayer with plain calls to its
-modules: every layer runs on the current set of tokens, with RoPE at their ORIGINAL
+It runs a Hugging Face Llama, Gemma-3, GPT-OSS, Qwen3-Next or Qwen3.5 model sublayer by sublayer with plain calls
+to its modules: every layer runs on the current set of tokens, with RoPE at their ORIGINAL
 positions and a mask built from those positions (causal, and windowed for sliding layers;
-additive for GPT-OSS, whose eager attention adds it to the logits beside its sinks);
+additive for GPT-OSS, whose eager attention adds it to the logits beside its sinks, and for any model
+on eager attention); a Gated DeltaNet layer (Qwen3-Next, Qwen3.5) runs its module on the current tokens
+as one sequence, in order: its convolution and recurrence see the kept tokens only, one after the other;
 at a drop layer the attention runs on all current tokens, then the residual stream is cut
 to the given kept positions before the MLP. Only the indices are shared with the rewrite.
 """
@@ -25,6 +27,8 @@ def _rotary(model, h, pos, layer_type):
     rot = model.model.rotary_emb
     if getattr(model.config, "model_type", "") == "gemma3_text":
         return rot(h, pos[None], layer_type)
+    if hasattr(rot, "mrope_section"):  # Qwen3.5's multimodal RoPE: text positions on all three axes (5.17 needs 3-D)
+        return rot(h, pos[None, None].expand(3, 1, -1))
     return rot(h, pos[None])
 
 
@@ -39,19 +43,23 @@ def reference_last_logits(model, ids: torch.Tensor, kept: dict[int, torch.Tensor
     assert ids.shape[0] == 1
     cfg = model.config
     gemma = cfg.model_type == "gemma3_text"
-    additive = cfg.model_type == "gpt_oss"
+    additive = cfg.model_type == "gpt_oss" or getattr(cfg, "_attn_implementation", None) == "eager"
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(model.model.layers)
     h = model.model.embed_tokens(ids)
     pos = torch.arange(ids.shape[1])
     for idx, layer in enumerate(model.model.layers):
-        layer_type = cfg.layer_types[idx] if (gemma or additive) else "full_attention"
-        window = cfg.sliding_window if layer_type == "sliding_attention" else None
-        cos_sin = _rotary(model, h, pos, layer_type)
+        layer_type = layer_types[idx]
         attn_in = layer.input_layernorm(h)
-        mask_pos = torch.arange(pos.numel()) if window_positions == "compacted" else pos
-        mask = _mask(mask_pos, window)
-        if additive:
-            mask = torch.zeros(mask.shape, dtype=h.dtype).masked_fill(~mask, torch.finfo(h.dtype).min)
-        attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=cos_sin, attention_mask=mask)
+        if layer_type == "linear_attention":  # Gated DeltaNet over the live tokens as one sequence
+            attn_out = layer.linear_attn(hidden_states=attn_in)
+        else:
+            window = cfg.sliding_window if layer_type == "sliding_attention" else None
+            cos_sin = _rotary(model, h, pos, layer_type)
+            mask_pos = torch.arange(pos.numel()) if window_positions == "compacted" else pos
+            mask = _mask(mask_pos, window)
+            if additive:
+                mask = torch.zeros(mask.shape, dtype=h.dtype).masked_fill(~mask, torch.finfo(h.dtype).min)
+            attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=cos_sin, attention_mask=mask)
         if gemma:
             attn_out = layer.post_attention_layernorm(attn_out)
         h = h + attn_out

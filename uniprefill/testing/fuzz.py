@@ -20,7 +20,8 @@ backend="uniprefill")` (`fuzz_plain_compile`), and checks:
   counts as "tie", apart from "equal", with the gap in its detail. Likewise for the logits of a bf16
   batch the compiled model prefilled row by row, where they equal the plain model's own rows run one
   at a time and the plain model's batched logits part from those by more than the tolerance too;
-* at p < 1 (Llama and Gemma-3, one row) the last logits equal the eager reference
+* at p < 1 (Llama, Gemma-3, GPT-OSS, Qwen3-Next and Qwen3.5 with Gated DeltaNet layers after the drops; one row)
+  the last logits equal the eager reference
   (`uniprefill.testing.eager_reference`) on the positions the drop history reports;
 * a call long enough to drop that ran unaccelerated says why (`backend.last_unaccelerated`).
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .fuzz_cases import (  # noqa: F401  (re-exported: tests and the CLI use them from here)
-    _EXTRA_ARCHS, ARCHS, MIN_TOKENS, REFERENCE_ARCHS, SETTINGS, TOLERANCE, CaseResult, _decode_case, _forward_case,
+    _DELTANET_AFTER_DROP, _EXTRA_ARCHS, ARCHS, MIN_TOKENS, REFERENCE_ARCHS, SETTINGS, TOLERANCE, CaseResult, _decode_case, _forward_case,
     _compare_logits, _generate_case, _rows_alone_tie, _tie_at_divergence,
 )
 from .fuzz_reference import _reference_case  # noqa: F401
@@ -107,7 +108,9 @@ def _reason_class(reason: str) -> str:
 def build_model(arch: str, dtype: torch.dtype):
     """A tiny random-weight model of `arch` (seeded), in eval mode: SDPA attention, except GPT-OSS
     (eager attention with learned sinks, the only form transformers runs it in), Gemma-2 (eager with
-    soft-capped logits, likewise) and "llama-eager"."""
+    soft-capped logits, likewise) and "llama-eager". "qwen3-next-6" (MoE) and "qwen3.5-6" (dense) put full
+    attention at layers 1 and 4 of 6, so that Gated DeltaNet layers run on the kept tokens after both drop points
+    (the tiny presets put their full layer last)."""
     import transformers
 
     from ..models.presets import build_random_model
@@ -137,6 +140,15 @@ def build_model(arch: str, dtype: torch.dtype):
             max_position_embeddings=4096, pad_token_id=0)  # a cap of 1.0 binds on these logits (50 would not)
         cfg._attn_implementation = "eager"
         model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    elif arch in _DELTANET_AFTER_DROP:  # full attention at 1 and 4: each drop point has Gated DeltaNet layers after it
+        from ..models.presets import _TINY, _TINY_DELTANET
+
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        cfg = getattr(transformers, _DELTANET_AFTER_DROP[arch])(
+            num_hidden_layers=6, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                              "linear_attention", "full_attention", "linear_attention"],
+            **(moe if arch == "qwen3-next-6" else {}), **_TINY_DELTANET, **_TINY)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype)
     elif arch in _EXTRA_ARCHS:
         cfg = getattr(transformers, _EXTRA_ARCHS[arch])(
             vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

@@ -15,8 +15,8 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
   (`_plain_model_raised`: `compat`'s process-wide ops are in its path), elsewhere "invalid";
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
   or several tokens through forward (as `input_ids`, or as `inputs_embeds`);
-* `_reference_case` (`fuzz_reference`): forced retention against the eager reference (Llama, Gemma-3, GPT-OSS),
-  the prefill's last logits or decode steps after it.
+* `_reference_case` (`fuzz_reference`): forced retention against the eager reference (Llama, Gemma-3, GPT-OSS,
+  Qwen3-Next, Qwen3.5), the prefill's last logits or decode steps after it.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ SETTINGS = dict(sink=16, last_q=16, block_size=16)
 MIN_TOKENS = SETTINGS["sink"] + SETTINGS["last_q"]
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}  # times max(1, |reference|max)
 _EXTRA_ARCHS = {"mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "phi3": "Phi3Config"}
+_DELTANET_AFTER_DROP = {"qwen3-next-6": "Qwen3NextConfig", "qwen3.5-6": "Qwen3_5TextConfig"}
 ARCHS = ("tiny-llama", "tiny-gemma3", "tiny-qwen3-next", "tiny-qwen3.5", "tiny-lfm2", "tiny-granitemoehybrid",
-         "tiny-jamba", "tiny-olmo3", *_EXTRA_ARCHS, "gpt-oss", "llama-eager", "gemma2")
-REFERENCE_ARCHS = ("tiny-llama", "tiny-gemma3", "gpt-oss")
+         "tiny-jamba", "tiny-olmo3", *_EXTRA_ARCHS, "gpt-oss", "llama-eager", "gemma2", *_DELTANET_AFTER_DROP)
+REFERENCE_ARCHS = ("tiny-llama", "tiny-gemma3", "gpt-oss", *_DELTANET_AFTER_DROP)
 
 
 @dataclass
