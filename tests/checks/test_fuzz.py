@@ -311,3 +311,12 @@ def test_outputs_beside_the_logits_are_compared_and_a_missing_row_is_a_mismatch(
     last = getattr(out, field)[-1]
     short = type(out)(**{**out, field: (*getattr(out, field)[:-1], last[..., :100, :])})  # the token (or row) axis
     assert "differs" in _compare_extras(short, ref, kwargs, torch.float32)
+
+
+def test_the_eager_reference_refuses_a_family_it_does_not_model():
+    """Gemma-2's layers (extra norms, soft caps) are not the reference's: it must refuse, not answer wrongly."""
+    from uniprefill.testing.eager_reference import reference_last_logits
+
+    model = fuzz.build_model("gemma2", torch.float32)
+    with pytest.raises(ValueError, match="gemma2"):
+        reference_last_logits(model, torch.randint(3, 100, (1, 20)), {})

@@ -1,5 +1,6 @@
 """`scripts/gpu/vllm/trace_tree.py`: the nesting it prints from a profiler trace with Python stacks (a small
-synthetic trace in the profiler's JSON layout), the kernel time it counts inside the chosen event, and its refusals."""
+synthetic trace in the profiler's JSON layout: a caller and its op with one span, another thread overlapping), the
+kernel time it counts inside the chosen event, and its refusals."""
 
 from __future__ import annotations
 
@@ -20,15 +21,17 @@ def _module():
     return module
 
 
-def _event(cat, name, ts, dur):
-    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+def _event(cat, name, ts, dur, tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 7, "tid": tid}
 
 
 EVENTS = [
     _event("user_annotation", "execute_context_1(8)_generation_0(0)", 0, 10_000),
     _event("python_function", "runner.py(1): execute_model", 100, 9_800),
     _event("python_function", "drop.py(175): _drop", 200, 4_000),
-    _event("cpu_op", "aten::sort", 300, 1_000),
+    _event("cpu_op", "aten::sort", 300, 1_000),  # listed before its caller, with the same span
+    _event("python_function", "torch.sort", 300, 1_000),
+    _event("python_function", "output_thread.py(9): loop", 150, 8_000, tid=2),  # another thread, overlapping
     _event("python_function", "tiny.py(3): f", 1_400, 50),  # under --min-ms
     _event("cpu_op", "aten::mm", 5_000, 2_000),
     _event("kernel", "gemm", 5_100, 3_000),
@@ -48,7 +51,8 @@ def test_the_tree_nests_by_time_and_counts_the_kernels_inside(tmp_path):
         "  10.00 use execute_context_1(8)_generation_0(0)",  # durations 7 wide, two spaces a level
         "     9.80 pyt runner.py(1): execute_model",
         "       4.00 pyt drop.py(175): _drop",
-        "         1.00 cpu aten::sort",
+        "         1.00 pyt torch.sort",
+        "           1.00 cpu aten::sort",
         "       2.00 cpu aten::mm",
     ]
     second = tree.tree_lines(tree.load_events(path), "execute_context_1", 1, 0.5)

@@ -7,12 +7,17 @@ additive for GPT-OSS, whose eager attention adds it to the logits beside its sin
 on eager attention); a Gated DeltaNet layer (Qwen3-Next, Qwen3.5) runs its module on the current tokens
 as one sequence, in order: its convolution and recurrence see the kept tokens only, one after the other;
 at a drop layer the attention runs on all current tokens, then the residual stream is cut
-to the given kept positions before the MLP. Only the indices are shared with the rewrite.
+to the given kept positions before the MLP. Only the indices are shared with the rewrite (the Gated DeltaNet
+module's PyTorch scan, which `uniprefill.compat` routes through uniprefill's op process-wide once a model is
+compiled, computes what transformers' own does). Other model families refuse: their layers are built otherwise
+(Gemma-2's extra norms and soft caps, Olmo3's norm order), and a reference that ran them anyway would be wrong.
 """
 
 from __future__ import annotations
 
 import torch
+
+SUPPORTED = frozenset({"llama", "gemma3_text", "gpt_oss", "qwen3_next", "qwen3_5_text"})
 
 
 def _mask(pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -42,6 +47,8 @@ def reference_last_logits(model, ids: torch.Tensor, kept: dict[int, torch.Tensor
     """
     assert ids.shape[0] == 1
     cfg = model.config
+    if cfg.model_type not in SUPPORTED:
+        raise ValueError(f"the eager reference models {sorted(SUPPORTED)}, not {cfg.model_type!r}")
     gemma = cfg.model_type == "gemma3_text"
     additive = cfg.model_type == "gpt_oss" or getattr(cfg, "_attn_implementation", None) == "eager"
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(model.model.layers)

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .fuzz_cases import (  # noqa: F401  (re-exported: tests and the CLI use them from here)
-    _DELTANET_AFTER_DROP, _EXTRA_ARCHS, ARCHS, MIN_TOKENS, REFERENCE_ARCHS, SETTINGS, TOLERANCE, CaseResult, _decode_case, _forward_case,
-    _compare_logits, _generate_case, _rows_alone_tie, _tie_at_divergence,
+    _DELTANET_AFTER_DROP, _EXTRA_ARCHS, ARCHS, MIN_TOKENS, REFERENCE_ARCHS, SETTINGS, TOLERANCE, CaseResult,
+    _decode_case, _forward_case, _compare_logits, _generate_case, _rows_alone_tie, _tie_at_divergence,
 )
 from .fuzz_reference import _reference_case  # noqa: F401
 from .fuzz_plain_compile import RECOMPILE_LIMIT, _plain_compile_case  # noqa: F401
