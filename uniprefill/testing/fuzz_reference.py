@@ -2,8 +2,8 @@
 
 `_reference_case` draws a single-row prompt and a keep ratio for a pooled Llama, Gemma-3, GPT-OSS or Gated DeltaNet
 hybrid, and checks either the prefill's last logits or, half of the time, decode steps after the drop: tokens fed
-one per forward on the cache the prefill filled, a next turn of several tokens in one forward, or greedy `generate` (its logits
-returned). Each step's logits must equal `eager_reference.reference_last_logits` over the prompt and the tokens
+one per forward on the cache the prefill filled, a next turn of several tokens in one forward, or greedy `generate`
+(its logits returned). Each step's logits must equal `eager_reference.reference_last_logits` over the prompt and the tokens
 so far, with every drop layer's kept set extended by the new tokens: a layer after a drop attends over the kept
 prompt tokens at their original positions and every token decoded since, which is what decoding on compacted
 caches means (`runtime.generation`). A call that dropped nothing must say why and equal the plain model.
