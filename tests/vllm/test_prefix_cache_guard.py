@@ -117,6 +117,7 @@ def test_an_engine_at_p_1_publishes_as_standard_vllm_does(installed):
     ({"uniprefill_p": 1}, True),
     ({"uniprefill": {"p": 2.0}}, True),  # not understood: the worker keeps every row
     ({"uniprefill": "sometimes"}, True),
+    ({"prompt_logprobs": 1, "uniprefill": "sometimes"}, True),  # both: the setting's problem is still reported
 ])
 def test_requests_that_cannot_remove_a_row_publish_and_the_worker_reads_the_same_setting(installed, extra_args, publishes):
     """Opted-out requests and requests at top-p 1 keep every row, so their blocks are standard's. The guard
@@ -182,3 +183,13 @@ def test_install_where_vllm_runs_imports_nothing_without_vllm():
     if "vllm" in sys.modules:
         pytest.skip("vLLM is imported in this process")
     assert prefix_cache_guard.install_where_vllm_runs() is False and "vllm" not in sys.modules
+
+
+def test_prompt_logprobs_opt_out_in_the_one_reader_and_a_bad_setting_beside_them_is_still_reported():
+    from uniprefill.vllm.request_option import RequestOption, read_request_option
+
+    assert read_request_option(NS(extra_args={"uniprefill": {"p": 0.5}}, prompt_logprobs=0)) == RequestOption(
+        opted_out=True)
+    assert read_request_option(NS(extra_args=None, prompt_logprobs=None)) == RequestOption()
+    both = read_request_option(NS(extra_args={"uniprefill": "sometimes"}, prompt_logprobs=3))
+    assert both.opted_out and "sometimes" in both.problem

@@ -312,7 +312,8 @@ class DropHistoryStore:
             drops = []
             for layer, kept, qsl in zip(self.drop_layers, positions, starts):
                 drops.append(DropRecord(layer, qsl[r + 1] - qsl[r], kept[qsl[r]:qsl[r + 1]]))
-            history = RequestDropHistory(request_ids[r], int(computed[r]), int(query_lens[r]), tuple(drops), self.policy)
+            history = RequestDropHistory(request_ids[r], int(computed[r]), int(query_lens[r]), tuple(drops),
+                                         self.policy)
             rows.append(self.add(history, [values[offsets[i]:offsets[i + 1]] for values, offsets in tails]
                                  if tails else None))
         return rows

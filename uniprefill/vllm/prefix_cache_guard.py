@@ -15,9 +15,9 @@ least `effective_min_tokens` tokens (the worker's own lower bound for a drop,
   nothing (the blocks of its earlier chunks were published when those ran).
 Shorter requests publish as usual, and so do requests that cannot remove a row whatever their scores:
 those that opt out (`extra_args={"uniprefill": False}`, or a setting the worker does not understand),
-those that ask for prompt logprobs (the worker keeps every row of theirs for their whole life,
-`runner_hook.RequestSettings`) and, where the config forces no keep ratio, those whose top-p (their own, else the config's) is 1, which
-keeps every block. Both sides read a request's setting with one function
+those that ask for prompt logprobs (the worker keeps every row of theirs for their whole life) and, where
+the config forces no keep ratio, those whose top-p (their own, else the config's) is 1, which keeps every
+block. Both sides read a request's setting with one function
 (`uniprefill.vllm.request_option.read_request_option`). So an engine at p = 1 caches prefixes as
 standard vLLM does. Stateless: a request that vLLM preempts and recomputes follows the same rule.
 
@@ -73,9 +73,8 @@ class PrefixCacheGuard:
     def can_remove_rows(self, request: Any) -> bool:
         """False for a request that keeps every row whatever its scores: opted out, asking for prompt logprobs,
         or top-p 1 (its own, else the config's) where no keep ratio is forced."""
-        params = _get(request, "sampling_params")
-        option = read_request_option(params)
-        if option.opted_out or _get(params, "prompt_logprobs", None) is not None:
+        option = read_request_option(_get(request, "sampling_params"))  # prompt logprobs opt out too
+        if option.opted_out:
             return False
         if self.keep_ratio is not None:
             return True

@@ -5,7 +5,8 @@
 OpenAI server passes only flat scalars (`vllm_xargs`, which turns JSON false / true into 0 / 1), so there
 `"uniprefill": "off"` (or false) opts out, true changes nothing, and `"uniprefill_p": x` sets p. Anything
 else is a problem: the request keeps every row, and the caller logs why, so a bad setting never silently
-changes an answer.
+changes an answer. A request asking for prompt logprobs (`SamplingParams.prompt_logprobs`) keeps every row too,
+for its whole life (vLLM reads the logits at every prompt position; a recompute after a preemption included).
 
 Two readers must agree, so both call `read_request_option`: the worker, which drops
 (`uniprefill.vllm.runner_hook.RequestSettings`), and the scheduler, which decides which KV blocks may enter
@@ -28,8 +29,16 @@ class RequestOption:
 
 
 def read_request_option(sampling_params: Any) -> RequestOption:
-    """The request's own setting from `sampling_params.extra_args` (module docstring); the engine's
-    settings (`RequestOption()`) where it brings none, or has no sampling params (pooling)."""
+    """The request's own setting from `sampling_params.extra_args` (module docstring), opted out where it asks for
+    prompt logprobs; the engine's settings (`RequestOption()`) where it brings none, or has no sampling params
+    (pooling)."""
+    option = _read_extra_args(sampling_params)
+    if not option.opted_out and getattr(sampling_params, "prompt_logprobs", None) is not None:
+        return RequestOption(opted_out=True)
+    return option
+
+
+def _read_extra_args(sampling_params: Any) -> RequestOption:
     extra = getattr(sampling_params, "extra_args", None) or {}
     setting = extra.get("uniprefill")
     if "uniprefill_p" in extra:  # the server's flat form of {"p": x}

@@ -108,9 +108,9 @@ class RequestSettings:
     """Per-request settings of the live requests, read when a request arrives (`read_request_option`:
     False / "off" opts out, `{"p": x}` its own top-p; a setting it does not understand is logged and the
     request keeps every row, so a bad setting never silently changes an answer). Prompt logprobs opt out
-    too, for the request's whole life (the prefix-cache guard publishes such a request's blocks,
-    `PrefixCacheGuard.can_remove_rows`, so it must never drop, a recompute after a preemption included). Nothing per
-    step is computed while no live request has a setting."""
+    too, for the request's whole life (the prefix-cache guard, reading the same function, publishes such a
+    request's blocks, so it must never drop, a recompute after a preemption included). Nothing per step is
+    computed while no live request has a setting."""
 
     def __init__(self) -> None:
         self.opted_out: set[str] = set()
@@ -118,10 +118,7 @@ class RequestSettings:
 
     def arrive(self, new_requests) -> None:
         for new in new_requests or ():
-            params = getattr(new, "sampling_params", None)
-            if getattr(params, "prompt_logprobs", None) is not None:
-                self.opted_out.add(new.req_id)
-            option = read_request_option(params)
+            option = read_request_option(getattr(new, "sampling_params", None))  # prompt logprobs opt out too
             if option.problem:
                 logger.warning("uniprefill: request %s: %s; it keeps every row", new.req_id, option.problem)
             if option.opted_out:
