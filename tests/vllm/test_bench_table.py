@@ -82,3 +82,26 @@ def test_serve_table_shows_a_point_where_every_request_failed(tmp_path):
     row = next(line for line in done.stdout.splitlines() if line.startswith("| 32000"))
     assert "no completed request" in row and "32 / 32" in row and "x**" not in row
     assert "**2.00x**" in next(line for line in done.stdout.splitlines() if line.startswith("| 8192"))
+
+
+def test_serve_table_reads_the_retention_of_each_point_from_the_drop_totals(tmp_path):
+    """bench_serve.sh reads the server's drop totals before and after a uniprefill point; the retention is the rows
+    kept over the rows in between them, summed over the worker's runtimes; a point without totals, or whose endpoint
+    answered with why not, shows "-"."""
+    for length in (8192, 16384, 28672):
+        write_serve(tmp_path, "standard", length, 4, 10.0, 300.0)
+        write_serve(tmp_path, "uniprefill", length, 4, 5.0, 140.0)
+
+    def totals(rows_in, rows_kept):  # one worker, two runtimes (compiled graphs)
+        return [[{"rows_in": rows_in, "rows_kept": rows_kept}, {"rows_in": 0, "rows_kept": 0}]]
+
+    (tmp_path / "uniprefill-8192-c4.totals").write_text(json.dumps(
+        {"before": totals(1000, 900), "after": totals(1000 + 32 * 8192, 900 + 26_000 * 8)}))
+    (tmp_path / "uniprefill-16384-c4.totals").write_text(json.dumps(
+        {"before": "unavailable: ConnectionRefusedError", "after": totals(1, 1)}))
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = {int(line.split(" | ")[0][2:]): line for line in done.stdout.splitlines() if line.startswith("| ")
+            and line[2].isdigit()}
+    assert rows[8192].rstrip(" |").endswith(f"{26_000 * 8 / (32 * 8192):.3f}")
+    assert rows[16384].endswith("| - |") and rows[28672].endswith("| - |")

@@ -14,6 +14,8 @@
 # already holds is kept, so a call cut at 600 s is continued by the same command in the next call (the box keeps
 # /tmp between back-to-back calls; each call starts its server again, about 150 s). The table is made from
 # whatever results OUT_DIR holds.
+# A uniprefill system's point also leaves SYSTEM-L-cC.totals: the server's drop totals before and after it
+# (vLLM's /collective_rpc, VLLM_SERVER_DEV_MODE=1), whence the table's retention.
 set -uo pipefail
 OUT="${1:?usage: bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]}"
 LENGTHS="${2:-8192,16384,28672}"
@@ -37,6 +39,7 @@ for system in ${SYSTEMS:-standard uniprefill}; do
         echo "$system $length c$concurrency: kept from an earlier call"; continue
       fi
       start=$(date +%s)
+      [[ "$system" == uniprefill* ]] && before=$(serve_drop_totals)
       timeout 600 "${VLLM_CLI[@]}" bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \
         --dataset-name random --random-input-len "$length" --random-output-len 16 --ignore-eos \
         --num-prompts "$NUM_PROMPTS" --max-concurrency "$concurrency" --seed "$(( length * 100 + concurrency ))" \
@@ -44,6 +47,8 @@ for system in ${SYSTEMS:-standard uniprefill}; do
         --save-result --result-dir "$OUT" --result-filename "$system-$length-c$concurrency.json" \
         > "$OUT/$system-$length-c$concurrency.log" 2>&1
       echo "$system $length c$concurrency: exit $? in $(( $(date +%s) - start )) s"
+      [[ "$system" == uniprefill* ]] && printf '{"before": %s, "after": %s}\n' "$before" "$(serve_drop_totals)" \
+        > "$OUT/$system-$length-c$concurrency.totals"  # serve_table.py's retention column
     done
   done
   serve_stop

@@ -9,6 +9,7 @@
 #   serve_stop               (also on the sourcing script's exit)
 #   serve_model              (writes the model folder)
 #   serve_setup              (the box's environment, uniprefill refreshed from this tree, the model folder)
+#   serve_drop_totals        (uniprefill's drop totals of the running server, JSON, on stdout)
 # Sources env.sh (VLLM_CLI). `vllm serve` needs the server wheels (box_install_server.sh).
 # VLLM_SERVER_DEV_MODE=1 opens vLLM's /collective_rpc (the drop totals by name after a run).
 SERVE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -63,6 +64,12 @@ serve_start() {
   echo "$system: server did not come up"; grep -E "Traceback|Error" "$log" | head -3 | cut -c1-300
   serve_stop
   return 1
+}
+
+serve_drop_totals() {  # uniprefill's drop totals of the running server as JSON (soak.py's reader: a string saying
+  # why where they cannot be read)
+  python3 -P -c "import json, sys; sys.path.insert(0, '$SERVE_ROOT/scripts/gpu/vllm'); from urllib.parse import urlparse
+from soak import drop_totals; print(json.dumps(drop_totals(urlparse('http://127.0.0.1:8000'))))"
 }
 
 serve_stop() {

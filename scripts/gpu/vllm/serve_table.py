@@ -7,7 +7,9 @@ SYSTEM is standard, uniprefill or uniprefill-chunked).
 Per point and system: input tokens/s (prompt tokens over the run's duration, decode included: with 16 output
 tokens mostly prefill) of standard and of the system and their ratio, TTFT p50 / p99, TPOT p50 / p99 and the inter-token gap's p99
 (ms; TPOT is a per-request mean, the gap's p99 shows a decode stalled behind a long prefill step) of each, and
-failed requests. A point where either completed no request shows its failure counts and no ratio
+failed requests, and for a uniprefill system the retention: prompt rows kept after the last drop point over the
+rows entering the first, of the requests that dropped during the point (from `SYSTEM-L-cC.totals`, the server's
+drop totals before and after it, which bench_serve.sh writes; "-" without them). A point where either completed no request shows its failure counts and no ratio
 (vLLM rejected the prompts, say). Prints Markdown and writes OUT_DIR/serve-table.md; a point that standard ran
 and a system did not (or the reverse) is an error, not a shorter table.
 """
@@ -32,7 +34,24 @@ def load(folder: Path) -> dict[tuple[str, int, int], dict]:
     return runs
 
 
-def table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
+def retention(folder: Path, system: str, length: int, concurrency: int) -> str:
+    """Rows kept over rows in, summed over the first worker's runtimes, between the totals read before and after
+    the point; "-" where they were not read (standard, an older run, an unreadable endpoint)."""
+    path = folder / f"{system}-{length}-c{concurrency}.totals"
+    if not path.exists():
+        return "-"
+    totals = json.loads(path.read_text())
+    sums = []
+    for side in ("before", "after"):
+        workers = totals.get(side)
+        if not isinstance(workers, list) or not workers or not isinstance(workers[0], list):
+            return "-"  # the endpoint answered with why not
+        sums.append([sum(t[key] for t in workers[0]) for key in ("rows_in", "rows_kept")])
+    rows_in, kept = (after - before for before, after in zip(*sums))
+    return f"{kept / rows_in:.3f}" if rows_in else "none dropped"
+
+
+def table(runs: dict[tuple[str, int, int], dict], folder: Path | None = None) -> list[str]:
     points = sorted({(n, c) for _, n, c in runs})
     systems = [s for s in SYSTEMS[1:] if any(key[0] == s for key in runs)]
     if not points or not systems:
@@ -41,20 +60,21 @@ def table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
     if missing:
         raise SystemExit(f"points missing (a failed server or client?): {missing}")
     lines = ["| prompt tokens | concurrency | system | input tok/s standard -> system | ratio | TTFT p50 ms "
-             "| TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | inter-token gap p99 ms | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | inter-token gap p99 ms | failed | retention |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, c in points:
         for system in systems:
             a, b = runs["standard", n, c], runs[system, n, c]
             failed = f"{a.get('failed', 0)} / {b.get('failed', 0)}"
             if not (a.get("completed") and b.get("completed")):
-                lines.append(f"| {n} | {c} | {system} | no completed request | - | - | - | - | - | - | {failed} |")
+                lines.append(f"| {n} | {c} | {system} | no completed request | - | - | - | - | - | - | {failed} | - |")
                 continue
             rate = [r["total_input_tokens"] / r["duration"] for r in (a, b)]
             pair = lambda key: f"{a.get(key, float('nan')):.1f} -> {b.get(key, float('nan')):.1f}"  # noqa: E731
             lines.append(f"| {n} | {c} | {system} | {rate[0]:,.0f} -> {rate[1]:,.0f} | **{rate[1] / rate[0]:.2f}x** | "
                          f"{pair('median_ttft_ms')} | {pair('p99_ttft_ms')} | {pair('median_tpot_ms')} | "
-                         f"{pair('p99_tpot_ms')} | {pair('p99_itl_ms')} | {failed} |")
+                         f"{pair('p99_tpot_ms')} | {pair('p99_itl_ms')} | {failed} | "
+                         f"{retention(folder, system, n, c) if folder else '-'} |")
     return lines
 
 
@@ -98,7 +118,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="also draw input tokens/s and the inter-token gap's p99 (PNG)")
     args = parser.parse_args(argv)
     runs = load(args.folder)
-    text = "\n".join(table(runs)) + "\n"
+    text = "\n".join(table(runs, args.folder)) + "\n"
     sys.stdout.write(text)
     (args.folder / "serve-table.md").write_text(text)
     if args.plot:
