@@ -5,7 +5,7 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
 
 * `_forward_case`: one or more forward calls (arguments by keyword or position, padding,
   masks, position ids, caches, `logits_to_keep`, a second model alternating);
-* `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, several
+* `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, beam sampling, several
   sequences, an explicit cache, a static cache, prompt lookup, a chat's next turn on the returned
   cache, the prompt given as `inputs_embeds`, chunked prefill, the mask left for `generate` to infer
   from pad tokens, stop tokens that end rows early, logits processors reading the prompt, an
@@ -251,7 +251,7 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     model, fast = pool.get(arch, dtype, p=1.0)
     mode = mode or rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache", "static cache",
                        "prompt lookup", "next turn", "inputs_embeds", "chunked prefill", "mask inferred",
-                       "stop tokens", "processors", "assistant model"])
+                       "stop tokens", "processors", "assistant model", "beam sample"])
     rows = rng.choice([1, 2])
     rows = 1 if mode in ("prompt lookup", "assistant model") else rows  # assisted generation takes one row
     length = rng.randint(MIN_TOKENS, 160)
@@ -273,6 +273,9 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     elif mode == "beam":
         beams = rng.choice([2, 3])
         kwargs.update(num_beams=beams, num_return_sequences=rng.randint(1, beams), do_sample=False)
+    elif mode == "beam sample":  # beams whose next tokens are drawn (transformers' beam_sample)
+        beams = rng.choice([2, 3])
+        kwargs.update(num_beams=beams, num_return_sequences=rng.randint(1, beams), do_sample=True, top_k=0)
     elif mode == "return_sequences":
         kwargs.update(do_sample=True, num_return_sequences=2, top_k=0)
     elif mode == "static cache":
