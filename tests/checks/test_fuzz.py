@@ -242,7 +242,7 @@ def test_a_decode_case_whose_bf16_batch_prefill_parts_from_the_plain_batch_as_it
 
 
 @pytest.mark.parametrize("mode", ["chunked prefill", "mask inferred", "stop tokens", "processors", "beam",
-                                  "beam sample", "assistant model"])
+                                  "beam sample", "no cache", "assistant model"])
 def test_the_generate_modes_equal_the_plain_model_and_explain_every_unaccelerated_call(mode):
     """Each of these `generate` modes at p = 1, on a transformer and a sliding-window hybrid, over several seeds:
     equal to the plain model (or a tie), and a call that ran unaccelerated says why."""

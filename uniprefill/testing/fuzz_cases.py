@@ -6,9 +6,9 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
 * `_forward_case`: one or more forward calls (arguments by keyword or position, padding,
   masks, position ids, caches, `logits_to_keep`, a second model alternating);
 * `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, beam sampling, several
-  sequences, an explicit cache, a static cache, prompt lookup, a chat's next turn on the returned
-  cache, the prompt given as `inputs_embeds`, chunked prefill, the mask left for `generate` to infer
-  from pad tokens, stop tokens that end rows early, logits processors reading the prompt, an
+  sequences, an explicit cache, a static cache, no cache (each step a whole forward), prompt lookup, a
+  chat's next turn on the returned cache, the prompt given as `inputs_embeds`, chunked prefill, the mask
+  left for `generate` to infer from pad tokens, stop tokens that end rows early, logits processors reading the prompt, an
   assistant model); in the deterministic modes a first differing token that the plain model scores
   as a tie (after the same logits processors, where the mode has them) counts as "tie"
   (`_tie_at_divergence`). The plain model raising inside uniprefill's code is an "error"
@@ -251,7 +251,7 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     model, fast = pool.get(arch, dtype, p=1.0)
     mode = mode or rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache", "static cache",
                        "prompt lookup", "next turn", "inputs_embeds", "chunked prefill", "mask inferred",
-                       "stop tokens", "processors", "assistant model", "beam sample"])
+                       "stop tokens", "processors", "assistant model", "beam sample", "no cache"])
     rows = rng.choice([1, 2])
     rows = 1 if mode in ("prompt lookup", "assistant model") else rows  # assisted generation takes one row
     length = rng.randint(MIN_TOKENS, 160)
@@ -280,6 +280,8 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
         kwargs.update(do_sample=True, num_return_sequences=2, top_k=0)
     elif mode == "static cache":
         kwargs.update(do_sample=False, cache_implementation="static")
+    elif mode == "no cache":  # every step a forward over the whole sequence so far (a prefill each)
+        kwargs.update(do_sample=False, use_cache=False)
     elif mode == "prompt lookup":
         kwargs.update(do_sample=False, prompt_lookup_num_tokens=rng.choice([2, 3]))
     elif mode == "assistant model":  # the plain model drafts for itself
@@ -319,7 +321,7 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     if not torch.equal(out, ref) and out.shape == ref.shape and mode in ("greedy", "explicit cache", "beam",
                                                                          "next turn", "chunked prefill",
                                                                          "mask inferred", "processors",
-                                                                         "stop tokens", "static cache"):
+                                                                         "stop tokens", "static cache", "no cache"):
         tie = _tie_at_divergence(model, out, ref, mask, length, dtype, _processors(kwargs))
     if not torch.equal(out, ref) and tie is None:
         result.status = "mismatch"
