@@ -242,7 +242,8 @@ def test_a_decode_case_whose_bf16_batch_prefill_parts_from_the_plain_batch_as_it
 
 
 @pytest.mark.parametrize("mode", ["chunked prefill", "mask inferred", "stop tokens", "processors", "beam",
-                                  "beam sample", "no cache", "assistant model"])
+                                  "beam sample", "no cache", "logits returned",
+                                  "assistant model"])
 def test_the_generate_modes_equal_the_plain_model_and_explain_every_unaccelerated_call(mode):
     """Each of these `generate` modes at p = 1, on a transformer and a sliding-window hybrid, over several seeds:
     equal to the plain model (or a tie), and a call that ran unaccelerated says why."""
@@ -253,6 +254,26 @@ def test_the_generate_modes_equal_the_plain_model_and_explain_every_unaccelerate
     assert all(r.accelerated or r.reasons for r in results), [(r.detail, r.reasons) for r in results]
     if mode == "chunked prefill":
         assert any("prefill_chunk_size" in why for r in results for why in r.reasons), [r.reasons for r in results]
+
+
+def test_returned_logits_off_by_a_margin_that_keeps_the_tokens_are_a_mismatch():
+    """The "logits returned" mode compares every step's logits, not only the tokens: the compiled model's first step
+    off by 1e-2 (its tokens unchanged) is a mismatch naming the logits."""
+    pool = fuzz._Pool()
+    _, fast = pool.get("tiny-llama", torch.float32, p=1.0)
+    generate = fast.generate
+
+    def off_first_step(**kwargs):
+        out = generate(**kwargs)
+        out.logits = (out.logits[0] + 1e-2, *out.logits[1:])
+        return out
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast, "generate", off_first_step)
+        result = fuzz._generate_case(random.Random(3), pool, 3, "tiny-llama", torch.float32, mode="logits returned")
+    assert result.status == "mismatch" and "returned logits" in result.detail, result
+    right = fuzz._generate_case(random.Random(3), pool, 3, "tiny-llama", torch.float32, mode="logits returned")
+    assert right.status == "equal", right
 
 
 @pytest.mark.parametrize("mode", fuzz_reference.DECODE_MODES)

@@ -6,13 +6,14 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
 * `_forward_case`: one or more forward calls (arguments by keyword or position, padding,
   masks, position ids, caches, `logits_to_keep`, a second model alternating);
 * `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, beam sampling, several
-  sequences, an explicit cache, a static cache, no cache (each step a whole forward), prompt lookup, a
-  chat's next turn on the returned cache, the prompt given as `inputs_embeds`, chunked prefill, the mask
-  left for `generate` to infer from pad tokens, stop tokens that end rows early, logits processors reading the prompt, an
-  assistant model); in the deterministic modes a first differing token that the plain model scores
-  as a tie (after the same logits processors, where the mode has them) counts as "tie"
-  (`_tie_at_divergence`). The plain model raising inside uniprefill's code is an "error"
-  (`_plain_model_raised`: `compat`'s process-wide ops are in its path), elsewhere "invalid";
+  sequences, an explicit cache, a static cache, no cache (each step a whole forward), every step's
+  logits returned and compared, prompt lookup, a chat's next turn on the returned cache, the prompt
+  given as `inputs_embeds`, chunked prefill, the mask left for `generate` to infer from pad tokens,
+  stop tokens that end rows early, logits processors reading the prompt, an assistant model); in the
+  deterministic modes a first differing token that the plain model scores as a tie (after the same
+  logits processors, where the mode has them) counts as "tie" (`_tie_at_divergence`). The plain
+  model raising inside uniprefill's code is an "error" (`_plain_model_raised`: `compat`'s
+  process-wide ops are in its path), elsewhere "invalid";
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
   or several tokens through forward (as `input_ids`, or as `inputs_embeds`);
 * `_reference_case` (`fuzz_reference`): forced retention against the eager reference (Llama, Gemma-3, GPT-OSS,
@@ -251,7 +252,8 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     model, fast = pool.get(arch, dtype, p=1.0)
     mode = mode or rng.choice(["greedy", "sample", "beam", "return_sequences", "explicit cache", "static cache",
                        "prompt lookup", "next turn", "inputs_embeds", "chunked prefill", "mask inferred",
-                       "stop tokens", "processors", "assistant model", "beam sample", "no cache"])
+                       "stop tokens", "processors", "assistant model", "beam sample", "no cache",
+                       "logits returned"])
     rows = rng.choice([1, 2])
     rows = 1 if mode in ("prompt lookup", "assistant model") else rows  # assisted generation takes one row
     length = rng.randint(MIN_TOKENS, 160)
@@ -282,6 +284,8 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
         kwargs.update(do_sample=False, cache_implementation="static")
     elif mode == "no cache":  # every step a forward over the whole sequence so far (a prefill each)
         kwargs.update(do_sample=False, use_cache=False)
+    elif mode == "logits returned":  # every step's logits compared too, the first one the prefill's
+        kwargs.update(do_sample=False, return_dict_in_generate=True, output_logits=True)
     elif mode == "prompt lookup":
         kwargs.update(do_sample=False, prompt_lookup_num_tokens=rng.choice([2, 3]))
     elif mode == "assistant model":  # the plain model drafts for itself
@@ -317,13 +321,22 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
         torch.manual_seed(seed)
         extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
         out = fast.generate(**kwargs, **extra) if turn is None else _next_turn(fast, kwargs, turn)
+    logits_gap = None
+    if mode == "logits returned":
+        if torch.equal(out.sequences, ref.sequences):  # else the tokens part: the tie check below judges
+            logits_gap = _compare_logits(torch.stack(out.logits, 1), torch.stack(ref.logits, 1),
+                                         torch.ones(ref.sequences.shape[0], len(ref.logits)), None, dtype)
+        out, ref = out.sequences, ref.sequences
     tie = None
     if not torch.equal(out, ref) and out.shape == ref.shape and mode in ("greedy", "explicit cache", "beam",
                                                                          "next turn", "chunked prefill",
                                                                          "mask inferred", "processors",
-                                                                         "stop tokens", "static cache", "no cache"):
+                                                                         "stop tokens", "static cache", "no cache",
+                                                                         "logits returned"):
         tie = _tie_at_divergence(model, out, ref, mask, length, dtype, _processors(kwargs))
-    if not torch.equal(out, ref) and tie is None:
+    if logits_gap is not None:
+        result.status, result.detail = "mismatch", f"the returned logits: {logits_gap}; {result.detail}"
+    elif not torch.equal(out, ref) and tie is None:
         result.status = "mismatch"
         new = slice(0 if mode == "inputs_embeds" else length, None)
         result.detail = f"tokens {out[:, new].tolist()} vs {ref[:, new].tolist()}; {result.detail}"
