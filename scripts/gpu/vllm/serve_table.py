@@ -9,8 +9,8 @@ tokens mostly prefill) of standard and of the system and their ratio, TTFT p50 /
 (ms; TPOT is a per-request mean, the gap's p99 shows a decode stalled behind a long prefill step) of each, and
 failed requests, and for a uniprefill system the retention: prompt rows kept after the last drop point over the
 rows entering the first, of the requests that dropped during the point (from `SYSTEM-L-cC.totals`, the server's
-drop totals before and after it, which bench_serve.sh writes; "-" without them). A point where either completed no request shows its failure counts and no ratio
-(vLLM rejected the prompts, say). Prints Markdown and writes OUT_DIR/serve-table.md; a point that standard ran
+drop totals before and after it, which bench_serve.sh writes; "-" without them). A point where either completed
+no request shows its failure counts and no ratio (vLLM rejected the prompts, say). Prints Markdown and writes OUT_DIR/serve-table.md; a point that standard ran
 and a system did not (or the reverse) is an error, not a shorter table.
 """
 
