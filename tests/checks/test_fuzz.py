@@ -276,6 +276,29 @@ def test_returned_logits_off_by_a_margin_that_keeps_the_tokens_are_a_mismatch():
     assert right.status == "equal", right
 
 
+@pytest.mark.parametrize("arch", fuzz.REFERENCE_ARCHS)
+def test_a_left_padded_batch_after_drops_equals_the_reference_row_by_row_and_a_swapped_history_is_a_mismatch(arch):
+    """Each row of a left-padded batch drops on its own; checked with the histories' order reversed, the case is a
+    mismatch: against the reference where the other row's kept positions fit the row (seed 4: rows of 125 and 74
+    tokens), as a history past the row's end where they do not (seed 1: 193 and 253)."""
+    pool = fuzz._Pool()
+    model, fast = pool.get(arch, torch.float32, keep_ratio=0.3)
+    generate = fast.generate
+
+    def swapped(**kwargs):
+        out = generate(**kwargs)
+        object.__setattr__(fast, "row_histories", fast.row_histories[::-1])
+        return out
+
+    for seed, finding in ((4, "vs the eager reference"), (1, "keeps positions past its 193 tokens")):
+        result = fuzz_reference._batch_after_drop(random.Random(seed), model, fast, 5, arch, 0.3, rows=2)
+        assert result.status == "equal" and result.accelerated == 1, result
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(fast, "generate", swapped)
+            wrong = fuzz_reference._batch_after_drop(random.Random(seed), model, fast, 5, arch, 0.3, rows=2)
+        assert wrong.status == "mismatch" and finding in wrong.detail, wrong
+
+
 @pytest.mark.parametrize("mode", fuzz_reference.DECODE_MODES)
 @pytest.mark.parametrize("arch", fuzz.REFERENCE_ARCHS)
 def test_decode_steps_after_a_drop_equal_the_eager_reference_and_a_wrong_step_is_a_mismatch(arch, mode):

@@ -20,8 +20,8 @@ backend="uniprefill")` (`fuzz_plain_compile`), and checks:
   counts as "tie", apart from "equal", with the gap in its detail. Likewise for the logits of a bf16
   batch the compiled model prefilled row by row, where they equal the plain model's own rows run one
   at a time and the plain model's batched logits part from those by more than the tolerance too;
-* at p < 1 (Llama, Gemma-3, GPT-OSS, Qwen3-Next and Qwen3.5 with Gated DeltaNet layers after the drops; one row)
-  the last logits equal the eager reference
+* at p < 1 (Llama, Gemma-3, GPT-OSS, Qwen3-Next and Qwen3.5 with Gated DeltaNet layers after the drops; one row,
+  or a left-padded batch through `generate`, row by row) the last logits equal the eager reference
   (`uniprefill.testing.eager_reference`) on the positions the drop history reports;
 * a call long enough to drop that ran unaccelerated says why (`backend.last_unaccelerated`).
 

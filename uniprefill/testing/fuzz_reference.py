@@ -1,9 +1,10 @@
 """The fuzzer's cases below p = 1: forced retention checked against the eager reference.
 
-`_reference_case` draws a single-row prompt and a keep ratio for a pooled Llama, Gemma-3, GPT-OSS or Gated DeltaNet
-hybrid, and checks either the prefill's last logits or, half of the time, decode steps after the drop: tokens fed
-one per forward on the cache the prefill filled, a next turn of several tokens in one forward, or greedy `generate`
-(its logits returned). Each step's logits must equal `eager_reference.reference_last_logits` over the prompt and the tokens
+`_reference_case` draws a keep ratio for a pooled Llama, Gemma-3, GPT-OSS or Gated DeltaNet hybrid and a
+single-row prompt, and checks either the prefill's last logits or, half of the time, decode steps after the drop:
+tokens fed one per forward on the cache the prefill filled, a next turn of several tokens in one forward, or greedy
+`generate` (its logits returned); a third of its cases instead give `generate` a left-padded batch of rows of
+different lengths (`_batch_after_drop`: each row drops on its own, and is checked against the reference alone). Each step's logits must equal `eager_reference.reference_last_logits` over the prompt and the tokens
 so far, with every drop layer's kept set extended by the new tokens: a layer after a drop attends over the kept
 prompt tokens at their original positions and every token decoded since, which is what decoding on compacted
 caches means (`runtime.generation`). A call that dropped nothing must say why and equal the plain model.
@@ -24,7 +25,10 @@ def _reference_case(rng, pool, case, arch, dtype) -> CaseResult:
     model, fast = pool.get(arch, torch.float32, keep_ratio=ratio)
     length = rng.randint(MIN_TOKENS + 16, 260)
     ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(case))
-    if rng.random() < 0.5:
+    roll = rng.random()
+    if roll < 1 / 3:
+        return _batch_after_drop(rng, model, fast, case, arch, ratio)
+    if roll < 2 / 3:
         return _decode_after_drop(rng, model, fast, case, arch, ids, ratio)
     result = CaseResult(case, arch, "reference p<1", "equal", detail=f"length {length}, keep_ratio {ratio}")
     use_cache = rng.choice([True, False])
@@ -82,6 +86,46 @@ def _decode_after_drop(rng, model, fast, case, arch, ids, ratio, mode: str | Non
     return result
 
 
+def _batch_after_drop(rng, model, fast, case, arch, ratio, rows: int | None = None) -> CaseResult:
+    """A left-padded batch of 2-3 prompts of different lengths through greedy `generate` at forced retention (its
+    logits returned): each row is prefilled alone and drops on its own (`fast.row_histories`: positions in the row
+    without its pads), so each row's logits, the prefill's last and each step's after it, must equal the eager
+    reference over that row alone with its own kept positions (a row that dropped nothing: over every position)."""
+    rows = rows or rng.choice([2, 3])
+    steps = rng.randint(1, 4)
+    lengths = [rng.randint(MIN_TOKENS + 16, 260) for _ in range(rows)]
+    gen = torch.Generator().manual_seed(case)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in lengths]
+    width = max(lengths)
+    ids = torch.zeros((rows, width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - prompt.numel():], mask[r, width - prompt.numel():] = prompt, 1
+    result = CaseResult(case, arch, "reference batch p<1", "equal",
+                        detail=f"left-padded rows of {lengths} tokens, keep_ratio {ratio}, {steps} step(s)")
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out = fast.generate(**kwargs, output_logits=True, return_dict_in_generate=True)
+        histories = fast.row_histories
+        if not histories or not any(h is not None and h.points for h in histories):
+            return _unaccelerated(result, fast, out.sequences, lambda: model.generate(**kwargs), rows=rows)
+        logits = torch.stack(out.logits, dim=1).float()
+        for r, (prompt, history) in enumerate(zip(prompts, histories)):
+            kept = {} if history is None else {p.layer: p.kept_positions(0, history.seq_len) for p in history.points}
+            if any(int(pos.max()) >= prompt.numel() for pos in kept.values() if pos.numel()):
+                result.status = "mismatch"
+                result.detail = f"row {r}'s history keeps positions past its {prompt.numel()} tokens; {result.detail}"
+                return result
+            seq = torch.cat([prompt, out.sequences[r, width:width + steps - 1]])[None]
+            ref = torch.stack([_reference(model, seq[:, :prompt.numel() + i], kept, i) for i in range(steps)], dim=1)
+            bad = _compare_logits(logits[r:r + 1], ref, torch.ones(1, steps), None, torch.float32)
+            if bad:
+                result.status, result.detail = "mismatch", f"row {r} vs the eager reference: {bad}; {result.detail}"
+                return result
+    result.accelerated = 1
+    return result
+
+
 def _reference(model, seq, kept: dict, decoded: int) -> torch.Tensor:
     """The eager reference's last logits of `seq` ([1, prompt + decoded]): each drop layer keeps its kept prompt
     positions and the `decoded` tokens after the prompt."""
@@ -92,7 +136,7 @@ def _reference(model, seq, kept: dict, decoded: int) -> torch.Tensor:
     return reference_last_logits(model, seq, extended).float()
 
 
-def _unaccelerated(result: CaseResult, fast, out, plain) -> CaseResult:
+def _unaccelerated(result: CaseResult, fast, out, plain, rows: int = 1) -> CaseResult:
     """A case whose prefill dropped nothing: it must say why (a rewrite that raised is an error), and `out` must be
     the plain model's answer (`plain()`: logits within tolerance, or tokens exactly)."""
     reason = fast.backend.last_unaccelerated
@@ -109,7 +153,7 @@ def _unaccelerated(result: CaseResult, fast, out, plain) -> CaseResult:
     else:
         out = out if out.dim() == 3 else out[:, None]
         ref = ref if ref.dim() == 3 else ref[:, None]
-        bad = _compare_logits(out, ref, torch.ones(1, out.shape[1]), None, torch.float32)
+        bad = _compare_logits(out, ref, torch.ones(rows, out.shape[1]), None, torch.float32)
     if bad:
         result.status, result.detail = "mismatch", f"unaccelerated, vs the plain model: {bad}; {result.detail}"
     return result
