@@ -1,10 +1,11 @@
 """The fuzzer's cases below p = 1: forced retention checked against the eager reference.
 
-`_reference_case` draws a keep ratio for a pooled Llama, Gemma-3, GPT-OSS or Gated DeltaNet hybrid and a
-single-row prompt, and checks either the prefill's last logits or, half of the time, decode steps after the drop:
-tokens fed one per forward on the cache the prefill filled, a next turn of several tokens in one forward, or greedy
-`generate` (its logits returned); a third of its cases instead give `generate` a left-padded batch of rows of
-different lengths (`_batch_after_drop`: each row drops on its own, and is checked against the reference alone). Each step's logits must equal `eager_reference.reference_last_logits` over the prompt and the tokens
+`_reference_case` draws a keep ratio for a pooled Llama, Gemma-3, GPT-OSS or Gated DeltaNet hybrid and checks, a
+third of the time each: a single-row prompt's prefill (its last logits); decode steps after such a drop (tokens fed
+one per forward on the cache the prefill filled, a next turn of several tokens in one forward, or greedy `generate`
+with its logits returned); a left-padded batch of rows of different lengths through `generate`
+(`_batch_after_drop`: each row drops on its own, and is checked against the reference alone).
+Each step's logits must equal `eager_reference.reference_last_logits` over the prompt and the tokens
 so far, with every drop layer's kept set extended by the new tokens: a layer after a drop attends over the kept
 prompt tokens at their original positions and every token decoded since, which is what decoding on compacted
 caches means (`runtime.generation`). A call that dropped nothing must say why and equal the plain model.
@@ -110,6 +111,7 @@ def _batch_after_drop(rng, model, fast, case, arch, ratio, rows: int | None = No
         if not histories or not any(h is not None and h.points for h in histories):
             return _unaccelerated(result, fast, out.sequences, lambda: model.generate(**kwargs), rows=rows)
         logits = torch.stack(out.logits, dim=1).float()
+        steps = logits.shape[1]  # fewer where every row met an end token
         for r, (prompt, history) in enumerate(zip(prompts, histories)):
             kept = {} if history is None else {p.layer: p.kept_positions(0, history.seq_len) for p in history.points}
             if any(int(pos.max()) >= prompt.numel() for pos in kept.values() if pos.numel()):
