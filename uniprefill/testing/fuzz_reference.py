@@ -109,7 +109,7 @@ def _batch_after_drop(rng, model, fast, case, arch, ratio, rows: int | None = No
         out = fast.generate(**kwargs, output_logits=True, return_dict_in_generate=True)
         histories = fast.row_histories
         if not histories or not any(h is not None and h.points for h in histories):
-            return _unaccelerated(result, fast, out.sequences, lambda: model.generate(**kwargs), rows=rows)
+            return _unaccelerated(result, fast, out.sequences, lambda: model.generate(**kwargs))
         logits = torch.stack(out.logits, dim=1).float()
         steps = logits.shape[1]  # fewer where every row met an end token
         for r, (prompt, history) in enumerate(zip(prompts, histories)):
@@ -138,7 +138,7 @@ def _reference(model, seq, kept: dict, decoded: int) -> torch.Tensor:
     return reference_last_logits(model, seq, extended).float()
 
 
-def _unaccelerated(result: CaseResult, fast, out, plain, rows: int = 1) -> CaseResult:
+def _unaccelerated(result: CaseResult, fast, out, plain) -> CaseResult:
     """A case whose prefill dropped nothing: it must say why (a rewrite that raised is an error), and `out` must be
     the plain model's answer (`plain()`: logits within tolerance, or tokens exactly)."""
     reason = fast.backend.last_unaccelerated
@@ -155,7 +155,7 @@ def _unaccelerated(result: CaseResult, fast, out, plain, rows: int = 1) -> CaseR
     else:
         out = out if out.dim() == 3 else out[:, None]
         ref = ref if ref.dim() == 3 else ref[:, None]
-        bad = _compare_logits(out, ref, torch.ones(rows, out.shape[1]), None, torch.float32)
+        bad = _compare_logits(out, ref, torch.ones(out.shape[:2]), None, torch.float32)
     if bad:
         result.status, result.detail = "mismatch", f"unaccelerated, vs the plain model: {bad}; {result.detail}"
     return result
