@@ -105,3 +105,28 @@ def test_serve_table_reads_the_retention_of_each_point_from_the_drop_totals(tmp_
             and line[2].isdigit()}
     assert rows[8192].rstrip(" |").endswith(f"{26_000 * 8 / (32 * 8192):.3f}")
     assert rows[16384].endswith("| - |") and rows[28672].endswith("| - |")
+
+
+def test_serve_table_splits_the_first_decode_gap_from_the_later_ones(tmp_path):
+    """With `--save-detailed` the files hold each request's inter-token gaps (s); the second table gives the median
+    and the largest first gap after the first token, and the median and p99 of the later gaps (ms), so that one slow
+    step after a drop is told from a slower decode. Files without the gaps (older runs) add no second table."""
+    write_serve(tmp_path, "standard", 8192, 1, 10.0, 300.0)
+    write_serve(tmp_path, "uniprefill", 8192, 1, 9.0, 280.0)
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "first gap" not in done.stdout
+
+    for system, first in (("standard", 0.0055), ("uniprefill", 0.0140)):
+        path = tmp_path / f"{system}-8192-c1.json"
+        run = json.loads(path.read_text())
+        run["itls"] = [[first + 0.0001 * r] + [0.0050 + 0.0001 * (k % 3) for k in range(15)] for r in range(32)]
+        run["itls"][5] = []  # a request that ended at its first token has no gap
+        path.write_text(json.dumps(run))
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split(" | ")[2]: line for line in done.stdout.splitlines() if line.startswith("| 8192 | 1 |")
+            and line.count("|") == 8}
+    # 31 requests with gaps: first gaps first + 0.1 ms x {0..4, 6..31}, their median the 16th (r = 16)
+    assert rows["standard"] == "| 8192 | 1 | standard | 7.10 | 8.60 | 5.10 | 5.20 |"
+    assert rows["uniprefill"] == "| 8192 | 1 | uniprefill | 15.60 | 17.10 | 5.10 | 5.20 |"

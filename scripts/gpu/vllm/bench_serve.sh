@@ -16,6 +16,8 @@
 # whatever results OUT_DIR holds.
 # A uniprefill system's point also leaves SYSTEM-L-cC.totals: the server's drop totals before and after it
 # (vLLM's /collective_rpc, VLLM_SERVER_DEV_MODE=1), whence the table's retention.
+# --save-detailed keeps each request's inter-token gaps (`itls`), whence serve_table.py's second table: the first
+# gap after the first token against the later ones (a one-time step after a drop, or a slower decode throughout).
 set -uo pipefail
 OUT="${1:?usage: bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]}"
 LENGTHS="${2:-8192,16384,28672}"
@@ -44,7 +46,7 @@ for system in ${SYSTEMS:-standard uniprefill}; do
         --dataset-name random --random-input-len "$length" --random-output-len 16 --ignore-eos \
         --num-prompts "$NUM_PROMPTS" --max-concurrency "$concurrency" --seed "$(( length * 100 + concurrency ))" \
         --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 \
-        --save-result --result-dir "$OUT" --result-filename "$system-$length-c$concurrency.json" \
+        --save-result --save-detailed --result-dir "$OUT" --result-filename "$system-$length-c$concurrency.json" \
         > "$OUT/$system-$length-c$concurrency.log" 2>&1
       echo "$system $length c$concurrency: exit $? in $(( $(date +%s) - start )) s"
       [[ "$system" == uniprefill* ]] && printf '{"before": %s, "after": %s}\n' "$before" "$(serve_drop_totals)" \

@@ -12,6 +12,10 @@ rows entering the first, of the requests that dropped during the point (from `SY
 drop totals before and after it, which bench_serve.sh writes; "-" without them). A point where either completed
 no request shows its failure counts and no ratio (vLLM rejected the prompts, say). Prints Markdown and writes OUT_DIR/serve-table.md; a point that standard ran
 and a system did not (or the reverse) is an error, not a shorter table.
+
+Where the files hold each request's inter-token gaps (`itls`, from `--save-detailed`), a second table splits them:
+the median of each request's first gap after its first token, and the median and p99 of the later gaps. A drop
+that costs one step before the first decode shows in the first column only; a slower decode, in the others.
 """
 
 from __future__ import annotations
@@ -78,6 +82,29 @@ def table(runs: dict[tuple[str, int, int], dict], folder: Path | None = None) ->
     return lines
 
 
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def gap_table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
+    """First gap after the first token against the later gaps, ms, per point and system; [] where no file holds
+    the per-request gaps."""
+    lines = []
+    for (system, n, c), run in sorted(runs.items(), key=lambda item: (item[0][1], item[0][2], item[0][0])):
+        gaps = [g for g in run.get("itls") or [] if g]
+        if not gaps:
+            continue
+        first = [g[0] * 1e3 for g in gaps]
+        later = [x * 1e3 for g in gaps for x in g[1:]]
+        later_text = f"{_quantile(later, 0.5):.2f} | {_quantile(later, 0.99):.2f}" if later else "- | -"
+        lines.append(f"| {n} | {c} | {system} | {_quantile(first, 0.5):.2f} | {max(first):.2f} | {later_text} |")
+    if not lines:
+        return []
+    return ["", "| prompt tokens | concurrency | system | first gap p50 ms | first gap max ms | later gaps p50 ms "
+            "| later gaps p99 ms |", "|---|---|---|---|---|---|---|", *lines]
+
+
 def plot(runs: dict[tuple[str, int, int], dict], path: Path) -> None:
     """Two panels per concurrency: input tokens/s and the inter-token gap's p99 of every system, against prompt
     length."""
@@ -118,7 +145,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="also draw input tokens/s and the inter-token gap's p99 (PNG)")
     args = parser.parse_args(argv)
     runs = load(args.folder)
-    text = "\n".join(table(runs, args.folder)) + "\n"
+    text = "\n".join(table(runs, args.folder) + gap_table(runs)) + "\n"
     sys.stdout.write(text)
     (args.folder / "serve-table.md").write_text(text)
     if args.plot:
