@@ -364,3 +364,43 @@ def test_the_eager_reference_refuses_a_family_it_does_not_model():
     model = fuzz.build_model("gemma2", torch.float32)
     with pytest.raises(ValueError, match="gemma2"):
         reference_last_logits(model, torch.randint(3, 100, (1, 20)), {})
+
+
+@pytest.mark.parametrize("arch,request_kind", [
+    ("tiny-llama", "labels"), ("tiny-gemma3", "labels with pads ignored"), ("tiny-llama", "gradients"),
+    ("tiny-qwen3-next", "gradients"), ("gpt-oss", "output_router_logits"), ("tiny-gemma3", "output_hidden_states")])
+def test_a_call_that_needs_every_position_below_p_1_runs_unaccelerated_with_the_reason_and_equals_the_plain_model(
+        arch, request_kind):
+    """At forced retention a loss, gradients, hidden states or router logits need every position: the case checks
+    that nothing dropped, that the backend said why, and every output (the embedding gradient too) against the plain
+    model's."""
+    from uniprefill.testing.fuzz_every_position import _every_position_case
+
+    result = _every_position_case(random.Random(2), fuzz._Pool(), 31, arch, torch.float32, request=request_kind)
+    assert result.status == "equal", result
+    assert result.reasons and not result.accelerated, result
+
+
+class _IgnoresTheRequest:
+    """A compiled model that answers a call asking for every position as if it asked for the last one: it drops."""
+
+    def __init__(self, fast):
+        self.fast = fast
+
+    def __getattr__(self, name):
+        return getattr(self.fast, name)
+
+    def __call__(self, **kwargs):
+        return self.fast(**{k: v for k, v in kwargs.items() if k != "labels"})
+
+
+def test_a_call_that_needs_every_position_and_dropped_is_a_mismatch():
+    from uniprefill.testing.fuzz_every_position import _every_position_case
+
+    pool = fuzz._Pool()
+    model, fast = pool.get("tiny-llama", torch.float32, keep_ratio=0.5)
+    result = _every_position_case(random.Random(2), _SinglePool(model, _IgnoresTheRequest(fast)), 31, "tiny-llama",
+                                  torch.float32, request="labels")
+    assert result.status == "mismatch" and "dropped although" in result.detail, result
+    with pytest.raises(ValueError, match="output_router_logits"):
+        _every_position_case(random.Random(2), pool, 31, "tiny-llama", torch.float32, request="output_router_logits")

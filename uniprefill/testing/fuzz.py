@@ -23,6 +23,9 @@ backend="uniprefill")` (`fuzz_plain_compile`), and checks:
 * at p < 1 (Llama, Gemma-3, GPT-OSS, Qwen3-Next and Qwen3.5 with Gated DeltaNet layers after the drops; one row,
   or a left-padded batch through `generate`, row by row) the last logits equal the eager reference
   (`uniprefill.testing.eager_reference`) on the positions the drop history reports;
+* at p < 1 a call that needs every position (labels, gradients, hidden states, router logits; any architecture)
+  drops nothing, says why and equals the plain model, the gradient of the embeddings included
+  (`fuzz_every_position`);
 * a call long enough to drop that ran unaccelerated says why (`backend.last_unaccelerated`).
 
 Compiled models are pooled per (architecture, dtype, settings) and reused, so the ORDER of
@@ -46,6 +49,7 @@ from .fuzz_cases import (  # noqa: F401  (re-exported: tests and the CLI use the
     _DELTANET_AFTER_DROP, _EXTRA_ARCHS, ARCHS, MIN_TOKENS, REFERENCE_ARCHS, SETTINGS, TOLERANCE, CaseResult,
     _decode_case, _forward_case, _compare_logits, _generate_case, _rows_alone_tie, _tie_at_divergence,
 )
+from .fuzz_every_position import _every_position_case
 from .fuzz_reference import _reference_case  # noqa: F401
 from .fuzz_plain_compile import RECOMPILE_LIMIT, _plain_compile_case  # noqa: F401
 
@@ -225,6 +229,8 @@ def run_case(rng: random.Random, pool: _Pool, case: int, archs=ARCHS) -> CaseRes
             return _decode_case(rng, pool, case, arch, dtype)
         if roll < 0.45:
             return _plain_compile_case(rng, pool, case, arch, dtype)
+        if roll < 0.5:
+            return _every_position_case(rng, pool, case, arch, dtype)
         return _forward_case(rng, pool, case, arch, dtype)
     except Exception as exc:  # noqa: BLE001  (an exception of the compiled path is a finding)
         return CaseResult(case, arch, "?", "error", f"{type(exc).__name__}: {exc}"[:500])

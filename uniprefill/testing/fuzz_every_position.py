@@ -1,0 +1,93 @@
+"""The fuzzer's calls that need every position, below p = 1: unaccelerated, with the reason, equal to the plain model.
+
+At forced retention a dropped prefill answers for the last position only (README, "Output contract"). A call that
+asks for more -- a loss over `labels`, gradients, every layer's hidden states, MoE router logits -- must run the
+plain model and say why. `_every_position_case` draws one such request on a pooled model of any architecture at
+keep ratio 0.3 / 0.5 / 0.8, a prompt long enough to drop (one row, or a left-padded batch of two), `use_cache` off
+or left to the config, and checks:
+
+* nothing dropped (no drop history after the call) and the backend gave a reason (`last_unaccelerated`; a rewrite
+  that raised is an error, as everywhere in the fuzzer);
+* the outputs equal the plain model's within the dtype's tolerance: the logits at every real position, the loss, the
+  hidden states or router logits asked for, and under gradients the gradient of the summed real-position logits
+  with respect to the embedding matrix (so backward through the compiled call is checked too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..unaccelerated import Kind, kind_of
+from .fuzz_cases import MIN_TOKENS, TOLERANCE, CaseResult, _accelerated, _compare_extras, _compare_logits
+
+REQUESTS = ("labels", "labels with pads ignored", "gradients", "output_hidden_states", "output_router_logits")
+
+
+def _every_position_case(rng, pool, case, arch, dtype, request: str | None = None) -> CaseResult:
+    ratio = rng.choice([0.3, 0.5, 0.8])
+    model, fast = pool.get(arch, dtype, keep_ratio=ratio)
+    requests = [r for r in REQUESTS if r != "output_router_logits" or hasattr(model.config, "output_router_logits")]
+    if request is not None and request not in requests:
+        raise ValueError(f"{request!r} is not a request {arch} answers (the choices: {requests})")
+    request = request or rng.choice(requests)
+    lengths = [rng.randint(MIN_TOKENS + 16, 200) for _ in range(rng.choice([1, 1, 2]))]
+    width = max(lengths)
+    gen = torch.Generator().manual_seed(case)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):  # left padding
+        ids[r, width - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=gen)
+        mask[r, width - n:] = 1
+    kwargs: dict = {"input_ids": ids}
+    if len(lengths) > 1:
+        kwargs["attention_mask"] = mask
+    use_cache = rng.choice([False, None])
+    if use_cache is not None:
+        kwargs["use_cache"] = use_cache
+    if request.startswith("labels"):
+        kwargs["labels"] = ids if request == "labels" else ids.masked_fill(mask == 0, -100)
+    elif request.startswith("output_"):
+        kwargs[request] = True
+    result = CaseResult(case, arch, "every position p<1", "equal",
+                        detail=f"{request}, rows of {lengths} tokens, keep_ratio {ratio}, use_cache {use_cache}, "
+                               f"{str(dtype).removeprefix('torch.')}")
+    weight = model.get_input_embeddings().weight
+    fast.backend.last_unaccelerated = None
+    with torch.set_grad_enabled(request == "gradients"):
+        out = fast(**kwargs)
+        dropped, reason = _accelerated(fast), fast.backend.last_unaccelerated
+        got_grad = _embedding_grad(out.logits, mask, weight) if request == "gradients" else None
+        ref = model(**kwargs)
+        want_grad = _embedding_grad(ref.logits, mask, weight) if request == "gradients" else None
+    if dropped:
+        result.status, result.detail = "mismatch", f"dropped although the call needs every position; {result.detail}"
+        return result
+    if reason is None:
+        result.status, result.detail = "unexplained", f"nothing dropped and no reason given; {result.detail}"
+        return result
+    if kind_of(reason) is Kind.REWRITE_FAILED:
+        result.status, result.detail = "error", f"{reason}; {result.detail}"
+        return result
+    result.reasons.append(reason)
+    bad = _compare_logits(out.logits, ref.logits, mask, None, dtype) or _compare_extras(out, ref, kwargs, dtype) \
+        or _compare_value("loss", getattr(out, "loss", None), getattr(ref, "loss", None), dtype) \
+        or _compare_value("embedding gradient", got_grad, want_grad, dtype)
+    if bad:
+        result.status, result.detail = "mismatch", f"unaccelerated, vs the plain model: {bad}; {result.detail}"
+    return result
+
+
+def _embedding_grad(logits: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.autograd.grad(logits.float()[mask.bool()].sum(), weight)[0]
+
+
+def _compare_value(name: str, got, want, dtype) -> str | None:
+    if (got is None) != (want is None):
+        return f"{name}: {'none' if got is None else 'one'} from the compiled call, {'none' if want is None else 'one'} from the plain model"
+    if want is None:
+        return None
+    if got.shape != want.shape:
+        return f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    tol = TOLERANCE[dtype] * max(1.0, float(want.float().abs().max()))
+    worst = float((got.float() - want.float()).abs().max()) if want.numel() else 0.0
+    return f"{name} differs by {worst:.3g} (tolerance {tol:.3g})" if worst > tol else None
