@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..unaccelerated import Kind, kind_of
 from .fuzz_cases import MIN_TOKENS, TOLERANCE, CaseResult, _accelerated, _compare_extras, _compare_logits
+from .fuzz_reference import _explained
 
 REQUESTS = ("labels", "labels with pads ignored", "gradients", "output_hidden_states", "output_router_logits")
 
@@ -62,13 +62,8 @@ def _every_position_case(rng, pool, case, arch, dtype, request: str | None = Non
     if dropped:
         result.status, result.detail = "mismatch", f"dropped although the call needs every position; {result.detail}"
         return result
-    if reason is None:
-        result.status, result.detail = "unexplained", f"nothing dropped and no reason given; {result.detail}"
+    if not _explained(result, reason):
         return result
-    if kind_of(reason) is Kind.REWRITE_FAILED:
-        result.status, result.detail = "error", f"{reason}; {result.detail}"
-        return result
-    result.reasons.append(reason)
     bad = _compare_logits(out.logits, ref.logits, mask, None, dtype) or _compare_extras(out, ref, kwargs, dtype) \
         or _compare_value("loss", getattr(out, "loss", None), getattr(ref, "loss", None), dtype) \
         or _compare_value("embedding gradient", got_grad, want_grad, dtype)

@@ -141,14 +141,8 @@ def _reference(model, seq, kept: dict, decoded: int) -> torch.Tensor:
 def _unaccelerated(result: CaseResult, fast, out, plain) -> CaseResult:
     """A case whose prefill dropped nothing: it must say why (a rewrite that raised is an error), and `out` must be
     the plain model's answer (`plain()`: logits within tolerance, or tokens exactly)."""
-    reason = fast.backend.last_unaccelerated
-    if reason is None:
-        result.status, result.detail = "unexplained", f"nothing dropped; {result.detail}"
+    if not _explained(result, fast.backend.last_unaccelerated):
         return result
-    if kind_of(reason) is Kind.REWRITE_FAILED:  # the rewritten graph raised: a finding, as in every kind
-        result.status, result.detail = "error", f"{reason}; {result.detail}"
-        return result
-    result.reasons.append(reason)
     ref = plain()
     if ref.dtype == torch.long:
         bad = None if torch.equal(out, ref) else f"tokens {out.tolist()} vs {ref.tolist()}"
@@ -159,3 +153,17 @@ def _unaccelerated(result: CaseResult, fast, out, plain) -> CaseResult:
     if bad:
         result.status, result.detail = "mismatch", f"unaccelerated, vs the plain model: {bad}; {result.detail}"
     return result
+
+
+def _explained(result: CaseResult, reason) -> bool:
+    """Whether a call that dropped nothing gave a reason that is not a failure; else `result` becomes
+    "unexplained" (no reason) or "error" (the rewritten graph raised: a finding, as in every kind). The reason is
+    recorded either way it passes."""
+    if reason is None:
+        result.status, result.detail = "unexplained", f"nothing dropped; {result.detail}"
+        return False
+    if kind_of(reason) is Kind.REWRITE_FAILED:
+        result.status, result.detail = "error", f"{reason}; {result.detail}"
+        return False
+    result.reasons.append(reason)
+    return True
