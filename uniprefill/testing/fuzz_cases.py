@@ -17,7 +17,9 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
 * `_decode_case`: a prefill into a cache passed in (or of two rows, prefilled row by row), then steps of one
   or several tokens through forward (as `input_ids`, or as `inputs_embeds`);
 * `_reference_case` (`fuzz_reference`): forced retention against the eager reference (Llama, Gemma-3, GPT-OSS,
-  Qwen3-Next, Qwen3.5), the prefill's last logits or decode steps after it.
+  Qwen3-Next, Qwen3.5), the prefill's last logits or decode steps after it;
+* `_every_position_case` (`fuzz_every_position`): forced retention on a call that needs every position (labels,
+  gradients, hidden states, router logits): it must drop nothing, say why and equal the plain model.
 """
 
 from __future__ import annotations
