@@ -144,10 +144,25 @@ def _compare_extras(out, ref, kwargs: dict, dtype) -> str | None:
         if (got is None) != (want is None) or (want is not None and len(got) != len(want)):
             return f"{attribute}: {None if got is None else len(got)} tensors vs {None if want is None else len(want)}"
         for i, (a, b) in enumerate(zip(got or (), want or ())):
-            tol = TOLERANCE[dtype] * max(1.0, float(b.float().abs().max()))
-            if a.shape != b.shape or float((a.float() - b.float()).abs().max()) > tol:
-                return f"{attribute}[{i}] differs: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+            bad = _compare_tensor(f"{attribute}[{i}]", a, b, dtype)
+            if bad:
+                return bad
     return None
+
+
+def _compare_tensor(name: str, got, want, dtype) -> str | None:
+    """One output tensor (or None) against the plain model's: both or neither, same shape, values within the
+    dtype's tolerance times max(1, |want|max)."""
+    if (got is None) != (want is None):
+        return f"{name}: {'none' if got is None else 'one'} from the compiled call, " \
+               f"{'none' if want is None else 'one'} from the plain model"
+    if want is None:
+        return None
+    if got.shape != want.shape:
+        return f"{name} differs in shape: {tuple(got.shape)} vs {tuple(want.shape)}"
+    tol = TOLERANCE[dtype] * max(1.0, float(want.float().abs().max())) if want.numel() else 0.0
+    worst = float((got.float() - want.float()).abs().max()) if want.numel() else 0.0
+    return f"{name} differs by {worst:.3g} (tolerance {tol:.3g})" if worst > tol else None
 
 
 def _call(target, model, kwargs: dict, positional: bool):

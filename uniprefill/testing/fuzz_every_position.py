@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .fuzz_cases import MIN_TOKENS, TOLERANCE, CaseResult, _accelerated, _compare_extras, _compare_logits
-from .fuzz_reference import _explained
+from .fuzz_cases import MIN_TOKENS, CaseResult, _accelerated, _compare_extras, _compare_logits, _compare_tensor
+from .fuzz_reference import _explained, _left_padded
 
 REQUESTS = ("labels", "labels with pads ignored", "gradients", "output_hidden_states", "output_router_logits")
 
@@ -31,13 +31,8 @@ def _every_position_case(rng, pool, case, arch, dtype, request: str | None = Non
         raise ValueError(f"{request!r} is not a request {arch} answers (the choices: {requests})")
     request = request or rng.choice(requests)
     lengths = [rng.randint(MIN_TOKENS + 16, 200) for _ in range(rng.choice([1, 1, 2]))]
-    width = max(lengths)
     gen = torch.Generator().manual_seed(case)
-    ids = torch.zeros((len(lengths), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(lengths):  # left padding
-        ids[r, width - n:] = torch.randint(3, model.config.vocab_size, (n,), generator=gen)
-        mask[r, width - n:] = 1
+    ids, mask = _left_padded([torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in lengths])
     kwargs: dict = {"input_ids": ids}
     if len(lengths) > 1:
         kwargs["attention_mask"] = mask
@@ -65,8 +60,8 @@ def _every_position_case(rng, pool, case, arch, dtype, request: str | None = Non
     if not _explained(result, reason):
         return result
     bad = _compare_logits(out.logits, ref.logits, mask, None, dtype) or _compare_extras(out, ref, kwargs, dtype) \
-        or _compare_value("loss", getattr(out, "loss", None), getattr(ref, "loss", None), dtype) \
-        or _compare_value("embedding gradient", got_grad, want_grad, dtype)
+        or _compare_tensor("loss", getattr(out, "loss", None), getattr(ref, "loss", None), dtype) \
+        or _compare_tensor("embedding gradient", got_grad, want_grad, dtype)
     if bad:
         result.status, result.detail = "mismatch", f"unaccelerated, vs the plain model: {bad}; {result.detail}"
     return result
@@ -75,14 +70,3 @@ def _every_position_case(rng, pool, case, arch, dtype, request: str | None = Non
 def _embedding_grad(logits: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.autograd.grad(logits.float()[mask.bool()].sum(), weight)[0]
 
-
-def _compare_value(name: str, got, want, dtype) -> str | None:
-    if (got is None) != (want is None):
-        return f"{name}: {'none' if got is None else 'one'} from the compiled call, {'none' if want is None else 'one'} from the plain model"
-    if want is None:
-        return None
-    if got.shape != want.shape:
-        return f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    tol = TOLERANCE[dtype] * max(1.0, float(want.float().abs().max()))
-    worst = float((got.float() - want.float()).abs().max()) if want.numel() else 0.0
-    return f"{name} differs by {worst:.3g} (tolerance {tol:.3g})" if worst > tol else None

@@ -97,11 +97,8 @@ def _batch_after_drop(rng, model, fast, case, arch, ratio, rows: int | None = No
     lengths = [rng.randint(MIN_TOKENS + 16, 260) for _ in range(rows)]
     gen = torch.Generator().manual_seed(case)
     prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen) for n in lengths]
-    width = max(lengths)
-    ids = torch.zeros((rows, width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, prompt in enumerate(prompts):
-        ids[r, width - prompt.numel():], mask[r, width - prompt.numel():] = prompt, 1
+    ids, mask = _left_padded(prompts)
+    width = ids.shape[1]
     result = CaseResult(case, arch, "reference batch p<1", "equal",
                         detail=f"left-padded rows of {lengths} tokens, keep_ratio {ratio}, {steps} step(s)")
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=0)
@@ -126,6 +123,16 @@ def _batch_after_drop(rng, model, fast, case, arch, ratio, rows: int | None = No
                 return result
     result.accelerated = 1
     return result
+
+
+def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts as one left-padded batch (pad id 0) and its attention mask."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - prompt.numel():], mask[r, width - prompt.numel():] = prompt, 1
+    return ids, mask
 
 
 def _reference(model, seq, kept: dict, decoded: int) -> torch.Tensor:
@@ -157,8 +164,8 @@ def _unaccelerated(result: CaseResult, fast, out, plain) -> CaseResult:
 
 def _explained(result: CaseResult, reason) -> bool:
     """Whether a call that dropped nothing gave a reason that is not a failure; else `result` becomes
-    "unexplained" (no reason) or "error" (the rewritten graph raised: a finding, as in every kind). The reason is
-    recorded either way it passes."""
+    "unexplained" (no reason) or "error" (the rewritten graph raised: a finding, as in every kind). A reason that
+    passes is recorded in `result.reasons`."""
     if reason is None:
         result.status, result.detail = "unexplained", f"nothing dropped; {result.detail}"
         return False
