@@ -9,6 +9,7 @@
 # prompt i from an offset drawn from the seed, so one seed for every point repeats the same prompts and standard
 # vLLM serves the later points from its prefix cache (the run of 2026-12-04). 28672, not 32000: the word-level
 # test tokenizer spends 5.4 characters per token, and vLLM rejects a prompt over 5 x max_model_len characters. One server per system serves every point (about two minutes to start with the compile).
+# POINTS="16384:4 28672:16" runs those (length:concurrency) points instead of the LENGTHS x CONCURRENCIES grid.
 # SYSTEMS="standard" or "uniprefill" runs one side only (one call each on the box, whose calls stop at 600 s);
 # "uniprefill-chunked" is uniprefill with vLLM's own step budget (serve_lib.sh). A point whose result file OUT_DIR
 # already holds is kept, so a call cut at 600 s is continued by the same command in the next call (the box keeps
@@ -28,31 +29,33 @@ mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # env.sh, SERVE_MODEL, serve_*
 serve_setup
 echo "$SETTINGS" > "$OUT/settings.json"
+grid_points() {  # one "LENGTH CONCURRENCY" line per point
+  if [[ -n "${POINTS:-}" ]]; then for point in $POINTS; do echo "${point%%:*} ${point##*:}"; done; return; fi
+  for length in ${LENGTHS//,/ }; do for concurrency in ${CONCURRENCIES//,/ }; do echo "$length $concurrency"; done; done
+}
 for system in ${SYSTEMS:-standard uniprefill}; do
   todo=0
-  for length in ${LENGTHS//,/ }; do for concurrency in ${CONCURRENCIES//,/ }; do
+  while read -r length concurrency; do
     [[ -s "$OUT/$system-$length-c$concurrency.json" ]] || todo=$(( todo + 1 ))
-  done; done
+  done < <(grid_points)
   (( todo )) || { echo "$system: every point already in $OUT"; continue; }
   serve_start "$system" "$OUT/$system.server.log" || continue
-  for length in ${LENGTHS//,/ }; do
-    for concurrency in ${CONCURRENCIES//,/ }; do
-      if [[ -s "$OUT/$system-$length-c$concurrency.json" ]]; then
-        echo "$system $length c$concurrency: kept from an earlier call"; continue
-      fi
-      start=$(date +%s)
-      [[ "$system" == uniprefill* ]] && before=$(serve_drop_totals)
-      timeout 600 "${VLLM_CLI[@]}" bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \
-        --dataset-name random --random-input-len "$length" --random-output-len 16 --ignore-eos \
-        --num-prompts "$NUM_PROMPTS" --max-concurrency "$concurrency" --seed "$(( length * 100 + concurrency ))" \
-        --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 \
-        --save-result --save-detailed --result-dir "$OUT" --result-filename "$system-$length-c$concurrency.json" \
-        > "$OUT/$system-$length-c$concurrency.log" 2>&1
-      echo "$system $length c$concurrency: exit $? in $(( $(date +%s) - start )) s"
-      [[ "$system" == uniprefill* ]] && printf '{"before": %s, "after": %s}\n' "$before" "$(serve_drop_totals)" \
-        > "$OUT/$system-$length-c$concurrency.totals"  # serve_table.py's retention column
-    done
-  done
+  while read -r length concurrency <&3; do  # fd 3: the clients cannot eat the list
+    if [[ -s "$OUT/$system-$length-c$concurrency.json" ]]; then
+      echo "$system $length c$concurrency: kept from an earlier call"; continue
+    fi
+    start=$(date +%s)
+    [[ "$system" == uniprefill* ]] && before=$(serve_drop_totals)
+    timeout 600 "${VLLM_CLI[@]}" bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \
+      --dataset-name random --random-input-len "$length" --random-output-len 16 --ignore-eos \
+      --num-prompts "$NUM_PROMPTS" --max-concurrency "$concurrency" --seed "$(( length * 100 + concurrency ))" \
+      --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 \
+      --save-result --save-detailed --result-dir "$OUT" --result-filename "$system-$length-c$concurrency.json" \
+      > "$OUT/$system-$length-c$concurrency.log" 2>&1
+    echo "$system $length c$concurrency: exit $? in $(( $(date +%s) - start )) s"
+    [[ "$system" == uniprefill* ]] && printf '{"before": %s, "after": %s}\n' "$before" "$(serve_drop_totals)" \
+      > "$OUT/$system-$length-c$concurrency.totals"  # serve_table.py's retention column
+  done 3< <(grid_points)
   serve_stop
 done
 python3 -P "$ROOT/scripts/gpu/vllm/serve_table.py" "$OUT"
