@@ -32,8 +32,8 @@ def test_fuzz_detects_a_wrong_answer():
     assert result.status == "mismatch", result
 
 
-def _perturbed(out):
-    out.logits = out.logits + 1e-2
+def _perturbed(out, by=1e-2):
+    out.logits = out.logits + by
     return out
 
 
@@ -404,3 +404,53 @@ def test_a_call_that_needs_every_position_and_dropped_is_a_mismatch():
     assert result.status == "mismatch" and "dropped although" in result.detail, result
     with pytest.raises(ValueError, match="output_router_logits"):
         _every_position_case(random.Random(2), pool, 31, "tiny-llama", torch.float32, request="output_router_logits")
+
+
+def test_calls_are_drawn_under_no_grad_inference_mode_and_bf16_autocast_the_last_for_fp32_models_only():
+    rng = random.Random(5)
+    fp32 = {fuzz_cases._grad_free(rng, torch.float32)[0] for _ in range(200)}
+    bf16 = {fuzz_cases._grad_free(rng, torch.bfloat16)[0] for _ in range(200)}
+    assert fp32 == {"no_grad", "inference_mode", "autocast bf16"}
+    assert bf16 == {"no_grad", "inference_mode"}
+    name, grad_free, tolerance_dtype = next(c for c in iter(lambda: fuzz_cases._grad_free(rng, torch.float32), None)
+                                            if c[0] == "autocast bf16")
+    with grad_free():
+        assert not torch.is_grad_enabled() and torch.is_autocast_enabled("cpu")
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert tolerance_dtype == torch.bfloat16 and torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+
+
+def _forced(context):
+    contexts = {"inference_mode": (torch.inference_mode, None),
+                "autocast bf16": (fuzz_cases._autocast_bf16_no_grad, torch.bfloat16)}
+    factory, tolerance = contexts[context]
+    return lambda rng, dtype: (context, factory, tolerance or dtype)
+
+
+@pytest.mark.parametrize("context", ["inference_mode", "autocast bf16"])
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gemma3"])
+def test_a_prefill_after_a_drop_under_inference_mode_or_autocast_equals_the_reference_and_an_off_one_is_a_mismatch(
+        arch, context, monkeypatch):
+    """Users call the compiled model under `torch.inference_mode()` or CPU/GPU autocast as often as under
+    `no_grad`: at forced retention the prefill still drops and its logits equal the eager reference run under the
+    same context; logits off by 0.1 (past bf16's tolerance) are a mismatch."""
+    monkeypatch.setattr(fuzz_reference, "_grad_free", _forced(context))
+    model, fast = fuzz._Pool().get(arch, torch.float32, keep_ratio=0.4)
+    ids = torch.randint(3, model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(4))
+    result = fuzz_reference._prefill_after_drop(random.Random(1), model, fast, 5, arch, ids, 0.4)
+    assert result.status == "equal" and result.accelerated == 1 and f"under {context}" in result.detail, result
+    forward = fast.forward
+    fast.forward = lambda *a, **k: _perturbed(forward(*a, **k), 0.1)
+    wrong = fuzz_reference._prefill_after_drop(random.Random(1), model, fast, 5, arch, ids, 0.4)
+    assert wrong.status == "mismatch" and "eager reference" in wrong.detail, wrong
+
+
+@pytest.mark.parametrize("context", ["inference_mode", "autocast bf16"])
+def test_forward_calls_under_inference_mode_or_autocast_equal_the_plain_model(context, monkeypatch):
+    monkeypatch.setattr(fuzz_cases, "_grad_free", _forced(context))
+    pool, accelerated = fuzz._Pool(), 0
+    for seed in range(4):
+        result = fuzz._forward_case(random.Random(seed), pool, seed, "tiny-llama", torch.float32)
+        assert result.status in ("equal", "invalid") and f"under {context}" in result.detail, result
+        accelerated += result.accelerated
+    assert accelerated >= 1

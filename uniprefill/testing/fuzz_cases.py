@@ -4,7 +4,8 @@ Each `_*_case(rng, pool, case, arch, dtype)` draws its calls from `rng`, runs th
 pooled compiled model and the plain model, and returns a `CaseResult`:
 
 * `_forward_case`: one or more forward calls (arguments by keyword or position, padding,
-  masks, position ids, caches, `logits_to_keep`, a second model alternating);
+  masks, position ids, caches, `logits_to_keep`, a second model alternating), each under `no_grad`,
+  `inference_mode` or bf16 autocast (`_grad_free`);
 * `_generate_case`: `generate` in one decoding mode (greedy, sampling, beam, beam sampling, several
   sequences, an explicit cache, a static cache, no cache (each step a whole forward), every step's
   logits returned and compared, prompt lookup, a chat's next turn on the returned cache, the prompt
@@ -199,6 +200,29 @@ def _accelerated(fast) -> bool:
     return bool((history is not None and history.points) or (rows and any(h is not None and h.points for h in rows)))
 
 
+def _grad_free(rng, dtype) -> tuple[str, object, torch.dtype]:
+    """How an inference call is made: under `torch.no_grad()` (most), `torch.inference_mode()`, or, for an fp32
+    model, `no_grad` with CPU autocast to bf16 (the matmuls in bf16: bf16's tolerance applies). Returns (name, a
+    context factory, the dtype whose tolerance applies); both models run under the same context."""
+    roll = rng.random()
+    if roll < 0.1:
+        return "inference_mode", torch.inference_mode, dtype
+    if roll < 0.2 and dtype is torch.float32:
+        return "autocast bf16", _autocast_bf16_no_grad, torch.bfloat16
+    return "no_grad", torch.no_grad, dtype
+
+
+class _autocast_bf16_no_grad:
+    def __enter__(self):
+        self._no_grad, self._autocast = torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16)
+        self._no_grad.__enter__()
+        self._autocast.__enter__()
+
+    def __exit__(self, *exc):
+        self._autocast.__exit__(*exc)
+        return self._no_grad.__exit__(*exc)
+
+
 def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
     result = CaseResult(case, arch, "forward", "equal")
     archs = [arch] + ([rng.choice(ARCHS)] if rng.random() < 0.2 else [])
@@ -209,8 +233,10 @@ def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
         model, fast = pool.get(archs[step % len(archs)], dtype, p=1.0, **sparse)
         call = _random_inputs(rng, model, dtype)
         kwargs, spec = call["kwargs"], call["spec"]
-        result.detail = f"call {step + 1} on {archs[step % len(archs)]}{' (early sparse)' if sparse else ''}: {spec}"
-        with torch.no_grad():
+        context, grad_free, tolerance_dtype = _grad_free(rng, dtype)
+        result.detail = (f"call {step + 1} on {archs[step % len(archs)]}{' (early sparse)' if sparse else ''} "
+                         f"under {context}: {spec}")
+        with grad_free():
             try:
                 ref_all = _call(model, model, kwargs, spec["positional"])
             except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
@@ -218,8 +244,8 @@ def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
             fast.backend.last_unaccelerated = None
             out_all = _call(fast, model, kwargs, spec["positional"])
         out, ref = out_all.logits, ref_all.logits
-        bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), dtype) \
-            or _compare_extras(out_all, ref_all, kwargs, dtype)
+        bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), tolerance_dtype) \
+            or _compare_extras(out_all, ref_all, kwargs, tolerance_dtype)
         tie = _rows_alone_tie(model, fast, out, ref, call["mask"], kwargs, dtype) if bad else None
         if tie:
             result.status, result.detail = "tie", f"{bad}; {tie}; {result.detail}"

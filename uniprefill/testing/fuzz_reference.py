@@ -1,7 +1,8 @@
 """The fuzzer's cases below p = 1: forced retention checked against the eager reference.
 
 `_reference_case` draws a keep ratio for a pooled Llama, Gemma-3, GPT-OSS or Gated DeltaNet hybrid and checks, a
-third of the time each: a single-row prompt's prefill (its last logits); decode steps after such a drop (tokens fed
+third of the time each: a single-row prompt's prefill (its last logits; under `no_grad`, `inference_mode` or bf16
+autocast, `fuzz_cases._grad_free`, the reference under the same); decode steps after such a drop (tokens fed
 one per forward on the cache the prefill filled, a next turn of several tokens in one forward, or greedy `generate`
 with its logits returned); a left-padded batch of rows of different lengths through `generate`
 (`_batch_after_drop`: each row drops on its own, and is checked against the reference alone).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..unaccelerated import Kind, kind_of
-from .fuzz_cases import MIN_TOKENS, CaseResult, _compare_logits
+from .fuzz_cases import MIN_TOKENS, CaseResult, _compare_logits, _grad_free
 
 DECODE_MODES = ("one token per forward", "next turn in one forward", "generate")
 
@@ -31,17 +32,27 @@ def _reference_case(rng, pool, case, arch, dtype) -> CaseResult:
         return _batch_after_drop(rng, model, fast, case, arch, ratio)
     if roll < 2 / 3:
         return _decode_after_drop(rng, model, fast, case, arch, ids, ratio)
-    result = CaseResult(case, arch, "reference p<1", "equal", detail=f"length {length}, keep_ratio {ratio}")
+    return _prefill_after_drop(rng, model, fast, case, arch, ids, ratio)
+
+
+def _prefill_after_drop(rng, model, fast, case, arch, ids, ratio) -> CaseResult:
+    """One single-row prefill at forced retention: its last logits against the eager reference over the kept
+    positions, both under the drawn context (`_grad_free`: `no_grad`, `inference_mode` or bf16 autocast)."""
+    length = ids.shape[1]
     use_cache = rng.choice([True, False])
-    with torch.no_grad():
+    context, grad_free, tolerance_dtype = _grad_free(rng, torch.float32)
+    result = CaseResult(case, arch, "reference p<1", "equal",
+                        detail=f"length {length}, keep_ratio {ratio}, under {context}")
+    with grad_free():
         out = fast(input_ids=ids, use_cache=use_cache).logits[:, -1]
         history = fast.history
         if history is None or not history.points:
-            return _unaccelerated(result, fast, out, lambda: model(input_ids=ids, use_cache=use_cache).logits[:, -1])
+            return _unaccelerated(result, fast, out, lambda: model(input_ids=ids, use_cache=use_cache).logits[:, -1],
+                                  tolerance_dtype)
         kept = {p.layer: p.kept_positions(0, length) for p in history.points}
         ref = _reference(model, ids, kept, 0)
     result.accelerated = 1
-    bad = _compare_logits(out[:, None], ref[:, None], torch.ones(1, 1), None, torch.float32)
+    bad = _compare_logits(out[:, None], ref[:, None], torch.ones(1, 1), None, tolerance_dtype)
     if bad:
         result.status, result.detail = "mismatch", f"vs the eager reference: {bad}; {result.detail}"
     return result
@@ -145,9 +156,9 @@ def _reference(model, seq, kept: dict, decoded: int) -> torch.Tensor:
     return reference_last_logits(model, seq, extended).float()
 
 
-def _unaccelerated(result: CaseResult, fast, out, plain) -> CaseResult:
+def _unaccelerated(result: CaseResult, fast, out, plain, tolerance_dtype=torch.float32) -> CaseResult:
     """A case whose prefill dropped nothing: it must say why (a rewrite that raised is an error), and `out` must be
-    the plain model's answer (`plain()`: logits within tolerance, or tokens exactly)."""
+    the plain model's answer (`plain()`: logits within `tolerance_dtype`'s tolerance, or tokens exactly)."""
     if not _explained(result, fast.backend.last_unaccelerated):
         return result
     ref = plain()
@@ -156,7 +167,7 @@ def _unaccelerated(result: CaseResult, fast, out, plain) -> CaseResult:
     else:
         out = out if out.dim() == 3 else out[:, None]
         ref = ref if ref.dim() == 3 else ref[:, None]
-        bad = _compare_logits(out, ref, torch.ones(out.shape[:2]), None, torch.float32)
+        bad = _compare_logits(out, ref, torch.ones(out.shape[:2]), None, tolerance_dtype)
     if bad:
         result.status, result.detail = "mismatch", f"unaccelerated, vs the plain model: {bad}; {result.detail}"
     return result
