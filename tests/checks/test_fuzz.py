@@ -431,16 +431,16 @@ def _forced(context):
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gemma3"])
 def test_a_prefill_after_a_drop_under_inference_mode_or_autocast_equals_the_reference_and_an_off_one_is_a_mismatch(
         arch, context, monkeypatch):
-    """Users call the compiled model under `torch.inference_mode()` or CPU/GPU autocast as often as under
-    `no_grad`: at forced retention the prefill still drops and its logits equal the eager reference run under the
-    same context; logits off by 0.1 (past bf16's tolerance) are a mismatch."""
+    """Users call the compiled model under `torch.inference_mode()` or autocast (drawn here on CPU) as often as
+    under `no_grad`: at forced retention the prefill still drops and its logits equal the eager reference run under
+    the same context; logits off by 1.0 (past bf16's tolerance, 3e-2 x max(1, |logits|)) are a mismatch."""
     monkeypatch.setattr(fuzz_reference, "_grad_free", _forced(context))
     model, fast = fuzz._Pool().get(arch, torch.float32, keep_ratio=0.4)
     ids = torch.randint(3, model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(4))
     result = fuzz_reference._prefill_after_drop(random.Random(1), model, fast, 5, arch, ids, 0.4)
     assert result.status == "equal" and result.accelerated == 1 and f"under {context}" in result.detail, result
     forward = fast.forward
-    fast.forward = lambda *a, **k: _perturbed(forward(*a, **k), 0.1)
+    fast.forward = lambda *a, **k: _perturbed(forward(*a, **k), 1.0)
     wrong = fuzz_reference._prefill_after_drop(random.Random(1), model, fast, 5, arch, ids, 0.4)
     assert wrong.status == "mismatch" and "eager reference" in wrong.detail, wrong
 

@@ -10,12 +10,15 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm" / "serve_rounds.py"
 
 
-def write(folder: Path, system: str, length: int, concurrency: int, tokens_per_s: float, gap_s: float) -> None:
+def write(folder: Path, system: str, length: int, concurrency: int, tokens_per_s: float, gap_s: float,
+          completed: int = 32) -> None:
     folder.mkdir(exist_ok=True)
     (folder / f"{system}-{length}-c{concurrency}.json").write_text(json.dumps(
-        {"duration": 32 * length / tokens_per_s, "completed": 32, "failed": 0, "total_input_tokens": 32 * length,
-         # the first gap of each request is slow (one step after the prefill); the later ones are the decode
-         "itls": [[0.5] + [gap_s] * 15 for _ in range(32)]}))
+        {"duration": 32 * length / tokens_per_s, "completed": completed, "failed": 32 - completed,
+         "total_input_tokens": completed * length,
+         # the first gap of each request is slow (one step after the prefill), the second is the decode: the median
+         # of every gap would lie between the two, the median of the later ones is the decode's
+         "itls": [[0.5, gap_s] for _ in range(completed)]}))
 
 
 def run(*args):
@@ -37,9 +40,13 @@ def test_a_gain_beyond_standards_spread_is_faster_and_one_inside_it_is_noise(tmp
         write(folder, "uniprefill", 16384, 4, (33000.0 + (std - 25000.0)) * 1.01, 0.0090)
     write(rounds[0], "standard", 8192, 16, 1.0, 0.1)  # a point one round holds: named and left out
     write(rounds[0], "uniprefill", 8192, 16, 1.0, 0.1)
+    write(rounds[1], "standard", 4096, 1, 1.0, 0.1)  # a point one system has in every round: left out, named
+    for folder in rounds:
+        write(folder, "standard", 2048, 1, 1.0, 0.1)
+        write(folder, "uniprefill", 2048, 1, 1.0, 0.1, completed=0 if folder is rounds[2] else 32)
     done = run(*rounds, "--out", tmp_path / "summary.json", "--plot", tmp_path / "rounds.png")
     assert done.returncode == 0, done.stderr
-    assert "left out (not in every round): [(8192, 16)]" in done.stdout
+    assert "no request completed): [(2048, 1), (4096, 1), (8192, 16)]" in done.stdout
     rows = rows_of(done.stdout)
     assert list(rows) == ["16384 4", "28672 1"]
     faster = rows["28672 1"]
@@ -54,13 +61,15 @@ def test_a_gain_beyond_standards_spread_is_faster_and_one_inside_it_is_noise(tmp
     assert (tmp_path / "rounds.png").stat().st_size > 0
 
 
-def test_a_gain_below_standards_spread_is_slower(tmp_path):
+def test_a_loss_beyond_standards_spread_is_slower_and_failed_requests_are_named(tmp_path):
     rounds = [tmp_path / f"round-{i}" for i in (1, 2)]
     for folder, std in zip(rounds, (30000.0, 30300.0)):
         write(folder, "standard", 28672, 16, std, 0.3)
-        write(folder, "uniprefill", 28672, 16, std * 0.9, 0.9)
-    rows = rows_of(run(*rounds).stdout)
-    assert rows["28672 16"][6] == "slower"
+        write(folder, "uniprefill", 28672, 16, std * 0.9, 0.9, completed=31 if folder is rounds[1] else 32)
+    done = run(*rounds)
+    assert done.returncode == 0, done.stderr
+    assert rows_of(done.stdout)["28672 16"][6] == "slower"
+    assert "round 2, uniprefill 28672 x 16: 1 request(s) failed" in done.stdout
 
 
 def test_a_round_without_one_system_is_an_error(tmp_path):

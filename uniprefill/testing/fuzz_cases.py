@@ -25,6 +25,7 @@ pooled compiled model and the plain model, and returns a `CaseResult`:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import random
@@ -212,15 +213,10 @@ def _grad_free(rng, dtype) -> tuple[str, object, torch.dtype]:
     return "no_grad", torch.no_grad, dtype
 
 
-class _autocast_bf16_no_grad:
-    def __enter__(self):
-        self._no_grad, self._autocast = torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16)
-        self._no_grad.__enter__()
-        self._autocast.__enter__()
-
-    def __exit__(self, *exc):
-        self._autocast.__exit__(*exc)
-        return self._no_grad.__exit__(*exc)
+@contextlib.contextmanager
+def _autocast_bf16_no_grad():
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        yield
 
 
 def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:

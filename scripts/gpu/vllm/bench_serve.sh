@@ -30,9 +30,15 @@ source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # env.sh, SERVE_MODEL, serve_*
 serve_setup
 echo "$SETTINGS" > "$OUT/settings.json"
 grid_points() {  # one "LENGTH CONCURRENCY" line per point
-  if [[ -n "${POINTS:-}" ]]; then for point in $POINTS; do echo "${point%%:*} ${point##*:}"; done; return; fi
+  if [[ -n "${POINTS:-}" ]]; then
+    for point in $POINTS; do
+      [[ "$point" =~ ^[0-9]+:[0-9]+$ ]] || { echo "POINTS: '$point' is not LENGTH:CONCURRENCY" >&2; return 1; }
+    done
+    for point in $POINTS; do echo "${point%%:*} ${point##*:}"; done; return
+  fi
   for length in ${LENGTHS//,/ }; do for concurrency in ${CONCURRENCIES//,/ }; do echo "$length $concurrency"; done; done
 }
+grid_points > /dev/null || exit 2
 for system in ${SYSTEMS:-standard uniprefill}; do
   todo=0
   while read -r length concurrency; do

@@ -6,14 +6,16 @@ turns (standard, uniprefill, standard, uniprefill, ...: one server start each), 
 Each ROUND is a `bench_serve.sh` output folder holding both systems' `vllm bench serve` result files
 (`SYSTEM-L-cC.json`, serve_table.py's names). Per (prompt length, concurrency) point held by every round:
 
-* each round's input tokens/s of both systems and their ratio (uniprefill over standard);
+* each round's ratio of input tokens/s (uniprefill over standard; both systems' tokens/s in `--out` and the plot);
 * the verdict of `pooled_grid.py` over the rounds as separate starts: standard's own band (the widest ratio between
   two of its rounds, never narrower than the median of that over the points), the pooled ratio, the lowest and
   highest cross ratio, and "faster" / "slower" / "within noise";
 * the decode: the median of the inter-token gaps after each request's first one (`--save-detailed` files, ms),
   per round and system, and their ratio: a slower decode shows here, one slow step after a drop does not.
 
-A point that some round lacks is left out and named; a round missing a system is an error.
+A point that some round lacks, for either system, or where a system completed no request, is left out and named
+(requests that failed beside completed ones are named too: the input rate counts completed prompts only); a round
+missing a system altogether is an error.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,20 +45,27 @@ def tokens_per_s(run: dict) -> float:
 
 
 def later_gap_p50_ms(run: dict) -> float | None:
-    """Median of every gap after a request's first one (None without `itls`)."""
+    """Median of every gap after a request's first one (None without `itls`), as serve_table.py's second table."""
     later = [x * 1e3 for gaps in run.get("itls") or [] for x in gaps[1:]]
-    return statistics.median(later) if later else None
+    return serve_table._quantile(later, 0.5) if later else None
 
 
-def summarize(rounds: list[dict[tuple[str, int, int], dict]]) -> tuple[list[dict], list[tuple[int, int]]]:
-    """Per point in every round: the rounds' numbers and the pooled verdict; and the points some round lacked."""
+def _usable(runs: dict, n: int, c: int) -> bool:
+    return all(runs.get((system, n, c), {}).get("completed") for system in SYSTEMS)
+
+
+def summarize(rounds: list[dict[tuple[str, int, int], dict]]) -> tuple[list[dict], list[tuple[int, int]], list[str]]:
+    """Per point in every round: the rounds' numbers and the pooled verdict; the points left out (some round lacks
+    them, or a system there completed no request); and a note per point and round where requests failed."""
     for i, runs in enumerate(rounds, 1):
         for system in SYSTEMS:
             if not any(key[0] == system for key in runs):
                 raise ValueError(f"round {i} has no {system} result file")
-    per_round = [{(n, c) for s, n, c in runs if all((t, n, c) in runs for t in SYSTEMS)} for runs in rounds]
-    every = set().union(*per_round)
-    shared = sorted(set.intersection(*per_round))
+    every = {(n, c) for runs in rounds for _, n, c in runs}
+    shared = sorted(point for point in every if all(_usable(runs, *point) for runs in rounds))
+    failed = [f"round {i}, {system} {n} x {c}: {runs[(system, n, c)]['failed']} request(s) failed"
+              for i, runs in enumerate(rounds, 1) for n, c in shared for system in SYSTEMS
+              if runs[(system, n, c)].get("failed")]
     seconds = {system: [{point: 1 / tokens_per_s(runs[(system, *point)]) for point in shared} for runs in rounds]
                for system in SYSTEMS}
     verdicts = {(v["length"], v["batch"]): v for v in pooled_grid.pooled(seconds["standard"], seconds["uniprefill"])}
@@ -71,7 +79,7 @@ def summarize(rounds: list[dict[tuple[str, int, int], dict]]) -> tuple[list[dict
             "ratio": [round(tokens_per_s(r["uniprefill"]) / tokens_per_s(r["standard"]), 4) for r in rows],
             "later_gap_p50_ms": {s: [later_gap_p50_ms(r[s]) for r in rows] for s in SYSTEMS},
             **{key: verdict[key] for key in ("pooled_ratio", "cross", "band", "verdict")}})
-    return points, sorted(every - set(shared))
+    return points, sorted(every - set(shared)), failed
 
 
 def table(points: list[dict]) -> str:
@@ -123,12 +131,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="also write the summary as JSON")
     args = parser.parse_args(argv)
     try:
-        points, left_out = summarize([serve_table.load(folder) for folder in args.rounds])
+        points, left_out, failed = summarize([serve_table.load(folder) for folder in args.rounds])
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
     if left_out:
-        print(f"left out (not in every round): {left_out}")
+        print(f"left out (not in every round for both systems, or no request completed): {left_out}")
+    for note in failed:
+        print(note)
     if not points:
         print("no point is in every round", file=sys.stderr)
         return 1
