@@ -155,8 +155,8 @@ class _PlainPool:
 def test_the_plain_torch_compile_door_equals_the_plain_model_and_accounts_for_every_call():
     """Through `torch.compile(model, backend="uniprefill")`, `model.compile(...)` and `model.forward =
     torch.compile(model.forward, ...)`: every case equal (or the plain model refused the input), and some calls ran
-    the rewritten graph. Seeds 0-8 reach every door (seed 7 a forward through the compiled method, 8 its generate, 6 a
-    call whose length axis the caller marked dynamic)."""
+    the rewritten graph. Seeds 0-8 reach every door (seed 7 a forward through the compiled method, 8 its generate, 5 a
+    call whose length axis the caller marked dynamic, 2 a call under `inference_mode`)."""
     pool = fuzz._Pool()
     results = [fuzz._plain_compile_case(random.Random(seed), pool, seed, "tiny-llama", torch.float32)
                for seed in range(9)]
@@ -164,8 +164,9 @@ def test_the_plain_torch_compile_door_equals_the_plain_model_and_accounts_for_ev
     assert sum(r.accelerated for r in results) >= 1, [(r.kind, r.reasons) for r in results]
     assert {r.kind for r in results} == {"forward (torch.compile)", "generate (model.compile)",
                                          "generate (compiled forward)"}
-    assert "'marked': 3" in results[6].detail, results[6]  # the draw that marks the length axis dynamic happens
+    assert "'marked': 3" in results[5].detail, results[5]  # the draw that marks the length axis dynamic happens
     # (this seed's call fills a cache and runs unaccelerated anyway: the fix it led to is tested in test_doors.py)
+    assert "under inference_mode" in results[2].detail, results[2]  # the calling context is drawn at this door too
     method = results[7]  # a forward long enough to drop ran the rewritten graph or said why (`_outcome`)
     assert "(method)" in method.detail and method.status == "equal", method
     assert method.accelerated or method.reasons, method
@@ -454,3 +455,16 @@ def test_forward_calls_under_inference_mode_or_autocast_equal_the_plain_model(co
         assert result.status in ("equal", "invalid") and f"under {context}" in result.detail, result
         accelerated += result.accelerated
     assert accelerated >= 1
+
+
+@pytest.mark.parametrize("context", ["inference_mode", "autocast bf16"])
+def test_plain_torch_compile_calls_under_inference_mode_or_autocast_equal_the_plain_model(context, monkeypatch):
+    from uniprefill.testing import fuzz_plain_compile
+
+    monkeypatch.setattr(fuzz_plain_compile, "_grad_free", _forced(context))
+    pool = fuzz._Pool()
+    # seeds 7 and 9: forward cases whose calls ran the rewritten graph under no_grad (most plain-door calls fill a
+    # cache and run unaccelerated by design)
+    results = [fuzz._plain_compile_case(random.Random(s), pool, s, "tiny-llama", torch.float32) for s in (7, 9)]
+    assert all(r.status in ("equal", "invalid") and f"under {context}" in r.detail for r in results), results
+    assert sum(r.accelerated for r in results) >= 1, [r.reasons for r in results]

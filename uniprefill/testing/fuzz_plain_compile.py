@@ -6,8 +6,8 @@
 A fifth of the forward calls mark their length axis dynamic first (`torch._dynamo.maybe_mark_dynamic`, the
 caller's way to avoid a recompile per length): dynamo then traces the rows as a constant.
 
-What is checked is what `_forward_case` checks, under `no_grad` only (the other contexts are drawn there): at
-p = 1 the logits equal the plain model's at every real token, and a call long enough to drop either ran the rewritten graph or says why
+What is checked is what `_forward_case` checks, under the same drawn contexts (`no_grad`, `inference_mode`, bf16
+autocast: `_grad_free`): at p = 1 the logits equal the plain model's at every real token, and a call long enough to drop either ran the rewritten graph or says why
 (`backend.last_unaccelerated`). The backend's latest report is cleared before each call, so a call that
 reached no graph of this backend (dynamo ran it uncompiled) leaves nothing and counts as unexplained.
 Under plain torch.compile a call that fills a cache (`use_cache` left at its default, and every
@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from ..unaccelerated import Kind, kind_of
-from .fuzz_cases import (MIN_TOKENS, CaseResult, _call, _compare_extras, _compare_logits, _plain_model_raised,
-                         _random_inputs)
+from .fuzz_cases import (MIN_TOKENS, CaseResult, _call, _compare_extras, _compare_logits, _grad_free,
+                         _plain_model_raised, _random_inputs)
 
 RECOMPILE_LIMIT = 64
 
@@ -94,16 +94,17 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
         kwargs, spec = call["kwargs"], call["spec"]
         if rng.random() < 0.2:  # the caller marks the length dynamic (a recompile per length avoided), not the rows
             spec["marked"] = _mark_length_dynamic(kwargs, spec["length"])
-        result.detail = f"call {step + 1} ({doors[step % len(doors)]}): {spec}"
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        context, grad_free, tolerance_dtype = _grad_free(rng, dtype)
+        result.detail = f"call {step + 1} ({doors[step % len(doors)]}) under {context}: {spec}"
+        with grad_free(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             try:
                 ref = _call(model, model, kwargs, spec["positional"])
             except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
                 return _plain_model_raised(result, exc)
             _clear_reports(compiled)
             out = _call(compiled, model, kwargs, spec["positional"])
-        bad = _compare_logits(out.logits, ref.logits, call["mask"], kwargs.get("logits_to_keep"), dtype) \
-            or _compare_extras(out, ref, kwargs, dtype)
+        bad = _compare_logits(out.logits, ref.logits, call["mask"], kwargs.get("logits_to_keep"), tolerance_dtype) \
+            or _compare_extras(out, ref, kwargs, tolerance_dtype)
         if bad:
             result.status, result.detail = "mismatch", f"{bad}; {result.detail}"
             return result
