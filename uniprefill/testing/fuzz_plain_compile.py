@@ -7,8 +7,8 @@ A fifth of the forward calls mark their length axis dynamic first (`torch._dynam
 caller's way to avoid a recompile per length): dynamo then traces the rows as a constant.
 
 What is checked is what `_forward_case` checks, under the same drawn contexts (`no_grad`, `inference_mode`, bf16
-autocast: `_grad_free`): at p = 1 the logits equal the plain model's at every real token, and a call long enough to drop either ran the rewritten graph or says why
-(`backend.last_unaccelerated`). The backend's latest report is cleared before each call, so a call that
+autocast: `_grad_free`): at p = 1 the logits equal the plain model's at every real token, and a call long enough
+to drop either ran the rewritten graph or says why (`backend.last_unaccelerated`). The backend's latest report is cleared before each call, so a call that
 reached no graph of this backend (dynamo ran it uncompiled) leaves nothing and counts as unexplained.
 Under plain torch.compile a call that fills a cache (`use_cache` left at its default, and every
 `generate`) runs unaccelerated by design, with that reason.
