@@ -31,3 +31,24 @@ def test_the_saved_traces_give_the_figures_the_docs_quote():
     assert (round(step["host_ms"], 1), round(step["device_busy_ms"], 1)) == (63.2, 21.1)
     calls, ms = {name: (n, t) for name, n, t in step["outer_ops_ms"]}["uniprefill::vllm_drop"]
     assert (calls, round(ms, 1)) == (2, 22.8)
+
+
+def test_compare_names_the_decode_kernels_that_moved_most():
+    script = ROOT / "scripts" / "gpu" / "vllm" / "profile_prefill.py"
+    spec = importlib.util.spec_from_file_location("profile_prefill", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def side(decode_kernels: dict, per_token: float) -> dict:
+        part = module.summary({name: 1e3 * ms for name, ms in decode_kernels.items()})
+        return {"prefill_wall_ms_median": 100.0, "prefill": part, "decode_part": part,
+                "decode_wall_ms_per_token": per_token}
+
+    standard = side({"flash_fwd_kernel": 10.0, "nvjet_gemm": 50.0}, 5.5)
+    ours = side({"flash_fwd_kernel": 9.0, "nvjet_gemm": 50.0, "_decode_segment_kernel": 2.0}, 5.8)
+    text = module.compare(standard, ours)
+    assert "decode wall ms per token: 5.5 -> 5.8" in text
+    moved = text.split("moved most")[1].splitlines()[1:]
+    assert "_decode_segment_kernel" in moved[0] and "0.000 ->     2.000" in moved[0]
+    assert "flash_fwd_kernel" in moved[1] and "10.000 ->     9.000" in moved[1]
+    assert "nvjet_gemm" in moved[2]  # unmoved: last

@@ -14,7 +14,8 @@ The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so torch.p
 kernels; everything else is vLLM's defaults (as `defaults_engine.py`; with uniprefill's option a prompt of up to
 32K tokens is one step, standard vLLM's `LLM` budget of 16384 splits a 32000-token prompt in two). After warm-ups on prompts of their own, it
 times `--repeats` prefills of one prompt (`--batch` prompts at once) of `--length` random token ids (median wall time), then profiles one
-prefill (`max_tokens=1`) and one prefill plus `--decode-tokens` greedy tokens. The JSON holds, for each profile,
+prefill (`max_tokens=1`) and one prefill plus `--decode-tokens` greedy tokens (`--decode-walls`: timed too, the decode's
+wall per token from the medians). The JSON holds, for each profile,
 the device time per kernel (top 40) and per kind (`KINDS`: the window kernel, flash attention, GEMMs, Inductor's
 Triton kernels, the score-and-select ops, copies, the rest), and the decode part as the difference of the two.
 `--own-process` leaves the engine in its own process, as vLLM runs it by default and the throughput grid measures
@@ -272,6 +273,8 @@ def profile(args) -> dict:
     from uniprefill.vllm.measure import token_prompts
 
     kwargs: dict = {"seed": 0, "max_model_len": args.max_model_len}
+    if args.load_format:
+        kwargs["load_format"] = args.load_format
     if args.uniprefill:
         kwargs["compilation_config"] = {"inductor_compile_config": {"uniprefill": json.loads(args.uniprefill)}}
     if args.trace_dir:
@@ -300,6 +303,11 @@ def profile(args) -> dict:
         walls = [run(f"{tag}timed{i}", prefill) for i in range(args.repeats)]
         out = {"prefill_wall_ms_median": round(1e3 * statistics.median(walls), 3),
                "prefill_wall_ms": [round(1e3 * w, 3) for w in walls]}
+        if args.decode_walls:  # prefill + decode, timed alike: the decode's wall per token, medians subtracted
+            with_decode = [run(f"{tag}dtimed{i}", decode) for i in range(args.repeats)]
+            out["prefill_decode_wall_ms"] = [round(1e3 * w, 3) for w in with_decode]
+            out["decode_wall_ms_per_token"] = round(
+                1e3 * (statistics.median(with_decode) - statistics.median(walls)) / args.decode_tokens, 4)
         if args.trace_dir:
             out["engine_process_during_timed"] = _diff(llm.collective_rpc(_worker_stats)[0], before)
             out |= traced_prefill(llm, run, prefill, args.trace_dir)
@@ -336,6 +344,13 @@ def compare(a: dict, b: dict) -> str:
         for kind in sorted(set(a[part]["by_kind_ms"]) | set(b[part]["by_kind_ms"])):
             lines.append(f"  {kind:16s} {a[part]['by_kind_ms'].get(kind, 0.0):9.3f} -> "
                          f"{b[part]['by_kind_ms'].get(kind, 0.0):9.3f}")
+    if "decode_wall_ms_per_token" in a and "decode_wall_ms_per_token" in b:
+        lines.append(f"decode wall ms per token: {a['decode_wall_ms_per_token']} -> {b['decode_wall_ms_per_token']}")
+    if "decode_part" in a and "decode_part" in b:  # the kernels whose decode time moved most (each side's top 40)
+        ka, kb = (dict(x["decode_part"]["top_kernels_ms"]) for x in (a, b))
+        moved = sorted(set(ka) | set(kb), key=lambda k: -abs(kb.get(k, 0.0) - ka.get(k, 0.0)))[:12]
+        lines.append("decode_part kernels that moved most (ms, each side's top 40; absent = 0):")
+        lines += [f"  {ka.get(k, 0.0):9.3f} -> {kb.get(k, 0.0):9.3f}  {k[:110]}" for k in moved]
     for key in ("tiled", "per_row"):  # "tiled": results of 2026-12-04, when the per-row kernel ran by default
         if key in b:
             lines.append(f"-- the same engine with the {key.replace('_', '-')} window kernel in prefill steps:")
@@ -352,6 +367,9 @@ def main(argv=None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="prompts of --length submitted at once (one generate call)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--decode-walls", action="store_true",
+                        help="also time --repeats prefills plus --decode-tokens tokens: the decode's wall per token")
+    parser.add_argument("--load-format", default=None, help="vLLM's load_format (dummy: a folder without weights)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--host", action="store_true",
                         help="also the host's side: cProfile of one prefill and one prefill+decode, and the top "
