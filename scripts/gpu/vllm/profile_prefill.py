@@ -285,14 +285,18 @@ def profile(args) -> dict:
     prefill = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     decode = SamplingParams(max_tokens=1 + args.decode_tokens, temperature=0.0, ignore_eos=True)
 
+    generated: dict[str, list] = {}  # tag -> each prompt's output token ids
+
     def run(tag: str, params) -> float:
         prompt = [{"prompt_token_ids": ids} for ids in token_prompts(args.length, args.batch, tag, vocab)]  # before the clock
         sync = (lambda: None) if args.own_process else torch.cuda.synchronize  # no CUDA in this process then
         sync()
         start = time.perf_counter()
-        llm.generate(prompt, params, use_tqdm=False)
+        outputs = llm.generate(prompt, params, use_tqdm=False)
         sync()
-        return time.perf_counter() - start
+        wall = time.perf_counter() - start
+        generated[tag] = [list(o.outputs[0].token_ids) for o in outputs]
+        return wall
 
     def measure(tag: str) -> dict:
         for i in range(3):
@@ -325,6 +329,7 @@ def profile(args) -> dict:
             profiles[label] = device_times(prof)
             out[label] = summary(profiles[label])
             out[label]["host_top_ms"] = host_times(prof)
+        out["decode_token_ids"] = generated[f"{tag}profiled-prefill+decode"]  # the same prompt in every engine
         names = set(profiles["prefill"]) | set(profiles["prefill+decode"])
         out["decode_part"] = summary({n: profiles["prefill+decode"].get(n, 0.0) - profiles["prefill"].get(n, 0.0)
                                       for n in names})
@@ -344,6 +349,9 @@ def compare(a: dict, b: dict) -> str:
         for kind in sorted(set(a[part]["by_kind_ms"]) | set(b[part]["by_kind_ms"])):
             lines.append(f"  {kind:16s} {a[part]['by_kind_ms'].get(kind, 0.0):9.3f} -> "
                          f"{b[part]['by_kind_ms'].get(kind, 0.0):9.3f}")
+    if "decode_token_ids" in a and "decode_token_ids" in b:
+        same = sum(x == y for p, q in zip(a["decode_token_ids"], b["decode_token_ids"]) for x, y in zip(p, q))
+        lines.append(f"profiled prefill + decode tokens: {same} of {sum(map(len, a['decode_token_ids']))} equal")
     if "decode_wall_ms_per_token" in a and "decode_wall_ms_per_token" in b:
         lines.append(f"decode wall ms per token: {a['decode_wall_ms_per_token']} -> {b['decode_wall_ms_per_token']}")
     if "decode_part" in a and "decode_part" in b:  # the kernels whose decode time moved most (each side's top 40)
