@@ -158,7 +158,7 @@ def fake_window_layer(name: str) -> WindowLayer:
 
 
 def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, windows: dict[int, int] | None = None,
-                       graph_decode_max_reqs: int = 0, decode_plan_fn=None) -> tuple:
+                       graph_decode_max_reqs: int = 0) -> tuple:
     """torch.compile(model) with a backend that rewrites the graph as the vLLM plugin does
     (mode 2: dynamo hands over the whole backbone once, with a symbolic token count)."""
     state = {}
@@ -174,8 +174,7 @@ def compile_with_drops(model: nn.Module, config: UniPrefillConfig, drops, window
                                   request_p_fn=lambda: getattr(WORLD.context, "request_p", None),
                                   num_prompt_tokens_fn=lambda: getattr(WORLD.context, "num_prompt_tokens", None),
                                   windows={names[i]: w for i, w in windows.items() if i > drops[0]},
-                                  window_layer_fn=fake_window_layer, graph_decode_max_reqs=graph_decode_max_reqs,
-                                  decode_plan_fn=decode_plan_fn)
+                                  window_layer_fn=fake_window_layer, graph_decode_max_reqs=graph_decode_max_reqs)
         state.update(info=info, runtime=runtime, gm=gm,
                      result=rewrite_vllm_graph(gm, info, drops, kinds, runtime))
         return gm.forward

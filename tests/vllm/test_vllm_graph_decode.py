@@ -214,58 +214,38 @@ def test_decode_steps_through_the_capture_path_match_the_reference(drops):
     assert runtime.totals.decode_graph_captures == 2 and runtime.totals.forwards == 1  # the prefill only
 
 
-@pytest.mark.parametrize("plans", ["planned", "vllm-gave-none", "no-plan-fn"])
-def test_decode_captures_plan_attention_once_per_group_and_drop_point(plans):
-    """Where vLLM's metadata carries an FA3 plan (made for its own lengths), a decode capture asks the hooks'
-    `decode_plan_fn` for one over the shorter lengths, once per KV-cache group and drop point, and every later layer
-    of that group up to the next drop point reads it; without a plan from vLLM nothing is asked, and without a plan
-    function the layers get none (FA3 plans inside each call). The kept rows the capture returns are a view of the
-    runtime's persistent row numbers (no kernel in the graph)."""
-    from fake_vllm_model import LAYERS, VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context
-
-    calls = []
-
-    def plan_fn(name, meta, lens, block_size):
-        calls.append((name, lens.clone(), block_size))
-        return torch.full((1,), len(calls))
+def test_a_decode_capture_returns_a_view_of_the_runtimes_row_numbers_and_clears_vllms_plan():
+    """The kept rows a decode capture returns are a view of the runtime's persistent row numbers, made by the eager
+    prefill (no kernel in the graph); the later layers' metadata drops vLLM's FA3 plan (made for vLLM's lengths), so
+    FA3 plans the shorter lengths inside each call."""
+    from fake_vllm_model import VOCAB, WORLD, TinyBackbone, compile_with_drops, fake_context
 
     drops = (1, 2)
     model = TinyBackbone().eval()
     config = UniPrefillConfig(keep_ratio=0.5, block_size=16, last_q=16, sink=16, min_tokens=64)
-    compiled, state = compile_with_drops(model, config, drops, graph_decode_max_reqs=4,
-                                         decode_plan_fn=None if plans == "no-plan-fn" else plan_fn)
+    compiled, state = compile_with_drops(model, config, drops, graph_decode_max_reqs=4)
     query_lens = [300, 40, 170]
     torch.manual_seed(2)
     world = WORLD.context = fake_context(query_lens)
     with torch.no_grad():
         compiled(torch.randint(0, VOCAB, (sum(query_lens),)), torch.cat([torch.arange(q) for q in query_lens]))
     runtime = state["runtime"]
+    assert runtime._static_rows is not None  # made outside any capture
     returned = []
     capture_point = runtime._graph_decode_point
     runtime._graph_decode_point = lambda *args: returned.append(capture_point(*args)) or returned[-1]
-    computed = list(query_lens)
-    WORLD.context = step(world, computed, [1] * len(query_lens))
-    vllm_seq_lens = world.attn_metadata[world.names[0]].seq_lens.clone()
+    WORLD.context = step(world, list(query_lens), [1] * len(query_lens))
     for meta in {id(m): m for m in world.attn_metadata.values()}.values():
-        meta.scheduler_metadata = None if plans == "vllm-gave-none" else torch.zeros(4)  # vLLM's plan
+        meta.scheduler_metadata = torch.zeros(4)  # vLLM's plan, for its own lengths
     world.cudagraph_runtime_mode = types.SimpleNamespace(name="FULL")
     runtime.before_step(tuple(world.request_ids))
     with torch.no_grad():
-        compiled(torch.randint(0, VOCAB, (len(query_lens),)), torch.tensor(computed))
+        compiled(torch.randint(0, VOCAB, (len(query_lens),)), torch.tensor(query_lens))
     torch._dynamo.reset()
-    assert all(rows.data_ptr() == runtime._static_rows.data_ptr() for rows in returned) and len(returned) == 2
-    after = [world.attn_metadata[name] for name in world.names[drops[0] + 1:]]
-    if plans != "planned":
-        assert calls == [] and all(meta.scheduler_metadata is None for meta in after)
-        return
-    # the first layer of each group after each drop point asks: layers 2 and 3 after drop 1 (groups 0 and 1), then
-    # layer 3 after drop 2 (group 1's one later layer; its metadata object is new for this drop point)
-    assert LAYERS == 4 and [name for name, _, _ in calls] == [world.names[2], world.names[3], world.names[3]]
-    assert {block for _, _, block in calls} == {16}
-    for name, lens, _ in (calls[0], calls[2]):  # what layers 2 (after drop 1) and 3 (after drop 2) attend over
-        assert torch.equal(world.attn_metadata[name].seq_lens, lens)
-    assert bool((calls[2][1] < vllm_seq_lens).any()) and bool((calls[2][1] <= calls[0][1]).all())
-    assert [int(world.attn_metadata[name].scheduler_metadata) for name in world.names[2:]] == [1, 3]
+    assert len(returned) == 2 and all(rows.data_ptr() == runtime._static_rows.data_ptr() for rows in returned)
+    assert all(torch.equal(rows, torch.arange(len(query_lens))) for rows in returned)
+    assert [world.attn_metadata[name].scheduler_metadata for name in world.names[drops[0] + 1:]] == [None, None]
+    assert world.attn_metadata[world.names[0]].scheduler_metadata is not None  # before the drops: vLLM's own
 
 
 def test_a_capture_is_recognised_by_the_capturing_stream_when_the_context_says_none(monkeypatch):
@@ -565,44 +545,3 @@ def test_upload_queues_the_copy_behind_the_stream_and_lands_every_value():
     torch.cuda.synchronize()
     assert torch.equal(tail[:, :5].cpu(), host.transpose(0, 1)) and tail[:, 5:].eq(-1).all()
 
-
-def test_vllm_decode_plan_asks_fa3_what_vllms_builder_asks_for_the_shorter_lengths(monkeypatch):
-    """`hooks.vllm_decode_plan` against fake vLLM modules: FA3's planner gets the arguments vLLM 0.26's
-    FlashAttention builder gives it ([read] flash_attn.py, `schedule`), with the drop's seq_lens in place of vLLM's;
-    no plan where vLLM made none, or where the layer is not plain full attention over an unquantised cache."""
-    import sys
-
-    from fake_vllm import FlashMeta
-    from uniprefill.vllm.hooks import vllm_decode_plan
-
-    asked = []
-    impl = types.SimpleNamespace(num_heads=32, num_kv_heads=8, head_size=128, kv_cache_dtype="auto",
-                                 sliding_window=(-1, -1), dcp_world_size=1)
-    kv = torch.zeros(3, 2, 16, 8, 128, dtype=torch.bfloat16)
-    layers = {"model.layers.20.self_attn.attn": types.SimpleNamespace(impl=impl, kv_cache=kv)}
-    context = types.ModuleType("vllm.forward_context")
-    context.get_forward_context = lambda: types.SimpleNamespace(no_compile_layers=layers)
-    flash = types.ModuleType("vllm.v1.attention.backends.flash_attn")
-    flash.get_scheduler_metadata = lambda **kwargs: asked.append(kwargs) or torch.ones(9, dtype=torch.int32)
-    for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "vllm.forward_context", context)
-    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.flash_attn", flash)
-    seq_lens = torch.tensor([28700, 0], dtype=torch.int32)  # a capture of 2: one request, one padding row
-    qsl = torch.tensor([0, 1, 2], dtype=torch.int32)
-    meta = FlashMeta(2, 1, qsl, 32768, seq_lens, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2),
-                     scheduler_metadata=torch.zeros(9, dtype=torch.int32))
-    meta.max_num_splits = 32
-    shorter = torch.tensor([23500, 0], dtype=torch.int32)
-    plan = vllm_decode_plan("model.layers.20.self_attn.attn", meta, shorter, 16)
-    assert torch.equal(plan, torch.ones(9, dtype=torch.int32)) and len(asked) == 1
-    (kwargs,) = asked
-    assert kwargs.pop("cache_seqlens") is shorter and kwargs.pop("cu_seqlens_q") is qsl
-    assert kwargs == dict(batch_size=2, max_seqlen_q=1, max_seqlen_k=32768, num_heads_q=32, num_heads_kv=8, headdim=128,
-                          qkv_dtype=torch.bfloat16, page_size=16, causal=True, window_size=(-1, -1), num_splits=32)
-    for change in ({"kv_cache_dtype": "fp8"}, {"sliding_window": (511, 0)}, {"dcp_world_size": 2}):
-        layers["model.layers.20.self_attn.attn"].impl = types.SimpleNamespace(**(vars(impl) | change))
-        assert vllm_decode_plan("model.layers.20.self_attn.attn", meta, shorter, 16) is None
-    meta.scheduler_metadata = None  # vLLM planned nothing (FA2, or a hybrid of windows): the attention plans itself
-    layers["model.layers.20.self_attn.attn"].impl = impl
-    assert vllm_decode_plan("model.layers.20.self_attn.attn", meta, shorter, 16) is None and len(asked) == 1

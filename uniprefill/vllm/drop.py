@@ -69,8 +69,7 @@ class VllmDropRuntime:
                  group=None, windows: dict[str, int] | None = None,
                  window_layer_fn: Callable[[str], WindowLayer] | None = None,
                  graph_decode_max_reqs: int = 0, warm_up_max_seqlen: int = 0,
-                 warm_up_fn: Callable[..., Any] | None = None, linear_layers: dict[str, int] | None = None,
-                 decode_plan_fn: Callable[..., torch.Tensor | None] | None = None) -> None:
+                 warm_up_fn: Callable[..., Any] | None = None, linear_layers: dict[str, int] | None = None) -> None:
         """layer_names: attention layer names in graph order (index = position in the list).
         drop_layers: the drop layers (indices into layer_names), in order.
         num_prompt_tokens_fn: host [R] prompt lengths of the step's requests, or None when the
@@ -96,9 +95,7 @@ class VllmDropRuntime:
             kernels' variants for prompts up to this length (`warm_up_fn`, default
             `kernels.warm_up.warm_up_score_and_select`), so that the first real steps do not.
         linear_layers: Gated DeltaNet layer name -> attention layers before it (it runs after the drop points
-            at positions below that): their metadata is rebuilt for the kept rows (`vllm.gdn_metadata`).
-        decode_plan_fn: `(layer name, vLLM's metadata, seq_lens, block size)` -> the attention's plan for a decode
-            graph's shorter seq_lens, or None (`hooks.vllm_decode_plan`; None: the attention plans itself)."""
+            at positions below that): their metadata is rebuilt for the kept rows (`vllm.gdn_metadata`)."""
         if config.policy != "cumulative":
             raise NotImplementedError(f"policy {config.policy!r}: the vLLM runtime drops cumulatively only")
         self.config = config
@@ -119,7 +116,6 @@ class VllmDropRuntime:
             raise ValueError(f"drop layers {list(self.drop_layers)}: a drop point must be a full-attention layer")
         self.max_window = max(self.windows.values(), default=0)
         self.graph_decode = None
-        self.decode_plan_fn = decode_plan_fn
         if graph_decode_max_reqs:
             self.graph_decode = DecodeTables(len(self.drop_layers), graph_decode_max_reqs, self.max_window)
         self.linear_layers = dict(linear_layers or {})

@@ -226,15 +226,13 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
             lens, new_slots = segment_metadata(meta.seq_lens, meta.block_table, slots, table[column - 1],
                                                runtime.block_size_fn(name), runtime.config.impl)
             fields = {"seq_lens": lens, "slot_mapping": new_slots}
-            # vLLM's FA3 plan is for its lengths: one for these, captured once per KV group and drop point and shared
-            # by the group's layers up to the next drop point (`runtime.decode_plan_fn`, `hooks.vllm_decode_plan`),
-            # or none, and FA3 plans inside each layer's call (one kernel more per layer: 17 on the Llama-3.1-8B
-            # shape). `env.debug_keep_fa3_plan()`, a diagnosis aid sound at p = 1 only (no request holds fewer KV
-            # entries), keeps vLLM's plan (defaults_grid `p1keepplan`)
+            # planned for vLLM's lengths: FA3 plans these itself. `env.debug_keep_fa3_plan()`, a diagnosis aid
+            # sound at p = 1 only (no request holds fewer KV entries), keeps vLLM's plan (defaults_grid `p1keepplan`).
+            # One plan per KV group and drop point for the shorter lengths, shared by the layers up to the next drop
+            # point, cut FA3's planning kernels from 17 to 4 a step on the Llama-3.1-8B shape but gave no faster
+            # decode and other bits than FA3's own plan (H100, 2026-12-07, docs/results/vllm-decode-profile-*)
             if getattr(meta, "scheduler_metadata", None) is not None and not env.debug_keep_fa3_plan():
-                plan_fn = runtime.decode_plan_fn
-                fields["scheduler_metadata"] = (None if plan_fn is None
-                                                else plan_fn(name, meta, lens, runtime.block_size_fn(name)))
+                fields["scheduler_metadata"] = None
             ours = dataclasses.replace(meta, **fields)
             object.__setattr__(ours, _VLLM_BASE, (meta, slots))
             installed[id(meta)] = ours

@@ -8,8 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 
 @dataclass(frozen=True)
 class VllmHooks:
@@ -23,8 +21,6 @@ class VllmHooks:
     tp_group_fn: Any = None  # () -> the tensor-parallel process group (block scores are summed across it)
     opted_out_fn: Any = None  # () -> host bool [R] of requests that must not drop (prompt logprobs), or None
     request_p_fn: Any = None  # () -> host float32 [R] of requests' own p (NaN: the config's), or None
-    # (layer name, vLLM's metadata, seq_lens, block size) -> the attention's plan for a decode graph's shorter seq_lens
-    decode_plan_fn: Any = None
 
     @classmethod
     def from_vllm(cls) -> "VllmHooks":
@@ -50,7 +46,7 @@ class VllmHooks:
         if GPUModelRunnerV2 is not None:
             hook.install_v2(GPUModelRunnerV2)
         return cls(get_forward_context, hook.step_request_ids, hook.num_prompt_tokens, hook.LISTENERS, vllm_window_layer,
-                   vllm_tp_group, hook.opted_out, hook.request_p, vllm_decode_plan)
+                   vllm_tp_group, hook.opted_out, hook.request_p)
 
 
 def vllm_tp_group():
@@ -84,30 +80,3 @@ def vllm_window_layer(name: str):
         raise NotImplementedError(f"{name}: a bidirectional sliding window {impl.sliding_window}")
     return WindowLayer(key_cache, value_cache, float(impl.scale), getattr(impl, "logits_soft_cap", None) or None,
                        left + 1 if left >= 0 else None)
-
-
-def vllm_decode_plan(name: str, meta, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor | None:
-    """FA3's plan (scheduler metadata) for the decode graph's layer `name` after a drop point, over its shorter
-    `seq_lens`: what vLLM's FlashAttention metadata builder computes for vLLM's own lengths ([read] vLLM 0.26's
-    flash_attn.py, `FlashAttentionMetadataBuilder.build`'s `schedule`: the same arguments, from the layer's heads,
-    head size and cache dtype and the builder's `max_num_splits` that the metadata carries). Run while vLLM captures
-    the graph, once per KV-cache group and drop point: the group's layers up to the next drop point share it, where
-    each would otherwise plan inside its own attention call. None (the attention plans itself, as it did before this
-    plan) where vLLM gave the layer no plan, or where the layer is not the plain FA3 full attention the builder
-    plans for here (a sliding window, a quantised KV cache, decode context parallelism)."""
-    if getattr(meta, "scheduler_metadata", None) is None:
-        return None
-    from vllm.forward_context import get_forward_context
-    from vllm.v1.attention.backends.flash_attn import get_scheduler_metadata  # vLLM's own import of FA3's planner
-
-    layer = get_forward_context().no_compile_layers[name]
-    impl = layer.impl
-    if (getattr(impl, "kv_cache_dtype", "auto") != "auto" or getattr(impl, "sliding_window", None) not in (None, (-1, -1))
-            or getattr(impl, "dcp_world_size", 1) != 1):
-        return None
-    kv = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
-    return get_scheduler_metadata(batch_size=seq_lens.shape[0], max_seqlen_q=meta.max_query_len,
-                                  max_seqlen_k=meta.max_seq_len, num_heads_q=impl.num_heads,
-                                  num_heads_kv=impl.num_kv_heads, headdim=impl.head_size, cache_seqlens=seq_lens,
-                                  qkv_dtype=kv.dtype, cu_seqlens_q=meta.query_start_loc, page_size=block_size,
-                                  causal=meta.causal, window_size=(-1, -1), num_splits=meta.max_num_splits)

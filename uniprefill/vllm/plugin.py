@@ -268,8 +268,7 @@ class VllmTokenDropBackend:
                                   window_layer_fn=hooks.window_layer_fn, group=group,
                                   graph_decode_max_reqs=self.graph_decode_max_reqs,
                                   warm_up_max_seqlen=self.warm_up_max_seqlen,
-                                  linear_layers={site.layer_name: site.attention_before for site in info.linear_sites},
-                                  decode_plan_fn=hooks.decode_plan_fn)
+                                  linear_layers={site.layer_name: site.attention_before for site in info.linear_sites})
         copy = copy_graph_module(gm)  # a refusal half-way must leave vLLM's graph intact
         try:
             result = rewrite_vllm_graph(copy, analyze_vllm_graph(copy), report.drop_layers, self.layer_kinds, runtime)
