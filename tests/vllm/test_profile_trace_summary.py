@@ -46,8 +46,10 @@ def test_compare_names_the_decode_kernels_that_moved_most():
 
     standard = side({"flash_fwd_kernel": 10.0, "nvjet_gemm": 50.0}, 5.5)
     ours = side({"flash_fwd_kernel": 9.0, "nvjet_gemm": 50.0, "_decode_segment_kernel": 2.0}, 5.8)
+    standard["decode_token_ids"], ours["decode_token_ids"] = [[5, 6, 7, 8]], [[5, 6, 9, 8]]
     text = module.compare(standard, ours)
     assert "decode wall ms per token: 5.5 -> 5.8" in text
+    assert "profiled prefill + decode tokens: 3 of 4 equal" in text
     moved = text.split("moved most")[1].splitlines()[1:]
     assert "_decode_segment_kernel" in moved[0] and "0.000 ->     2.000" in moved[0]
     assert "flash_fwd_kernel" in moved[1] and "10.000 ->     9.000" in moved[1]

@@ -544,4 +544,3 @@ def test_upload_queues_the_copy_behind_the_stream_and_lands_every_value():
     upload(tail[:, :5], host.transpose(0, 1))
     torch.cuda.synchronize()
     assert torch.equal(tail[:, :5].cpu(), host.transpose(0, 1)) and tail[:, 5:].eq(-1).all()
-

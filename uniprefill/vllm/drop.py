@@ -153,7 +153,8 @@ class VllmDropRuntime:
             if _capturing_full_graph(context):
                 return self._graph_decode_point(context, q, layer)
             self.graph_decode.on(q.device)  # allocated outside any capture: a zero-fill captured in a graph would replay
-            self._all_rows(q)  # the row numbers decode graphs return (`graph_decode_point`), made outside a capture too
+            if self._static_rows is None:  # the row numbers decode graphs return (`graph_decode_point`), made outside
+                self._all_rows(q)  # any capture (vLLM's profiling forward: its largest step, at least 8192 rows)
         if _piecewise_graph_step(context):
             # vLLM's mode 3 replays (or captures) the pieces after this point for the step's padded row
             # count, reading this op's output at the address it had at capture: nothing drops, the later

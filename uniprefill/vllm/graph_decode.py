@@ -229,8 +229,8 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
             # planned for vLLM's lengths: FA3 plans these itself. `env.debug_keep_fa3_plan()`, a diagnosis aid
             # sound at p = 1 only (no request holds fewer KV entries), keeps vLLM's plan (defaults_grid `p1keepplan`).
             # One plan per KV group and drop point for the shorter lengths, shared by the layers up to the next drop
-            # point, cut FA3's planning kernels from 17 to 4 a step on the Llama-3.1-8B shape but gave no faster
-            # decode and other bits than FA3's own plan (H100, 2026-12-07, docs/results/vllm-decode-profile-*)
+            # point, left 4 planning kernels a step of the 16 on the Llama-3.1-8B shape but showed no faster decode
+            # and gave other bits than FA3's own plan (H100, 2026-12-07, docs/results/vllm-decode-profile-*)
             if getattr(meta, "scheduler_metadata", None) is not None and not env.debug_keep_fa3_plan():
                 fields["scheduler_metadata"] = None
             ours = dataclasses.replace(meta, **fields)
@@ -241,4 +241,4 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
     rows = runtime._static_rows  # the runtime's persistent row numbers, made by an eager step before any capture
     if rows is not None and rows.numel() >= q.shape[0] and rows.device == q.device:
         return rows[:q.shape[0]]  # a view: no kernel in the graph
-    return torch.arange(q.shape[0], device=q.device)  # a capture runs no kernel: a tensor made here is filled at replay
+    return torch.arange(q.shape[0], device=q.device)  # recorded in the graph: one kernel at every replay

@@ -15,7 +15,9 @@ kernels; everything else is vLLM's defaults (as `defaults_engine.py`; with unipr
 32K tokens is one step, standard vLLM's `LLM` budget of 16384 splits a 32000-token prompt in two). After warm-ups on prompts of their own, it
 times `--repeats` prefills of one prompt (`--batch` prompts at once) of `--length` random token ids (median wall time), then profiles one
 prefill (`max_tokens=1`) and one prefill plus `--decode-tokens` greedy tokens (`--decode-walls`: timed too, the decode's
-wall per token from the medians). The JSON holds, for each profile,
+wall per token from the medians). Timed and profiled prefills run from an empty prefix cache, and the prefill-only and
+prefill+decode runs take the same prompts (since 2026-12-07: before, two prompts, whose p-driven drops differ, so
+run ab's decode parts carry the two prefills' difference). The JSON holds, for each profile,
 the device time per kernel (top 40) and per kind (`KINDS`: the window kernel, flash attention, GEMMs, Inductor's
 Triton kernels, the score-and-select ops, copies, the rest), and the decode part as the difference of the two.
 `--own-process` leaves the engine in its own process, as vLLM runs it by default and the throughput grid measures
@@ -298,17 +300,25 @@ def profile(args) -> dict:
         generated[tag] = [list(o.outputs[0].token_ids) for o in outputs]
         return wall
 
+    def cold(tag: str, params) -> float:
+        """`run` from an empty prefix cache: a prompt run before is prefilled again, not read from the cache. The
+        prefill-only and prefill+decode runs take the same prompts, so that their difference is the decode's alone
+        (a p-driven drop keeps another share of each prompt: over two prompts one prefill's work would count)."""
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache (a request still running?)")
+        return run(tag, params)
+
     def measure(tag: str) -> dict:
         for i in range(3):
             run(f"{tag}warm{i}", decode)
         if args.trace_dir:
             llm.collective_rpc(_worker_start_gc_timer)
             before = llm.collective_rpc(_worker_stats)[0]
-        walls = [run(f"{tag}timed{i}", prefill) for i in range(args.repeats)]
+        walls = [cold(f"{tag}timed{i}", prefill) for i in range(args.repeats)]
         out = {"prefill_wall_ms_median": round(1e3 * statistics.median(walls), 3),
                "prefill_wall_ms": [round(1e3 * w, 3) for w in walls]}
-        if args.decode_walls:  # prefill + decode, timed alike: the decode's wall per token, medians subtracted
-            with_decode = [run(f"{tag}dtimed{i}", decode) for i in range(args.repeats)]
+        if args.decode_walls:  # the same prompts plus the decode: the decode's wall per token, medians subtracted
+            with_decode = [cold(f"{tag}timed{i}", decode) for i in range(args.repeats)]
             out["prefill_decode_wall_ms"] = [round(1e3 * w, 3) for w in with_decode]
             out["decode_wall_ms_per_token"] = round(
                 1e3 * (statistics.median(with_decode) - statistics.median(walls)) / args.decode_tokens, 4)
@@ -324,12 +334,14 @@ def profile(args) -> dict:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         profiles = {}
         for label, params in (("prefill", prefill), ("prefill+decode", decode)):
+            if not llm.reset_prefix_cache():  # one prompt for both profiles (`cold`), reset outside the profile
+                raise RuntimeError("vLLM did not reset its prefix cache")
             with torch.profiler.profile(activities=activities) as prof:
-                run(f"{tag}profiled-{label}", params)
+                run(f"{tag}profiled", params)
             profiles[label] = device_times(prof)
             out[label] = summary(profiles[label])
             out[label]["host_top_ms"] = host_times(prof)
-        out["decode_token_ids"] = generated[f"{tag}profiled-prefill+decode"]  # the same prompt in every engine
+        out["decode_token_ids"] = generated[f"{tag}profiled"]  # the last run: prefill+decode; one prompt in every engine
         names = set(profiles["prefill"]) | set(profiles["prefill+decode"])
         out["decode_part"] = summary({n: profiles["prefill+decode"].get(n, 0.0) - profiles["prefill"].get(n, 0.0)
                                       for n in names})
@@ -401,6 +413,8 @@ def main(argv=None) -> int:
                         help="with --summarise-trace: print inside_summary of the operator OP instead")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("STANDARD", "OTHER"))
     args = parser.parse_args(argv)
+    if args.decode_walls and args.decode_tokens < 1:
+        parser.error("--decode-walls needs --decode-tokens >= 1")
     if args.inside and not args.summarise_trace:
         parser.error("--inside needs --summarise-trace")
     if args.summarise_trace:
