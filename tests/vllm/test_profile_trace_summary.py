@@ -8,7 +8,10 @@ points' host time. Those numbers come from `trace_summary` over the saved trace 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "vllm-gemma-profile-own-h200-2026-12-05"
@@ -54,3 +57,53 @@ def test_compare_names_the_decode_kernels_that_moved_most():
     assert "_decode_segment_kernel" in moved[0] and "0.000 ->     2.000" in moved[0]
     assert "flash_fwd_kernel" in moved[1] and "10.000 ->     9.000" in moved[1]
     assert "nvjet_gemm" in moved[2]  # unmoved: last
+
+
+def test_the_decode_is_timed_and_profiled_on_the_prompts_of_the_prefills_from_an_empty_cache(tmp_path, monkeypatch):
+    """`profile_prefill.py` against a fake `vllm.LLM` (CPU): each prefill + decode run takes the prompt of a
+    prefill-only run, and every timed or profiled run starts from an emptied prefix cache (a p-driven drop keeps
+    another share of each prompt, so two prompts would count one prefill's work against the other's; run ab)."""
+    import sys
+    import types
+
+    import torch
+
+    script = ROOT / "scripts" / "gpu" / "vllm" / "profile_prefill.py"
+    spec = importlib.util.spec_from_file_location("profile_prefill", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ns = types.SimpleNamespace
+    runs = []
+
+    class FakeLLM:
+        def __init__(self, model, tokenizer, **kwargs):
+            self.cached = set()
+            self.llm_engine = ns(model_config=ns(get_vocab_size=lambda: 5000))
+
+        def generate(self, prompts, params, use_tqdm=False):
+            for prompt in prompts:
+                ids = tuple(prompt["prompt_token_ids"])
+                runs.append((ids, params.max_tokens, ids in self.cached))
+                self.cached.add(ids)
+            return [ns(outputs=[ns(token_ids=list(range(params.max_tokens)))]) for _ in prompts]
+
+        def reset_prefix_cache(self):
+            self.cached.clear()
+            return True
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = FakeLLM, lambda **kwargs: ns(**kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    out = tmp_path / "p.json"
+    assert module.main(["--model-dir", str(tmp_path), "--out", str(out), "--length", "80", "--decode-tokens", "4",
+                        "--decode-walls", "--repeats", "2"]) == 0
+    result = json.loads(out.read_text())
+    assert result["decode_token_ids"] == [[0, 1, 2, 3, 4]] and "decode_wall_ms_per_token" in result
+    timed = runs[3:]  # after three warm-ups: 2 prefills, 2 prefill + decode, the two profiled runs
+    assert [n for _, n, _ in timed] == [1, 1, 5, 5, 1, 5]
+    assert [ids for ids, _, _ in timed[2:4]] == [ids for ids, _, _ in timed[:2]]  # the prefills' prompts again
+    assert timed[4][0] == timed[5][0] and timed[4][0] not in {ids for ids, _, _ in timed[:2]}
+    assert not any(hit for _, _, hit in timed)  # none read from the prefix cache
+    with pytest.raises(SystemExit):
+        module.main(["--model-dir", str(tmp_path), "--out", str(out), "--decode-walls", "--decode-tokens", "0"])
