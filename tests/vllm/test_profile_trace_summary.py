@@ -57,6 +57,8 @@ def test_compare_names_the_decode_kernels_that_moved_most():
     assert "_decode_segment_kernel" in moved[0] and "0.000 ->     2.000" in moved[0]
     assert "flash_fwd_kernel" in moved[1] and "10.000 ->     9.000" in moved[1]
     assert "nvjet_gemm" in moved[2]  # unmoved: last
+    ours["decode_part"]["top_kernels_ms"].append(["flash_fwd_kernel", 0.5])  # another kernel of the same cut name
+    assert "10.000 ->     9.500  flash_fwd_kernel" in module.compare(standard, ours)  # summed, not replaced
 
 
 def test_the_decode_is_timed_and_profiled_on_the_prompts_of_the_prefills_from_an_empty_cache(tmp_path, monkeypatch):

@@ -229,8 +229,8 @@ def graph_decode_point(runtime, context, q: torch.Tensor, layer: int) -> torch.T
             # planned for vLLM's lengths: FA3 plans these itself. `env.debug_keep_fa3_plan()`, a diagnosis aid
             # sound at p = 1 only (no request holds fewer KV entries), keeps vLLM's plan (defaults_grid `p1keepplan`).
             # One plan per KV group and drop point for the shorter lengths, shared by the layers up to the next drop
-            # point, left 4 planning kernels a step of the 16 on the Llama-3.1-8B shape but showed no faster decode
-            # and gave other bits than FA3's own plan (H100, 2026-12-07, docs/results/vllm-decode-profile-*)
+            # point (4 planning kernels a step instead of 16 on the Llama-3.1-8B shape), showed no faster decode and
+            # gave other bits than FA3's own plan (H100, 2026-12-07, docs/results/vllm-decode-profile-*): not done
             if getattr(meta, "scheduler_metadata", None) is not None and not env.debug_keep_fa3_plan():
                 fields["scheduler_metadata"] = None
             ours = dataclasses.replace(meta, **fields)

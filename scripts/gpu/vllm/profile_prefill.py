@@ -367,7 +367,10 @@ def compare(a: dict, b: dict) -> str:
     if "decode_wall_ms_per_token" in a and "decode_wall_ms_per_token" in b:
         lines.append(f"decode wall ms per token: {a['decode_wall_ms_per_token']} -> {b['decode_wall_ms_per_token']}")
     if "decode_part" in a and "decode_part" in b:  # the kernels whose decode time moved most (each side's top 40)
-        ka, kb = (dict(x["decode_part"]["top_kernels_ms"]) for x in (a, b))
+        ka, kb = ({} for _ in (a, b))
+        for x, into in ((a, ka), (b, kb)):  # names are cut at 160 characters: kernels that share one are summed
+            for name, ms in x["decode_part"]["top_kernels_ms"]:
+                into[name] = into.get(name, 0.0) + ms
         moved = sorted(set(ka) | set(kb), key=lambda k: -abs(kb.get(k, 0.0) - ka.get(k, 0.0)))[:12]
         lines.append("decode_part kernels that moved most (ms, each side's top 40; absent = 0):")
         lines += [f"  {ka.get(k, 0.0):9.3f} -> {kb.get(k, 0.0):9.3f}  {k[:110]}" for k in moved]
