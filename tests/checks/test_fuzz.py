@@ -468,3 +468,16 @@ def test_plain_torch_compile_calls_under_inference_mode_or_autocast_equal_the_pl
     results = [fuzz._plain_compile_case(random.Random(s), pool, s, "tiny-llama", torch.float32) for s in (7, 9)]
     assert all(r.status in ("equal", "invalid") and f"under {context}" in r.detail for r in results), results
     assert sum(r.accelerated for r in results) >= 1, [r.reasons for r in results]
+
+
+def test_router_logits_the_model_does_not_return_ask_for_no_position():
+    """transformers 5.17's GraniteMoeHybrid answers `output_router_logits=True` with no router logits (round 52 of the
+    fuzzer): such a call needs no position but the last, so the every-position case counts it invalid, not a drop
+    that should not have happened; a model that returns them keeps the check."""
+    import types
+
+    from uniprefill.testing.fuzz_every_position import ignores_router_logits
+
+    assert ignores_router_logits(types.SimpleNamespace(router_logits=None, aux_loss=0))
+    assert ignores_router_logits(types.SimpleNamespace(logits=torch.zeros(1)))
+    assert not ignores_router_logits(types.SimpleNamespace(router_logits=(torch.zeros(58, 4),)))
