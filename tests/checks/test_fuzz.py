@@ -481,3 +481,5 @@ def test_router_logits_the_model_does_not_return_ask_for_no_position():
     assert ignores_router_logits(types.SimpleNamespace(router_logits=None, aux_loss=0))
     assert ignores_router_logits(types.SimpleNamespace(logits=torch.zeros(1)))
     assert not ignores_router_logits(types.SimpleNamespace(router_logits=(torch.zeros(58, 4),)))
+    assert not ignores_router_logits(types.SimpleNamespace(router_logits=torch.zeros(58, 4)))  # one tensor
+    assert ignores_router_logits(types.SimpleNamespace(router_logits=()))

@@ -77,7 +77,8 @@ def ignores_router_logits(output) -> bool:
     """Whether a model's output carries no router logits although the call asked for them (transformers 5.17's
     GraniteMoeHybrid: no `router_logits`, `aux_loss` 0): then the call needs no position but the last, and the
     backend may drop (it saw no per-token output in the graph)."""
-    return not getattr(output, "router_logits", None)
+    logits = getattr(output, "router_logits", None)
+    return logits is None or (isinstance(logits, (tuple, list)) and len(logits) == 0)  # a tensor has no truth value
 
 
 def _embedding_grad(logits: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
