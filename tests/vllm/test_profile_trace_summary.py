@@ -109,3 +109,30 @@ def test_the_decode_is_timed_and_profiled_on_the_prompts_of_the_prefills_from_an
     assert not any(hit for _, _, hit in timed)  # none read from the prefix cache
     with pytest.raises(SystemExit):
         module.main(["--model-dir", str(tmp_path), "--out", str(out), "--decode-walls", "--decode-tokens", "0"])
+
+
+def test_decode_steps_are_periods_against_the_device_time_in_them(tmp_path):
+    """A synthetic trace: three decode steps 10 ms apart (the last one closes the second period), kernels busy 5 ms
+    of the first period (two overlapping) and 9 ms of the second (one runs past its end: clipped); a prefill step and
+    a mixed step are not decode steps."""
+    import gzip
+
+    script = ROOT / "scripts" / "gpu" / "vllm" / "profile_prefill.py"
+    spec = importlib.util.spec_from_file_location("profile_prefill", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ms = 1000.0
+    step = lambda name, t, host: {"ph": "X", "cat": "user_annotation", "name": name, "ts": t * ms, "dur": host * ms}
+    kernel = lambda t, dur: {"ph": "X", "cat": "kernel", "name": "k", "ts": t * ms, "dur": dur * ms}
+    events = [step("execute_context_1(28672)_generation_0(0)", -50, 40),
+              step("execute_context_1(8)_generation_1(1)", -5, 1),
+              step("execute_context_0(0)_generation_1(1)", 0, 1.0), step("execute_context_0(0)_generation_1(1)", 10, 2.0),
+              step("execute_context_0(0)_generation_1(1)", 20, 1.5),
+              kernel(1, 4), kernel(4, 2), kernel(11, 5), kernel(16, 6)]  # 1-6: 5 ms; 11-20 of 11-22: 9 ms
+    path = tmp_path / "t.pt.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    decode = module.trace_summary(path)["decode_steps"]
+    assert decode == {"steps": 3, "period_ms_median": 10.0, "host_ms_median": 1.5, "device_busy_ms_median": 7.0,
+                      "device_idle_share": 0.3}
+    assert module.decode_steps([e for e in events if e["cat"] == "user_annotation"][:3], []) == {}  # one decode step

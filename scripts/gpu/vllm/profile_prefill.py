@@ -27,7 +27,10 @@ what it did around the timed prefills (`collective_rpc`, which needs VLLM_ALLOW_
 function: set here, a diagnosis run) and records one more prefill with vLLM's own profiler (`profiler_config`,
 torch, no stacks) there: the caching allocator's device mallocs, frees and retries, the garbage collector's pauses,
 and the trace's step by step summary (`trace_summary`: host time of the step, the device's busy time, the CUDA
-runtime calls that wait, by name).
+runtime calls that wait, by name). With `--decode-walls` too, one prefill plus the decode is traced as well, and its
+`decode_steps` give each decode step's period against the device's busy time in it (where the server's decode gap
+after a drop would show: the engine in its own process, vLLM's asynchronous scheduling; `sync_check.py` names the
+host waits).
 """
 
 from __future__ import annotations
@@ -241,17 +244,40 @@ def trace_summary(path: Path, top: int = 25) -> dict:
         steps.append(step)
     start = min(e["ts"] for e in events)
     end = max(e["ts"] + e["dur"] for e in events)
+    decode = decode_steps([e for e in events if e.get("cat") == "user_annotation"], device)
     ranked = lambda table: [[k[:100], v[0], round(v[1], 3)] for k, v in sorted(table.items(), key=lambda kv: -kv[1][1])]
     return {"file": path.name, "events": len(events), "span_ms": round((end - start) / 1e3, 3),
             "device_busy_ms": round(_union_ms(device), 3), "device_ops": len(device),
-            "runtime_calls": ranked(runtime)[:top], "cpu_ops": ranked(ops)[:top], "annotations": steps[:200]}
+            "runtime_calls": ranked(runtime)[:top], "cpu_ops": ranked(ops)[:top], "annotations": steps[:200]} | (
+                {"decode_steps": decode} if decode else {})
 
 
-def traced_prefill(llm, run, prefill, trace_dir: Path) -> dict:
-    """One more prefill under vLLM's own profiler, in the engine's process; the new trace files summarised."""
+DECODE_STEP = re.compile(r"^execute_context_0\(0\)_generation_[1-9]")  # vLLM's annotation of a decode-only step
+
+
+def decode_steps(annotations: list[dict], device: list[tuple[float, float]]) -> dict:
+    """The decode-only steps of a trace (vLLM's `execute_context_0(0)_generation_R(R)` annotations): their period
+    (one step's start to the next's, what a token costs), the host time inside the annotation, and the device's busy
+    time within each period (kernels, copies, sets), as medians in ms; `device_idle_share` is 1 - busy / period.
+    A period longer than its device work is time the device waited for the host."""
+    starts = sorted((e["ts"], e["dur"]) for e in annotations if DECODE_STEP.match(e["name"]))
+    if len(starts) < 2:
+        return {}
+    periods, busy = [], []
+    for (t0, _), (t1, _) in zip(starts, starts[1:]):
+        periods.append((t1 - t0) / 1e3)
+        busy.append(_union_ms([(max(a, t0), min(b, t1)) for a, b in device if b > t0 and a < t1]))
+    median = lambda xs: round(statistics.median(xs), 4)
+    return {"steps": len(starts), "period_ms_median": median(periods), "host_ms_median": median([d / 1e3 for _, d in starts]),
+            "device_busy_ms_median": median(busy), "device_idle_share": round(1 - sum(busy) / sum(periods), 4)}
+
+
+def traced_prefill(llm, run, prefill, trace_dir: Path, tag: str = "traced") -> dict:
+    """One more prefill (`prefill`: the sampling parameters, a decode too where they ask for more tokens) under
+    vLLM's own profiler, in the engine's process; the new trace files summarised."""
     before = set(trace_dir.rglob("*.json*")) if trace_dir.exists() else set()
     llm.start_profile()
-    wall = run("traced", prefill)
+    wall = run(tag, prefill)
     llm.stop_profile()
     deadline = time.time() + 120  # the worker writes its trace after stop_profile returns
     files: list[Path] = []
@@ -325,6 +351,10 @@ def profile(args) -> dict:
         if args.trace_dir:
             out["engine_process_during_timed"] = _diff(llm.collective_rpc(_worker_stats)[0], before)
             out |= traced_prefill(llm, run, prefill, args.trace_dir)
+            if args.decode_walls:  # and one prefill + decode: the decode steps' periods against their device time
+                traced = traced_prefill(llm, run, decode, args.trace_dir, "traced-decode")
+                out["traced_decode_wall_ms"] = traced["traced_prefill_wall_ms"]
+                out["decode_traces"] = traced["traces"]
         if args.own_process:  # the engine core's kernels are in another process: walls only
             return out
         if args.host:  # the host's side before any torch.profiler session (CUPTI can slow later launches)
@@ -434,8 +464,8 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps(result, indent=1, default=str))
     for label, one in (("", result), ("per-row: ", result.get("per_row"))):
         if one and args.own_process:
-            print(label + json.dumps({"prefill_wall_ms_median": one["prefill_wall_ms_median"],
-                                      "prefill_wall_ms": one["prefill_wall_ms"]}))
+            print(label + json.dumps({k: one[k] for k in ("prefill_wall_ms_median", "prefill_wall_ms",
+                                                           "decode_wall_ms_per_token") if k in one}))
             if "engine_process_during_timed" in one:
                 print(json.dumps(one["engine_process_during_timed"]))
                 for t in one["traces"]:
@@ -443,6 +473,8 @@ def main(argv=None) -> int:
                     print("  runtime:", json.dumps(t.get("runtime_calls", [])[:10]))
                     for step in t.get("annotations", [])[:8]:
                         print("  step:", json.dumps(step))
+                for t in one.get("decode_traces", []):
+                    print("decode trace:", t.get("file"), json.dumps(t.get("decode_steps")))
         elif one:
             print(label + json.dumps({"prefill_wall_ms_median": one["prefill_wall_ms_median"]} | {
                 part: {"device_ms": one[part]["device_ms"], "by_kind_ms": one[part]["by_kind_ms"]}
