@@ -130,3 +130,27 @@ def test_serve_table_splits_the_first_decode_gap_from_the_later_ones(tmp_path):
     # 31 requests with gaps: first gaps first + 0.1 ms x {0..4, 6..31}, their median the 16th (r = 16)
     assert rows["standard"] == "| 8192 | 1 | standard | 7.10 | 8.60 | 5.10 | 5.20 |"
     assert rows["uniprefill"] == "| 8192 | 1 | uniprefill | 15.60 | 17.10 | 5.10 | 5.20 |"
+
+
+def test_serve_table_reads_the_gaps_by_position(tmp_path):
+    """The third table: standard's median gap at each position after the first token, and the system's over it; a
+    decode that is slower for a few steps after a drop and then recovers shows as ratios falling back to 1 (the
+    pattern of runs aa and ac). A point without standard's gaps adds no row."""
+    write_serve(tmp_path, "standard", 8192, 1, 10.0, 300.0)
+    write_serve(tmp_path, "uniprefill", 8192, 1, 9.0, 280.0)
+    for system, slow in (("standard", [1.0] * 4), ("uniprefill", [1.2, 1.1, 1.0, 1.0])):
+        path = tmp_path / f"{system}-8192-c1.json"
+        run = json.loads(path.read_text())
+        run["itls"] = [[0.004] + [0.0075 * s for s in slow] for _ in range(8)] + [[0.004, 0.0075]]  # one short request
+        path.write_text(json.dumps(run))
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "| prompt tokens | concurrency | median gap at position | 1 | 2 |\n|---|---|---|---|---|" in done.stdout
+    assert "| 8192 | 1 | standard, ms | 4.00 | 7.50 |" in done.stdout  # two positions: the short request's count
+    assert "| 8192 | 1 | uniprefill / standard | 1.000 | 1.200 |" in done.stdout
+    for path in tmp_path.glob("standard-*.json"):
+        run = json.loads(path.read_text())
+        run.pop("itls")
+        path.write_text(json.dumps(run))
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0 and "median gap at position" not in done.stdout

@@ -134,5 +134,5 @@ def test_decode_steps_are_periods_against_the_device_time_in_them(tmp_path):
         json.dump({"traceEvents": events}, f)
     decode = module.trace_summary(path)["decode_steps"]
     assert decode == {"steps": 3, "period_ms_median": 10.0, "host_ms_median": 1.5, "device_busy_ms_median": 7.0,
-                      "device_idle_share": 0.3}
+                      "device_idle_share": 0.3, "first_periods_ms": [10.0, 10.0], "first_busy_ms": [5.0, 9.0]}
     assert module.decode_steps([e for e in events if e["cat"] == "user_annotation"][:3], []) == {}  # one decode step

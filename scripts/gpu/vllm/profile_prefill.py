@@ -252,14 +252,17 @@ def trace_summary(path: Path, top: int = 25) -> dict:
                 {"decode_steps": decode} if decode else {})
 
 
+FIRST_STEPS = 16
 DECODE_STEP = re.compile(r"^execute_context_0\(0\)_generation_[1-9]")  # vLLM's annotation of a decode-only step
 
 
 def decode_steps(annotations: list[dict], device: list[tuple[float, float]]) -> dict:
     """The decode-only steps of a trace (vLLM's `execute_context_0(0)_generation_R(R)` annotations): their period
     (one step's start to the next's, what a token costs), the host time inside the annotation, and the device's busy
-    time within each period (kernels, copies, sets), as medians in ms; `device_idle_share` is 1 - busy / period.
-    A period longer than its device work is time the device waited for the host."""
+    time within each period (kernels, copies, sets), as medians in ms; `device_idle_share` is 1 - busy / period;
+    `first_periods_ms` / `first_busy_ms` the first `FIRST_STEPS` periods and busy times one by one (the serve runs
+    aa and ac found the gaps after a drop longer in the first ten or so decode steps only). A period longer than its
+    device work is time the device waited for the host; a longer busy time, slower kernels."""
     starts = sorted((e["ts"], e["dur"]) for e in annotations if DECODE_STEP.match(e["name"]))
     if len(starts) < 2:
         return {}
@@ -269,7 +272,9 @@ def decode_steps(annotations: list[dict], device: list[tuple[float, float]]) -> 
         busy.append(_union_ms([(max(a, t0), min(b, t1)) for a, b in device if b > t0 and a < t1]))
     median = lambda xs: round(statistics.median(xs), 4)
     return {"steps": len(starts), "period_ms_median": median(periods), "host_ms_median": median([d / 1e3 for _, d in starts]),
-            "device_busy_ms_median": median(busy), "device_idle_share": round(1 - sum(busy) / sum(periods), 4)}
+            "device_busy_ms_median": median(busy), "device_idle_share": round(1 - sum(busy) / sum(periods), 4),
+            "first_periods_ms": [round(x, 4) for x in periods[:FIRST_STEPS]],
+            "first_busy_ms": [round(x, 4) for x in busy[:FIRST_STEPS]]}
 
 
 def traced_prefill(llm, run, prefill, trace_dir: Path, tag: str = "traced") -> dict:

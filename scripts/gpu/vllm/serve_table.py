@@ -15,7 +15,10 @@ and a system did not (or the reverse) is an error, not a shorter table.
 
 Where the files hold each request's inter-token gaps (`itls`, from `--save-detailed`), a second table splits them:
 the median of each request's first gap after its first token, and the median and p99 of the later gaps. A drop
-that costs one step before the first decode shows in the first column only; a slower decode, in the others.
+that costs one step before the first decode shows in the first column only; a slower decode, in the others. A
+third table reads the gaps by position: per point, standard's median gap at each position after the first token,
+and each system's median there over standard's (a decode that slows down for some steps after a drop and then
+recovers shows as ratios that fall back to 1; one slower throughout, as ratios above 1 everywhere).
 """
 
 from __future__ import annotations
@@ -105,6 +108,30 @@ def gap_table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
             "| later gaps p99 ms |", "|---|---|---|---|---|---|---|", *lines]
 
 
+def position_table(runs: dict[tuple[str, int, int], dict], positions: int = 15) -> list[str]:
+    """Per point with standard's per-request gaps: standard's median gap (ms) at each position 1..K after the first
+    token, then each system's median there over standard's; K is the shortest request's gap count (at most
+    `positions`). [] where no point has gaps for standard and a system."""
+    lines, width = [], 0
+    for (system, n, c), run in sorted(runs.items(), key=lambda item: (item[0][1], item[0][2], item[0][0])):
+        base = runs.get(("standard", n, c))
+        if system == "standard" or base is None:
+            continue
+        ours, theirs = ([g for g in r.get("itls") or [] if g] for r in (run, base))
+        k = min([positions] + [len(g) for g in ours + theirs]) if ours and theirs else 0
+        if not k:
+            continue
+        median = lambda gaps, i: _quantile([g[i] * 1e3 for g in gaps], 0.5)
+        width = max(width, k)
+        lines.append(f"| {n} | {c} | standard, ms | " + " | ".join(f"{median(theirs, i):.2f}" for i in range(k)) + " |")
+        lines.append(f"| {n} | {c} | {system} / standard | "
+                     + " | ".join(f"{median(ours, i) / median(theirs, i):.3f}" for i in range(k)) + " |")
+    if not lines:
+        return []
+    return ["", "| prompt tokens | concurrency | median gap at position | " + " | ".join(str(i + 1) for i in range(width))
+            + " |", "|---|---|---|" + "---|" * width, *lines]
+
+
 def plot(runs: dict[tuple[str, int, int], dict], path: Path) -> None:
     """Two panels per concurrency: input tokens/s and the inter-token gap's p99 of every system, against prompt
     length."""
@@ -145,7 +172,7 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="also draw input tokens/s and the inter-token gap's p99 (PNG)")
     args = parser.parse_args(argv)
     runs = load(args.folder)
-    text = "\n".join(table(runs, args.folder) + gap_table(runs)) + "\n"
+    text = "\n".join(table(runs, args.folder) + gap_table(runs) + position_table(runs)) + "\n"
     sys.stdout.write(text)
     (args.folder / "serve-table.md").write_text(text)
     if args.plot:
