@@ -135,19 +135,30 @@ def test_serve_table_splits_the_first_decode_gap_from_the_later_ones(tmp_path):
 def test_serve_table_reads_the_gaps_by_position(tmp_path):
     """The third table: standard's median gap at each position after the first token, and the system's over it; a
     decode that is slower for a few steps after a drop and then recovers shows as ratios falling back to 1 (the
-    pattern of runs aa and ac). A point without standard's gaps adds no row."""
+    pattern of runs aa and ac). Each position's median is over the requests that reached it (a short request does
+    not cut the table), a true median; a second system at the point adds its row under one row of standard's. A
+    point without standard's gaps adds no row."""
     write_serve(tmp_path, "standard", 8192, 1, 10.0, 300.0)
     write_serve(tmp_path, "uniprefill", 8192, 1, 9.0, 280.0)
-    for system, slow in (("standard", [1.0] * 4), ("uniprefill", [1.2, 1.1, 1.0, 1.0])):
+    write_serve(tmp_path, "uniprefill-chunked", 8192, 1, 9.5, 290.0)
+    for system, slow in (("standard", [1.0] * 4), ("uniprefill", [1.2, 1.1, 1.0, 1.0]),
+                         ("uniprefill-chunked", [1.0, 1.0, 1.0, 1.0])):
         path = tmp_path / f"{system}-8192-c1.json"
         run = json.loads(path.read_text())
         run["itls"] = [[0.004] + [0.0075 * s for s in slow] for _ in range(8)] + [[0.004, 0.0075]]  # one short request
         path.write_text(json.dumps(run))
     done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "| prompt tokens | concurrency | median gap at position | 1 | 2 |\n|---|---|---|---|---|" in done.stdout
-    assert "| 8192 | 1 | standard, ms | 4.00 | 7.50 |" in done.stdout  # two positions: the short request's count
-    assert "| 8192 | 1 | uniprefill / standard | 1.000 | 1.200 |" in done.stdout
+    assert "| median gap at position | 1 | 2 | 3 | 4 | 5 |\n|---|---|---|---|---|---|---|---|" in done.stdout
+    assert done.stdout.count("| 8192 | 1 | standard, ms | 4.00 | 7.50 | 7.50 | 7.50 | 7.50 |") == 1
+    assert "| 8192 | 1 | uniprefill / standard | 1.000 | 1.200 | 1.100 | 1.000 | 1.000 |" in done.stdout
+    assert "| 8192 | 1 | uniprefill-chunked / standard | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 |" in done.stdout
+    path = tmp_path / "uniprefill-8192-c1.json"  # an even count: the mean of the middle two, not the upper one
+    run = json.loads(path.read_text())
+    run["itls"] = [[0.004, 0.009]] * 5 + [[0.005, 0.009]] * 5
+    path.write_text(json.dumps(run))
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    assert "| 8192 | 1 | uniprefill / standard | 1.125 | 1.200 |" in done.stdout  # (4 + 5) / 2 over 4 ms
     for path in tmp_path.glob("standard-*.json"):
         run = json.loads(path.read_text())
         run.pop("itls")

@@ -113,8 +113,8 @@ def test_the_decode_is_timed_and_profiled_on_the_prompts_of_the_prefills_from_an
 
 def test_decode_steps_are_periods_against_the_device_time_in_them(tmp_path):
     """A synthetic trace: three decode steps 10 ms apart (the last one closes the second period), kernels busy 5 ms
-    of the first period (two overlapping) and 9 ms of the second (one runs past its end: clipped); a prefill step and
-    a mixed step are not decode steps."""
+    of the first period (two overlapping) and 9 ms of the second (one runs past its end: clipped); a prefill step, a
+    mixed step and an empty step (no request: `generation_0(0)`) are not decode steps."""
     import gzip
 
     script = ROOT / "scripts" / "gpu" / "vllm" / "profile_prefill.py"
@@ -125,6 +125,7 @@ def test_decode_steps_are_periods_against_the_device_time_in_them(tmp_path):
     step = lambda name, t, host: {"ph": "X", "cat": "user_annotation", "name": name, "ts": t * ms, "dur": host * ms}
     kernel = lambda t, dur: {"ph": "X", "cat": "kernel", "name": "k", "ts": t * ms, "dur": dur * ms}
     events = [step("execute_context_1(28672)_generation_0(0)", -50, 40),
+              step("execute_context_0(0)_generation_0(0)", -8, 0.4),  # an empty step (vLLM's traces hold two)
               step("execute_context_1(8)_generation_1(1)", -5, 1),
               step("execute_context_0(0)_generation_1(1)", 0, 1.0), step("execute_context_0(0)_generation_1(1)", 10, 2.0),
               step("execute_context_0(0)_generation_1(1)", 20, 1.5),
@@ -135,4 +136,4 @@ def test_decode_steps_are_periods_against_the_device_time_in_them(tmp_path):
     decode = module.trace_summary(path)["decode_steps"]
     assert decode == {"steps": 3, "period_ms_median": 10.0, "host_ms_median": 1.5, "device_busy_ms_median": 7.0,
                       "device_idle_share": 0.3, "first_periods_ms": [10.0, 10.0], "first_busy_ms": [5.0, 9.0]}
-    assert module.decode_steps([e for e in events if e["cat"] == "user_annotation"][:3], []) == {}  # one decode step
+    assert module.decode_steps([e for e in events if e["cat"] == "user_annotation"][:4], []) == {}  # one decode step

@@ -26,10 +26,14 @@ def test_a_site_is_the_innermost_frame_of_vllm_or_uniprefill():
     frame = lambda path, line, name: traceback.FrameSummary(path, line, name)
     stack = [frame("/x/vllm/v1/worker/gpu_worker.py", 10, "execute_model"),
              frame("/x/uniprefill/vllm/drop.py", 367, "_base_layout"),
-             frame("/x/torch/_tensor.py", 5, "cpu")]
+             frame("/home/u/uniprefill/.venv/lib/site-packages/torch/_tensor.py", 5, "cpu"),  # an env under uniprefill/
+             frame("/usr/lib/python3.12/warnings.py", 109, "_showwarnmsg")]  # what reports the warning
     assert module.site_of(stack) == "uniprefill/vllm/drop.py:367 _base_layout"
-    assert module.site_of(stack[:1]) == "vllm/v1/worker/gpu_worker.py:10 execute_model"
-    assert module.site_of(stack[2:]) == "/x/torch/_tensor.py:5 cpu"  # none of theirs: the innermost frame
+    assert module.site_of(stack[:1] + stack[2:]) == "vllm/v1/worker/gpu_worker.py:10 execute_model"
+    checkout = [frame("/src/uniprefill/uniprefill/vllm/drop.py", 1, "f")]  # a checkout in a folder of that name
+    assert module.site_of(checkout) == "uniprefill/vllm/drop.py:1 f"
+    mine = frame("/x/app.py", 3, "main")
+    assert module.site_of([mine] + stack[2:]) == "/x/app.py:3 main"  # none of theirs: the innermost not torch's
 
 
 def test_syncs_are_counted_per_phase_and_the_decode_is_the_difference(tmp_path, monkeypatch):
@@ -59,7 +63,8 @@ def test_syncs_are_counted_per_phase_and_the_decode_is_the_difference(tmp_path, 
     fake.LLM, fake.SamplingParams = FakeLLM, lambda **kwargs: ns(**kwargs)
     monkeypatch.setitem(sys.modules, "vllm", fake)
     shown = []
-    monkeypatch.setattr(warnings, "showwarning", lambda message, *rest, **kw: shown.append(str(message)))
+    fake_show = lambda message, *rest, **kw: shown.append(str(message))  # noqa: E731
+    monkeypatch.setattr(warnings, "showwarning", fake_show)
     filters = warnings.filters[:]
     out = tmp_path / "sync.json"
     assert module.main(["--model-dir", str(tmp_path), "--out", str(out), "--length", "64", "--decode-tokens", "5"]) == 0
@@ -69,4 +74,4 @@ def test_syncs_are_counted_per_phase_and_the_decode_is_the_difference(tmp_path, 
     assert total("decode_only") == 15 and result["decode_syncs_per_token"] == 3.0
     assert result["decode_token_ids"] == [0, 1, 2, 3, 4, 5]
     assert shown.count("something else") == 3  # warm-up, prefill, prefill + decode
-    assert warnings.filters == filters  # restored
+    assert warnings.filters == filters and warnings.showwarning is fake_show  # restored

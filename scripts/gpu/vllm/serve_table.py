@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -109,23 +110,28 @@ def gap_table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
 
 
 def position_table(runs: dict[tuple[str, int, int], dict], positions: int = 15) -> list[str]:
-    """Per point with standard's per-request gaps: standard's median gap (ms) at each position 1..K after the first
-    token, then each system's median there over standard's; K is the shortest request's gap count (at most
-    `positions`). [] where no point has gaps for standard and a system."""
+    """Per point with standard's per-request gaps: standard's median gap (ms) at each position 1..`positions` after
+    the first token (position 1 is the first gap), then each other system's median there over standard's; each
+    position's medians over the requests that reached it (true medians: `statistics.median`). [] where no point has
+    gaps for standard and another system."""
+    def medians(run: dict) -> list[float]:
+        gaps = [g for g in run.get("itls") or [] if g]
+        longest = min(positions, max((len(g) for g in gaps), default=0))
+        return [statistics.median(g[i] * 1e3 for g in gaps if len(g) > i) for i in range(longest)]
+
     lines, width = [], 0
-    for (system, n, c), run in sorted(runs.items(), key=lambda item: (item[0][1], item[0][2], item[0][0])):
-        base = runs.get(("standard", n, c))
-        if system == "standard" or base is None:
+    for n, c in sorted({(n, c) for system, n, c in runs if system == "standard"}):
+        theirs = medians(runs[("standard", n, c)])
+        others = [(system, medians(runs[(system, n, c)])) for system in SYSTEMS[1:] if (system, n, c) in runs]
+        others = [(system, ours[:len(theirs)]) for system, ours in others if ours and theirs]
+        if not others:
             continue
-        ours, theirs = ([g for g in r.get("itls") or [] if g] for r in (run, base))
-        k = min([positions] + [len(g) for g in ours + theirs]) if ours and theirs else 0
-        if not k:
-            continue
-        median = lambda gaps, i: _quantile([g[i] * 1e3 for g in gaps], 0.5)
-        width = max(width, k)
-        lines.append(f"| {n} | {c} | standard, ms | " + " | ".join(f"{median(theirs, i):.2f}" for i in range(k)) + " |")
-        lines.append(f"| {n} | {c} | {system} / standard | "
-                     + " | ".join(f"{median(ours, i) / median(theirs, i):.3f}" for i in range(k)) + " |")
+        shown = max(len(ours) for _, ours in others)
+        width = max(width, shown)
+        lines.append(f"| {n} | {c} | standard, ms | " + " | ".join(f"{x:.2f}" for x in theirs[:shown]) + " |")
+        for system, ours in others:
+            lines.append(f"| {n} | {c} | {system} / standard | "
+                         + " | ".join(f"{a / b:.3f}" for a, b in zip(ours, theirs)) + " |")
     if not lines:
         return []
     return ["", "| prompt tokens | concurrency | median gap at position | " + " | ".join(str(i + 1) for i in range(width))

@@ -30,19 +30,25 @@ from collections import Counter
 from pathlib import Path
 
 SYNC_WARNING = "synchronizing CUDA operation"
-OWN_CODE = ("/uniprefill/", "/vllm/")  # frames that name a site (uniprefill/vllm/... is uniprefill's); not torch's
+OWN_CODE = ("/uniprefill/", "/vllm/")  # frames that name a site (uniprefill/vllm/... is uniprefill's)
+NOT_A_SITE = ("/torch/", "/warnings.py")  # torch's own frames and the warnings machinery that reports the sync
 
 
 def site_of(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost frame of vLLM or uniprefill in `stack` (outermost first), as `package/path.py:line function`;
-    the innermost frame at all when none is theirs."""
-    for frame in reversed(stack):
-        path = frame.filename.replace(os.sep, "/")
+    """The innermost frame of vLLM or uniprefill in `stack` (outermost first), as `package/path.py:line function`
+    (the path after the package folder's last occurrence, so a checkout or environment under a folder of that name
+    does not count); else the innermost frame that is not torch's or the warnings module's, else the innermost."""
+    frames = [(frame, frame.filename.replace(os.sep, "/")) for frame in reversed(stack)]
+    for frame, path in frames:
+        if any(part in path for part in NOT_A_SITE):
+            continue
         for marker in OWN_CODE:
-            if marker in path and "/warnings.py" not in path:
-                return f"{marker.strip('/')}/{path.split(marker, 1)[1]}:{frame.lineno} {frame.name}"
-    frame = stack[-1] if stack else None
-    return f"{frame.filename}:{frame.lineno} {frame.name}" if frame else "?"
+            if marker in path:
+                return f"{marker.strip('/')}/{path.rsplit(marker, 1)[1]}:{frame.lineno} {frame.name}"
+    for frame, path in frames:
+        if not any(part in path for part in NOT_A_SITE):
+            return f"{frame.filename}:{frame.lineno} {frame.name}"
+    return f"{stack[-1].filename}:{stack[-1].lineno} {stack[-1].name}" if stack else "?"
 
 
 class SyncRecorder:
@@ -51,11 +57,12 @@ class SyncRecorder:
     def __init__(self) -> None:
         self.phase = "setup"
         self.counts: dict[str, Counter] = {}
-        self._show = None
-        self._filters = None
+        self._caught = None
 
     def __enter__(self) -> SyncRecorder:
-        self._show, self._filters = warnings.showwarning, warnings.filters[:]
+        self._caught = warnings.catch_warnings()  # restores the filters and `showwarning` on exit
+        self._caught.__enter__()
+        show_other = warnings.showwarning
         warnings.simplefilter("always")  # every sync, not the first per location
 
         def show(message, category, filename, lineno, file=None, line=None):
@@ -63,14 +70,13 @@ class SyncRecorder:
                 site = site_of(traceback.extract_stack()[:-1])
                 self.counts.setdefault(self.phase, Counter())[site] += 1
             else:
-                self._show(message, category, filename, lineno, file, line)
+                show_other(message, category, filename, lineno, file, line)
 
         warnings.showwarning = show
         return self
 
     def __exit__(self, *exc) -> None:
-        warnings.showwarning = self._show
-        warnings.filters[:] = self._filters
+        self._caught.__exit__(*exc)
 
     def table(self, phase: str) -> list:
         return [[site, n] for site, n in self.counts.get(phase, Counter()).most_common()]
@@ -83,7 +89,7 @@ def decode_only(with_decode: list, prefill: list) -> list:
     return sorted(rows, key=lambda row: -row[1])
 
 
-def check(args) -> dict:
+def count_syncs(args) -> dict:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its warnings reach us
     os.environ["VLLM_GPU_SYNC_CHECK"] = "warn"
     from vllm import LLM, SamplingParams
@@ -131,7 +137,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.decode_tokens < 1:
         parser.error("--decode-tokens must be >= 1")
-    result = check(args)
+    result = count_syncs(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     for phase in ("prefill", "decode_only"):
