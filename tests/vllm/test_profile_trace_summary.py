@@ -52,6 +52,9 @@ def test_compare_names_the_decode_kernels_that_moved_most():
     standard["decode_token_ids"], ours["decode_token_ids"] = [[5, 6, 7, 8]], [[5, 6, 9, 8]]
     text = module.compare(standard, ours)
     assert "decode wall ms per token: 5.5 -> 5.8" in text
+    assert "first" not in text.split("moved most")[0]  # no early-token walls recorded: no such line
+    standard["decode_wall_ms_per_token_first"], ours["decode_wall_ms_per_token_first"] = 5.6, 6.1
+    assert "decode wall ms per token, first: 5.6 -> 6.1" in module.compare(standard, ours)
     assert "profiled prefill + decode tokens: 3 of 4 equal" in text
     moved = text.split("moved most")[1].splitlines()[1:]
     assert "_decode_segment_kernel" in moved[0] and "0.000 ->     2.000" in moved[0]
@@ -109,6 +112,18 @@ def test_the_decode_is_timed_and_profiled_on_the_prompts_of_the_prefills_from_an
     assert not any(hit for _, _, hit in timed)  # none read from the prefix cache
     with pytest.raises(SystemExit):
         module.main(["--model-dir", str(tmp_path), "--out", str(out), "--decode-walls", "--decode-tokens", "0"])
+
+    runs.clear()  # --early-tokens: the same prompts once more with only the first K tokens
+    assert module.main(["--model-dir", str(tmp_path), "--out", str(out), "--length", "80", "--decode-tokens", "4",
+                        "--decode-walls", "--early-tokens", "1", "--repeats", "2"]) == 0
+    result = json.loads(out.read_text())
+    timed = runs[3:9]
+    assert [n for _, n, _ in timed] == [1, 1, 5, 5, 2, 2] and not any(hit for _, _, hit in timed)
+    assert len({ids for ids, _, _ in timed}) == 2  # the two prefills' prompts, three times each
+    assert {"decode_wall_ms_per_token_first", "decode_wall_ms_per_token_after_first"} <= set(result)
+    for bad in (["--early-tokens", "4"], ["--early-tokens", "0", "--early-tokens", "-1"]):  # K < decode tokens, K > 0
+        with pytest.raises(SystemExit):
+            module.main(["--model-dir", str(tmp_path), "--out", str(out), "--decode-walls", "--decode-tokens", "4", *bad])
 
 
 def test_decode_steps_are_periods_against_the_device_time_in_them(tmp_path):

@@ -15,7 +15,8 @@ kernels; everything else is vLLM's defaults (as `defaults_engine.py`; with unipr
 32K tokens is one step, standard vLLM's `LLM` budget of 16384 splits a 32000-token prompt in two). After warm-ups on prompts of their own, it
 times `--repeats` prefills of one prompt (`--batch` prompts at once) of `--length` random token ids (median wall time), then profiles one
 prefill (`max_tokens=1`) and one prefill plus `--decode-tokens` greedy tokens (`--decode-walls`: timed too, the decode's
-wall per token from the medians). Timed and profiled prefills run from an empty prefix cache, and the prefill-only and
+wall per token from the medians; `--early-tokens K`: the same prompts with K tokens too, so the first K decode steps
+after the prefill get a wall per token of their own). Timed and profiled prefills run from an empty prefix cache, and the prefill-only and
 prefill+decode runs take the same prompts (since 2026-12-07: before, two prompts, whose p-driven drops differ, so
 run ab's decode parts carry the two prefills' difference). The JSON holds, for each profile,
 the device time per kernel (top 40) and per kind (`KINDS`: the window kernel, flash attention, GEMMs, Inductor's
@@ -353,6 +354,15 @@ def profile(args) -> dict:
             out["prefill_decode_wall_ms"] = [round(1e3 * w, 3) for w in with_decode]
             out["decode_wall_ms_per_token"] = round(
                 1e3 * (statistics.median(with_decode) - statistics.median(walls)) / args.decode_tokens, 4)
+            if args.early_tokens:  # the same prompts once more with only the first K tokens: those steps apart
+                k = args.early_tokens
+                early = SamplingParams(max_tokens=1 + k, temperature=0.0, ignore_eos=True)
+                with_early = [cold(f"{tag}timed{i}", early) for i in range(args.repeats)]
+                out["prefill_early_wall_ms"] = [round(1e3 * w, 3) for w in with_early]
+                out["decode_wall_ms_per_token_first"] = round(
+                    1e3 * (statistics.median(with_early) - statistics.median(walls)) / k, 4)
+                out["decode_wall_ms_per_token_after_first"] = round(
+                    1e3 * (statistics.median(with_decode) - statistics.median(with_early)) / (args.decode_tokens - k), 4)
         if args.trace_dir:
             out["engine_process_during_timed"] = _diff(llm.collective_rpc(_worker_stats)[0], before)
             out |= traced_prefill(llm, run, prefill, args.trace_dir)
@@ -401,6 +411,9 @@ def compare(a: dict, b: dict) -> str:
         lines.append(f"profiled prefill + decode tokens: {same} of {sum(map(len, a['decode_token_ids']))} equal")
     if "decode_wall_ms_per_token" in a and "decode_wall_ms_per_token" in b:
         lines.append(f"decode wall ms per token: {a['decode_wall_ms_per_token']} -> {b['decode_wall_ms_per_token']}")
+    for key in ("decode_wall_ms_per_token_first", "decode_wall_ms_per_token_after_first"):
+        if key in a and key in b:
+            lines.append(f"{key.replace('_', ' ').replace('ms per token', 'ms per token,')}: {a[key]} -> {b[key]}")
     if "decode_part" in a and "decode_part" in b:  # the kernels whose decode time moved most (each side's top 40)
         ka, kb = ({} for _ in (a, b))
         for x, into in ((a, ka), (b, kb)):  # names are cut at 160 characters: kernels that share one are summed
@@ -427,6 +440,10 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--decode-walls", action="store_true",
                         help="also time --repeats prefills plus --decode-tokens tokens: the decode's wall per token")
+    parser.add_argument("--early-tokens", type=int, default=0, metavar="K",
+                        help="with --decode-walls: also time the same prompts with only K tokens, so the first K decode "
+                             "steps after the prefill and the later ones get a wall per token each (the serve runs "
+                             "aa / ac found the gaps after a drop longer in the first steps)")
     parser.add_argument("--load-format", default=None, help="vLLM's load_format (dummy: a folder without weights)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--host", action="store_true",
@@ -453,6 +470,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.decode_walls and args.decode_tokens < 1:
         parser.error("--decode-walls needs --decode-tokens >= 1")
+    if args.early_tokens and not (args.decode_walls and 0 < args.early_tokens < args.decode_tokens):
+        parser.error("--early-tokens K needs --decode-walls and 0 < K < --decode-tokens")
     if args.inside and not args.summarise_trace:
         parser.error("--inside needs --summarise-trace")
     if args.summarise_trace:
@@ -470,7 +489,8 @@ def main(argv=None) -> int:
     for label, one in (("", result), ("per-row: ", result.get("per_row"))):
         if one and args.own_process:
             print(label + json.dumps({k: one[k] for k in ("prefill_wall_ms_median", "prefill_wall_ms",
-                                                           "decode_wall_ms_per_token") if k in one}))
+                                                           "decode_wall_ms_per_token", "decode_wall_ms_per_token_first",
+                                                           "decode_wall_ms_per_token_after_first") if k in one}))
             if "engine_process_during_timed" in one:
                 print(json.dumps(one["engine_process_during_timed"]))
                 for t in one["traces"]:
