@@ -215,6 +215,33 @@ def test_bf16_logits_of_a_batch_prefilled_row_by_row_count_as_a_tie_only_where_t
     assert fuzz._rows_alone_tie(model, fast, out + 0.5, ref, mask, kwargs, torch.bfloat16) is None
 
 
+def test_an_fp32_model_under_bf16_autocast_ties_the_same_way_with_its_rows_run_under_autocast_too():
+    """Round 55's one mismatch (case 1087004261240): tiny Qwen3-Next in fp32 under bf16 autocast, a left-padded batch
+    of two rows that the compiled model prefills row by row. Its logits equal the plain model's rows run one at a
+    time under the same autocast, bit for bit; the plain model's batched logits part from both by 0.031 (bf16's
+    tolerance 0.03): rounding, a tie. The fuzzer checked that only for bf16 models; the rows alone must run under
+    the call's context, since without autocast they are fp32 and equal neither."""
+    import uniprefill
+
+    from uniprefill.testing.fuzz_cases import _autocast_bf16_no_grad
+
+    model = fuzz.build_model("qwen3-next-6", torch.float32)
+    fast = uniprefill.compile(model, uniprefill.UniPrefillConfig(p=1.0, drop_layers=fuzz._first_full_layers(model),
+                                                                 **fuzz.SETTINGS))
+    ids = torch.randint(3, model.config.vocab_size, (2, 127), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :17], mask[1, :8] = 0, 0
+    kwargs = dict(input_ids=ids, attention_mask=mask)
+    with _autocast_bf16_no_grad():
+        ref, out = model(**kwargs).logits, fast(**kwargs).logits
+    assert fast.row_histories is not None
+    assert fuzz._compare_logits(out, ref, mask, None, torch.bfloat16) is not None  # the plain batch disagrees
+    assert "rounding" in fuzz._rows_alone_tie(model, fast, out, ref, mask, kwargs, torch.bfloat16,
+                                              _autocast_bf16_no_grad)
+    assert fuzz._rows_alone_tie(model, fast, out, ref, mask, kwargs, torch.bfloat16) is None  # rows alone in fp32
+    assert fuzz._rows_alone_tie(model, fast, out, ref, mask, kwargs, torch.float32, _autocast_bf16_no_grad) is None
+
+
 class _Scripted(random.Random):
     """A Random whose choice / randint / random calls return the given answers in order."""
 

@@ -242,7 +242,7 @@ def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
         out, ref = out_all.logits, ref_all.logits
         bad = _compare_logits(out, ref, call["mask"], kwargs.get("logits_to_keep"), tolerance_dtype) \
             or _compare_extras(out_all, ref_all, kwargs, tolerance_dtype)
-        tie = _rows_alone_tie(model, fast, out, ref, call["mask"], kwargs, dtype) if bad else None
+        tie = _rows_alone_tie(model, fast, out, ref, call["mask"], kwargs, tolerance_dtype, grad_free) if bad else None
         if tie:
             result.status, result.detail = "tie", f"{bad}; {tie}; {result.detail}"
             return result
@@ -265,16 +265,18 @@ def _forward_case(rng, pool, case, arch, dtype) -> CaseResult:
     return result
 
 
-def _rows_alone_tie(model, fast, out, ref, mask, kwargs, dtype) -> str | None:
-    """Where the compiled model prefilled a bf16 batch row by row (a batch that fills a cache) and its logits part
-    from the plain model's batched ones: the plain model run the same way, each row alone with its pads stripped,
-    is the plain model's other answer. When it parts from the plain batch by more than the tolerance too, and the
-    compiled logits equal it, rounding is the difference (the "tie" of `_tie_at_divergence`, for logits): the gap."""
+def _rows_alone_tie(model, fast, out, ref, mask, kwargs, dtype, grad_free=torch.no_grad) -> str | None:
+    """Where the compiled model prefilled a batch row by row (a batch that fills a cache) in bf16 arithmetic (`dtype`
+    the tolerance's: a bf16 model, or an fp32 one under bf16 autocast) and its logits part from the plain model's
+    batched ones: the plain model run the same way, each row alone with its pads stripped, under the call's context
+    `grad_free` (autocast included), is the plain model's other answer. When it parts from the plain batch by more
+    than the tolerance too, and the compiled logits equal it, rounding is the difference (the "tie" of
+    `_tie_at_divergence`, for logits): the gap."""
     from ..runtime.batched import prefill_rows
 
     if dtype is not torch.bfloat16 or fast.row_histories is None:
         return None
-    with torch.no_grad():
+    with grad_free():
         alone, _ = prefill_rows(model, lambda _ids, **step: type(model).forward(model, **step), lambda: None,
                                 kwargs.get("input_ids"), kwargs)
     keep = kwargs.get("logits_to_keep")
