@@ -60,6 +60,12 @@ def test_serve_table_pairs_points_and_refuses_a_lonely_one(tmp_path):
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 8192")]
     assert [row.split(" | ")[2] for row in rows] == ["uniprefill", "uniprefill-chunked"]
     assert "**1.25x**" in rows[1] and "9.0 -> 9.0" in rows[1] and "150.0 -> 125.0" in rows[1]  # the gap's p99
+    write_serve(tmp_path, "standard-onestep", 8192, 4, 10.0, 320.0)  # standard with the one-step budget: first
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path)], capture_output=True, text=True)
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 8192")]
+    assert [row.split(" | ")[2] for row in rows] == ["standard-onestep", "uniprefill", "uniprefill-chunked"]
+    assert "**1.00x**" in rows[0] and "300.0 -> 320.0" in rows[0]
+    (tmp_path / "standard-onestep-8192-c4.json").unlink()
     pytest.importorskip("matplotlib")
     done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path), "--plot", str(tmp_path / "s.png")],
                           capture_output=True, text=True)

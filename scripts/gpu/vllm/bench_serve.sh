@@ -11,7 +11,8 @@
 # test tokenizer spends 5.4 characters per token, and vLLM rejects a prompt over 5 x max_model_len characters. One server per system serves every point (about two minutes to start with the compile).
 # POINTS="16384:4 28672:16" runs those (length:concurrency) points instead of the LENGTHS x CONCURRENCIES grid.
 # SYSTEMS="standard" or "uniprefill" runs one side only (one call each on the box, whose calls stop at 600 s);
-# "uniprefill-chunked" is uniprefill with vLLM's own step budget (serve_lib.sh). A point whose result file OUT_DIR
+# "uniprefill-chunked" is uniprefill with vLLM's own step budget, "standard-onestep" standard vLLM with the budget a
+# dropping server raises it to (serve_lib.sh). A point whose result file OUT_DIR
 # already holds is kept, so a call cut at 600 s is continued by the same command in the next call (the box keeps
 # /tmp between back-to-back calls; each call starts its server again, about 150 s). The table is made from
 # whatever results OUT_DIR holds.
@@ -19,6 +20,10 @@
 # (vLLM's /collective_rpc, VLLM_SERVER_DEV_MODE=1), whence the table's retention.
 # --save-detailed keeps each request's inter-token gaps (`itls`), whence serve_table.py's second table: the first
 # gap after the first token against the later ones (a one-time step after a drop, or a slower decode throughout).
+# CLOCKS=1: nvidia-smi samples the GPU's SM and memory clocks, power, utilisation and temperature every 10 ms
+# during each point (SYSTEM-L-cC.clocks.csv, gzipped after the point) beside SYSTEM-L-cC.clock0.json (the host's
+# wall clock and the monotonic clock the client stamps requests with, read together), whence serve_clocks.py
+# places the samples in each request's prefill and gaps.
 set -uo pipefail
 OUT="${1:?usage: bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]}"
 LENGTHS="${2:-8192,16384,28672}"
@@ -52,6 +57,14 @@ for system in ${SYSTEMS:-standard uniprefill}; do
     fi
     start=$(date +%s)
     [[ "$system" == uniprefill* ]] && before=$(serve_drop_totals)
+    sampler=""
+    if [[ "${CLOCKS:-0}" == 1 ]]; then
+      python3 -c "import json, time; print(json.dumps({'wall': time.time(), 'monotonic': time.perf_counter(),
+'utc_offset_s': time.localtime().tm_gmtoff}))" > "$OUT/$system-$length-c$concurrency.clock0.json"
+      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
+        --format=csv,noheader,nounits -lms 10 > "$OUT/$system-$length-c$concurrency.clocks.csv" 2>&1 &
+      sampler=$!
+    fi
     timeout 600 "${VLLM_CLI[@]}" bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \
       --dataset-name random --random-input-len "$length" --random-output-len 16 --ignore-eos \
       --num-prompts "$NUM_PROMPTS" --max-concurrency "$concurrency" --seed "$(( length * 100 + concurrency ))" \
@@ -59,6 +72,10 @@ for system in ${SYSTEMS:-standard uniprefill}; do
       --save-result --save-detailed --result-dir "$OUT" --result-filename "$system-$length-c$concurrency.json" \
       > "$OUT/$system-$length-c$concurrency.log" 2>&1
     echo "$system $length c$concurrency: exit $? in $(( $(date +%s) - start )) s"
+    if [[ -n "$sampler" ]]; then
+      kill "$sampler"; wait "$sampler" 2> /dev/null
+      gzip -f "$OUT/$system-$length-c$concurrency.clocks.csv"
+    fi
     [[ "$system" == uniprefill* ]] && printf '{"before": %s, "after": %s}\n' "$before" "$(serve_drop_totals)" \
       > "$OUT/$system-$length-c$concurrency.totals"  # serve_table.py's retention column
   done 3< <(grid_points)

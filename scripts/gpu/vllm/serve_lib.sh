@@ -3,7 +3,9 @@
 # (dummy weights, max_model_len 32768) on 127.0.0.1:8000, on vLLM's defaults plus, for a system named
 # uniprefill*, the one option `-cc {"inductor_compile_config": {"uniprefill": SETTINGS}}` (the system
 # uniprefill-chunked adds "vllm_one_step_prefill": false: vLLM's own step budget, long prompts drop in their
-# last chunk).
+# last chunk). The system standard-onestep is standard vLLM given the step budget a dropping server raises vLLM's
+# to (prefill_budget.one_step_budget at max_model_len 32768 and vLLM 0.26's max_num_seqs 1024 for `vllm serve` on
+# an H100 / H200: 33,791, as the uniprefill server logs) and nothing else: the budget's effect apart from the drop's.
 #   serve_start SYSTEM LOG   (sets SERVER_PID; returns once /health answers; non-zero, the server stopped,
 #                             if it died or did not answer within 300 s, or if port 8000 was taken already)
 #   serve_stop               (also on the sourcing script's exit)
@@ -45,6 +47,8 @@ system_settings() {  # SYSTEM: the uniprefill settings it runs with
 serve_start() {
   local system="$1" log="$2" extra=() start
   [[ "$system" == uniprefill* ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $(system_settings "$system")}}")
+  [[ "$system" == standard-onestep ]] && extra=(--max-num-batched-tokens "$(python3 -P -c \
+    "from uniprefill.vllm.prefill_budget import one_step_budget; print(one_step_budget(32768, 1024))")")
   if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2> /dev/null; then
     echo "$system: something already answers on 127.0.0.1:8000; not starting a second server"
     return 1

@@ -1,6 +1,6 @@
 """The side-by-side table of `bench_serve.sh`: each uniprefill system against standard vLLM per prompt length and
 client concurrency, from the `--save-result` files of `vllm bench serve` (`SYSTEM-L-cC.json` in one folder;
-SYSTEM is standard, uniprefill or uniprefill-chunked).
+SYSTEM is standard, standard-onestep, uniprefill or uniprefill-chunked: serve_lib.sh).
 
     python3 scripts/gpu/vllm/serve_table.py OUT_DIR [--plot serve.png]
 
@@ -30,13 +30,13 @@ import statistics
 import sys
 from pathlib import Path
 
-SYSTEMS = ("standard", "uniprefill", "uniprefill-chunked")
+SYSTEMS = ("standard", "standard-onestep", "uniprefill", "uniprefill-chunked")  # each later one against standard
 
 
 def load(folder: Path) -> dict[tuple[str, int, int], dict]:
     runs = {}
     for path in folder.glob("*.json"):
-        match = re.fullmatch(r"(standard|uniprefill|uniprefill-chunked)-(\d+)-c(\d+)\.json", path.name)
+        match = re.fullmatch(rf"({'|'.join(SYSTEMS)})-(\d+)-c(\d+)\.json", path.name)
         if match:
             runs[match.group(1), int(match.group(2)), int(match.group(3))] = json.loads(path.read_text())
     return runs
@@ -63,7 +63,7 @@ def table(runs: dict[tuple[str, int, int], dict], folder: Path | None = None) ->
     points = sorted({(n, c) for _, n, c in runs})
     systems = [s for s in SYSTEMS[1:] if any(key[0] == s for key in runs)]
     if not points or not systems:
-        raise SystemExit("no standard-L-cC.json with uniprefill-L-cC.json / uniprefill-chunked-L-cC.json files")
+        raise SystemExit(f"no standard-L-cC.json beside a file of {' / '.join(SYSTEMS[1:])}")
     missing = [(s, n, c) for n, c in points for s in ("standard", *systems) if (s, n, c) not in runs]
     if missing:
         raise SystemExit(f"points missing (a failed server or client?): {missing}")
