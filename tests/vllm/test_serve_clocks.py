@@ -9,6 +9,8 @@ import sys
 from datetime import datetime, timedelta
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm" / "serve_clocks.py"
 
 
@@ -62,6 +64,21 @@ def test_samples_land_in_their_request_intervals_at_any_utc_offset(tmp_path):
         "| 28672 | 1 | uniprefill | power W | 300 | 500 | 500 | 300 | - |",
         "| 28672 | 1 | uniprefill | samples | 100 | 8 | 8 | 8 | 0 |"]
     assert (tmp_path / "clocks-table.md").read_text() == done.stdout
+    done = subprocess.run([sys.executable, "-P", str(SCRIPT), str(tmp_path), "--positions", "1", "--dip-below", "1600"],
+                          capture_output=True, text=True)
+    dips = [line for line in done.stdout.splitlines() if line.startswith("| 28672") and " MHz " not in line
+            and "samples" not in line and "power" not in line]
+    # uniprefill's low clock: gaps 1-2, 505-575 ms after each start (samples at xx.905 s); standard has none
+    assert dips == ["| 28672 | 1 | standard | 500 | - | 0 of 2 |", "| 28672 | 1 | uniprefill | 500 | 505 - 575 | 2 of 2 |"]
+    module = load_script()
+    found = dict((key, (run, samples)) for key, run, samples in module.points(tmp_path)[0])
+    series = module.around_first_token(*found["uniprefill", 28672, 1], before_ms=20, after_ms=90, bin_ms=40)
+    assert [(b, clock, n) for b, clock, _, n in series] == [(-40.0, 1980, 4), (0.0, 1500, 8), (40.0, 1500, 8), (80.0, 1980, 2)]
+    pytest.importorskip("matplotlib")
+    done = subprocess.run([sys.executable, "-P", str(SCRIPT), str(tmp_path), "--plot", str(tmp_path / "c.png")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_failed_request_and_a_folder_without_samples(tmp_path):

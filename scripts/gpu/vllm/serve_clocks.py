@@ -13,6 +13,11 @@ count. A slowdown of the first decode steps after a long prefill that comes from
 step at full power) shows as a lower clock at those positions; one that comes from the host or the work does not.
 
 Prints Markdown and writes OUT_DIR/clocks-table.md; a point without samples is left out and named on stderr.
+`--dip-below MHZ` adds where in each request the SM clock fell below MHZ (from half a second after its start to
+150 ms after its first token): the median first and last such sample from the request's start, beside its time to
+the first token, which tells a dip tied to the prefill's start from one tied to its end.
+`--plot PNG` draws the samples against time from each request's first token (median per 10 ms over the requests):
+SM clock and power per system and point, where the clock's fall and rise around the end of the prefill show.
 """
 
 from __future__ import annotations
@@ -74,8 +79,26 @@ def by_position(run: dict, samples: list[tuple[float, float, float]], positions:
     return found
 
 
-def table(folder: Path, positions: int = 15) -> list[str]:
-    rows, missing = [], []
+def around_first_token(run: dict, samples: list[tuple[float, float, float]], before_ms: float = 1200.0,
+                       after_ms: float = 150.0, bin_ms: float = 10.0) -> list[tuple[float, float, float, int]]:
+    """(bin start ms from the first token, median SM clock, median power, samples) per `bin_ms` bin from
+    -`before_ms` to `after_ms`, over every request's first token; bins without samples are left out."""
+    bins: dict[int, list[tuple[float, float]]] = {}
+    times = [t for t, _, _ in samples]
+    for start, ttft in zip(run.get("start_times") or [], run.get("ttfts") or []):
+        if not ttft:
+            continue
+        first = start + ttft
+        for i in range(bisect.bisect_left(times, first - before_ms / 1e3), bisect.bisect_left(times, first + after_ms / 1e3)):
+            bins.setdefault(int((samples[i][0] - first) * 1e3 // bin_ms), []).append(samples[i][1:])
+    return [(k * bin_ms, statistics.median(x[0] for x in v), statistics.median(x[1] for x in v), len(v))
+            for k, v in sorted(bins.items())]
+
+
+def points(folder: Path) -> tuple[list[tuple[tuple[str, int, int], dict, list]], list[str]]:
+    """((system, length, concurrency), the point's result, its samples) per point with samples, and the points
+    without."""
+    found, missing = [], []
     for path in sorted(folder.glob("*.json")):
         match = POINT.fullmatch(path.name)
         if not match:
@@ -86,14 +109,65 @@ def table(folder: Path, positions: int = 15) -> list[str]:
         if csv is None or not clock0.exists():
             missing.append(stem)
             continue
-        found = by_position(json.loads(path.read_text()), read_samples(csv, json.loads(clock0.read_text())), positions)
-        system, n, c = match.group(1), int(match.group(2)), int(match.group(3))
+        key = (match.group(1), int(match.group(2)), int(match.group(3)))
+        found.append((key, json.loads(path.read_text()), read_samples(csv, json.loads(clock0.read_text()))))
+    return found, missing
+
+
+def dip_table(folder: Path, below_mhz: float) -> list[str]:
+    """Per point: TTFT p50, and the median first / last sample under `below_mhz` from each request's start."""
+    lines = []
+    for (system, n, c), run, samples in points(folder)[0]:
+        first, last = [], []
+        for start, ttft in zip(run.get("start_times") or [], run.get("ttfts") or []):
+            low = [t - start for t, clock, _ in samples if start + 0.5 <= t <= start + ttft + 0.15 and clock < below_mhz]
+            if ttft and low:
+                first.append(low[0] * 1e3)
+                last.append(low[-1] * 1e3)
+        ttfts = [t * 1e3 for t in run.get("ttfts") or [] if t]
+        stretch = f"{statistics.median(first):.0f} - {statistics.median(last):.0f}" if first else "-"
+        lines.append(f"| {n} | {c} | {system} | {statistics.median(ttfts):.0f} | {stretch} | {len(first)} of {len(ttfts)} |")
+    return ["", f"| prompt tokens | concurrency | system | TTFT p50 ms | SM clock under {below_mhz:.0f} MHz, ms from the "
+            "request's start (medians of first - last sample) | requests with such samples |",
+            "|---|---|---|---|---|---|", *lines]
+
+
+def plot(folder: Path, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found, _ = points(folder)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for (system, n, c), run, samples in found:
+        series = around_first_token(run, samples)
+        label = f"{system} {n} x {c}"
+        top.plot([b for b, *_ in series], [x for _, x, _, _ in series], label=label, lw=1.2)
+        bottom.plot([b for b, *_ in series], [w for _, _, w, _ in series], label=label, lw=1.2)
+    for ax in (top, bottom):
+        ax.axvline(0, color="black", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+    top.set_ylabel("SM clock, MHz (median)")
+    bottom.set_ylabel("power, W (median)")
+    bottom.set_xlabel("ms from each request's first token (the prefill ends just before it; the decode after)")
+    top.set_title(f"{folder.name}: nvidia-smi every 10 ms around the end of each prefill")
+    top.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def table(folder: Path, positions: int = 15) -> list[str]:
+    rows = []
+    found, missing = points(folder)
+    for (system, n, c), run, samples in found:
+        found_at = by_position(run, samples, positions)
         for name, index, fmt in (("SM clock MHz", 0, "{:.0f}"), ("power W", 1, "{:.0f}")):
-            cells = [fmt.format(statistics.median(s[index] for s in found[k])) if found[k] else "-"
+            cells = [fmt.format(statistics.median(s[index] for s in found_at[k])) if found_at[k] else "-"
                      for k in range(positions + 1)]
             rows.append(((n, c, system, index), f"| {n} | {c} | {system} | {name} | " + " | ".join(cells) + " |"))
         rows.append(((n, c, system, 2), f"| {n} | {c} | {system} | samples | "
-                     + " | ".join(str(len(found[k])) for k in range(positions + 1)) + " |"))
+                     + " | ".join(str(len(found_at[k])) for k in range(positions + 1)) + " |"))
     if missing:
         print(f"no clock samples for: {', '.join(missing)}", file=sys.stderr)
     if not rows:
@@ -107,13 +181,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--positions", type=int, default=15, help="gaps after the first token shown (default 15)")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw the clock and power around the first token")
+    parser.add_argument("--dip-below", type=float, default=None, metavar="MHZ",
+                        help="also where in each request the SM clock fell below MHZ")
     args = parser.parse_args(argv)
     lines = table(args.folder, args.positions)
     if not lines:
         raise SystemExit(f"no point in {args.folder} has clock samples (bench_serve.sh with CLOCKS=1)")
+    if args.dip_below is not None:
+        lines += dip_table(args.folder, args.dip_below)
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     (args.folder / "clocks-table.md").write_text(text)
+    if args.plot:
+        plot(args.folder, args.plot)
     return 0
 
 
