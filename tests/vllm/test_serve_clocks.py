@@ -88,3 +88,27 @@ def test_a_failed_request_and_a_folder_without_samples(tmp_path):
     (tmp_path / "standard-8192-c1.json").write_text("{}")
     done = subprocess.run([sys.executable, "-P", str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
     assert done.returncode != 0 and "CLOCKS=1" in done.stderr
+
+
+def test_a_header_names_the_columns_and_the_power_cap_share_is_read(tmp_path):
+    """nvidia-smi's CSV with a header (bench_serve.sh's CLOCKS=1): the columns found by name, whatever their order,
+    and the clock event reasons' SW power cap bit (0x4) counted per position; '[N/A]' reasons keep the sample."""
+    write_point(tmp_path, "uniprefill-8192-c1", 0, {1}, gzipped=False)
+    path = tmp_path / "uniprefill-8192-c1.clocks.csv"
+    rows = []
+    for line in path.read_text().splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if fields[1]:  # a sample: power first, the reasons 0x4 where the clock is low, one '[N/A]'
+            reasons = "0x0000000000000004" if fields[1] == "1500" else "0x0000000000000000"
+            reasons = "[N/A]" if len(rows) == 10 else reasons
+            rows.append(f"{fields[0]}, {fields[3]}, {fields[1]}, {reasons}")
+    path.write_text("timestamp, power.draw [W], clocks.current.sm [MHz], clocks_event_reasons.active\n"
+                    + "\n".join(rows) + "\n")
+    done = subprocess.run([sys.executable, "-P", str(SCRIPT), str(tmp_path), "--positions", "3"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| 8192")]
+    assert lines == ["| 8192 | 1 | uniprefill | SM clock MHz | 1980 | 1500 | 1980 | 1980 |",
+                     "| 8192 | 1 | uniprefill | power W | 300 | 500 | 300 | 300 |",
+                     "| 8192 | 1 | uniprefill | share under SW power cap | 0.00 | 1.00 | 0.00 | 0.00 |",
+                     "| 8192 | 1 | uniprefill | samples | 100 | 8 | 8 | 8 |"]

@@ -12,7 +12,8 @@
 # POINTS="16384:4 28672:16" runs those (length:concurrency) points instead of the LENGTHS x CONCURRENCIES grid.
 # SYSTEMS="standard" or "uniprefill" runs one side only (one call each on the box, whose calls stop at 600 s);
 # "uniprefill-chunked" is uniprefill with vLLM's own step budget, "standard-onestep" standard vLLM with the budget a
-# dropping server raises it to (serve_lib.sh). A point whose result file OUT_DIR
+# dropping server raises it to, "standard-onestep-split" / "uniprefill-split" those with a compiled range ending
+# at vLLM's budget (serve_lib.sh's system_args). A point whose result file OUT_DIR
 # already holds is kept, so a call cut at 600 s is continued by the same command in the next call (the box keeps
 # /tmp between back-to-back calls; each call starts its server again, about 150 s). The table is made from
 # whatever results OUT_DIR holds.
@@ -20,8 +21,9 @@
 # (vLLM's /collective_rpc, VLLM_SERVER_DEV_MODE=1), whence the table's retention.
 # --save-detailed keeps each request's inter-token gaps (`itls`), whence serve_table.py's second table: the first
 # gap after the first token against the later ones (a one-time step after a drop, or a slower decode throughout).
-# CLOCKS=1: nvidia-smi samples the GPU's SM and memory clocks, power, utilisation and temperature every 10 ms
-# during each point (SYSTEM-L-cC.clocks.csv, gzipped after the point) beside SYSTEM-L-cC.clock0.json (the host's
+# CLOCKS=1: nvidia-smi samples the GPU's SM and memory clocks, power, utilisation, temperature and (where the
+# driver has them) the clock event reasons every 10 ms during each point (SYSTEM-L-cC.clocks.csv with a header,
+# gzipped after the point) beside SYSTEM-L-cC.clock0.json (the host's
 # wall clock and the monotonic clock the client stamps requests with, read together), whence serve_clocks.py
 # places the samples in each request's prefill and gaps.
 set -uo pipefail
@@ -44,6 +46,16 @@ grid_points() {  # one "LENGTH CONCURRENCY" line per point
   for length in ${LENGTHS//,/ }; do for concurrency in ${CONCURRENCIES//,/ }; do echo "$length $concurrency"; done; done
 }
 grid_points > /dev/null || exit 2
+clock_fields() {  # nvidia-smi's fields for CLOCKS=1: the basic ones, and the clock event reasons and instant power
+  # where this driver knows them (an unknown field stops nvidia-smi; older drivers name the reasons "throttle")
+  local fields="timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu" extra
+  for extra in clocks_event_reasons.active,clocks_throttle_reasons.active power.draw.instant; do
+    for name in ${extra//,/ }; do
+      if nvidia-smi --query-gpu="$name" --format=csv,noheader > /dev/null 2>&1; then fields+=",$name"; break; fi
+    done
+  done
+  echo "$fields"
+}
 for system in ${SYSTEMS:-standard uniprefill}; do
   todo=0
   while read -r length concurrency; do
@@ -61,8 +73,8 @@ for system in ${SYSTEMS:-standard uniprefill}; do
     if [[ "${CLOCKS:-0}" == 1 ]]; then
       python3 -c "import json, time; print(json.dumps({'wall': time.time(), 'monotonic': time.perf_counter(),
 'utc_offset_s': time.localtime().tm_gmtoff}))" > "$OUT/$system-$length-c$concurrency.clock0.json"
-      nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
-        --format=csv,noheader,nounits -lms 10 > "$OUT/$system-$length-c$concurrency.clocks.csv" 2>&1 &
+      nvidia-smi --query-gpu="$(clock_fields)" --format=csv,nounits -lms 10 \
+        > "$OUT/$system-$length-c$concurrency.clocks.csv" 2>&1 &
       sampler=$!
     fi
     timeout 600 "${VLLM_CLI[@]}" bench serve --backend vllm --base-url http://127.0.0.1:8000 --model "$SERVE_MODEL" \

@@ -4,13 +4,15 @@
 
 For each point file `SYSTEM-L-cC.json` (`vllm bench serve --save-detailed`: each request's start on the client's
 monotonic clock, its time to the first token and its inter-token gaps) beside `SYSTEM-L-cC.clocks.csv[.gz]`
-(nvidia-smi's samples every 10 ms: wall-clock timestamp, SM clock MHz, memory clock MHz, power W, utilisation %,
-temperature C) and `SYSTEM-L-cC.clock0.json` (the host's wall clock and monotonic clock read together, and the
-host's offset from UTC, which nvidia-smi's local timestamps need): every sample is placed on the monotonic clock
-and counted in the interval of the request it falls in, the prefill (start to first token) or gap k (token k to
-token k + 1). Per point and system, the median SM clock and power over the samples in each interval, with their
-count. A slowdown of the first decode steps after a long prefill that comes from the card (a lower clock after a
-step at full power) shows as a lower clock at those positions; one that comes from the host or the work does not.
+(nvidia-smi's samples every 10 ms: wall-clock timestamp, SM clock MHz, memory clock MHz, power W, ..., with a
+header naming the columns) and `SYSTEM-L-cC.clock0.json` (the host's wall clock and monotonic clock read together,
+and the host's offset from UTC, which nvidia-smi's local timestamps need): every sample is placed on the monotonic
+clock and counted in the interval of the request it falls in, the prefill (start to first token) or gap k (token k
+to token k + 1). Per point and system, the median SM clock and power over the samples in each interval, with their
+count, and where the CSV holds nvidia-smi's clock event reasons (`clocks_event_reasons.active`, a bit mask), the
+share of samples whose clock the software power cap was holding down. A slowdown of the first decode steps after
+a long prefill that comes from the card shows as a lower clock at those positions; one that comes from the host or
+the work does not.
 
 Prints Markdown and writes OUT_DIR/clocks-table.md; a point without samples is left out and named on stderr.
 `--dip-below MHZ` adds where in each request the SM clock fell below MHZ (from half a second after its start to
@@ -26,6 +28,7 @@ import argparse
 import bisect
 import gzip
 import json
+import math
 import re
 import statistics
 import sys
@@ -35,22 +38,45 @@ from pathlib import Path
 POINT = re.compile(r"(.+)-(\d+)-c(\d+)\.json")
 
 
-def read_samples(csv_path: Path, clock0: dict) -> list[tuple[float, float, float]]:
-    """(monotonic seconds, SM clock MHz, power W) per sample; lines nvidia-smi wrote otherwise (an error, a
-    '[N/A]') are skipped."""
+SW_POWER_CAP = 0x4  # NVML's clock event reason "SW power scaling algorithm is reducing the clocks"
+
+
+def _columns(header: list[str]) -> dict[str, int]:
+    """Column index of the SM clock, power and clock event reasons in nvidia-smi's CSV header (names with units)."""
+    names = [h.split("[")[0].strip() for h in header]
+    where = {"sm": names.index("clocks.current.sm") if "clocks.current.sm" in names else 1,
+             "power": names.index("power.draw") if "power.draw" in names else 3}
+    reasons = [i for i, name in enumerate(names) if name.endswith("reasons.active")]
+    if reasons:
+        where["reasons"] = reasons[0]
+    return where
+
+
+def read_samples(csv_path: Path, clock0: dict) -> list[tuple[float, float, float, float]]:
+    """(monotonic seconds, SM clock MHz, power W, SW power cap 1.0 / 0.0 or nan where not sampled) per sample,
+    the columns found by the CSV's header where it has one (else timestamp, SM clock, memory clock, power);
+    lines nvidia-smi wrote otherwise (an error, a '[N/A]') are skipped."""
     opener = gzip.open if csv_path.suffix == ".gz" else open
     shift = clock0["monotonic"] - clock0["wall"] - clock0["utc_offset_s"]  # local-as-UTC epoch -> monotonic
-    samples = []
+    samples, where = [], {"sm": 1, "power": 3}
     with opener(csv_path, "rt") as lines:
         for line in lines:
             fields = [f.strip() for f in line.split(",")]
-            if len(fields) < 4:
+            if fields[0] == "timestamp":
+                where = _columns(fields)
+                continue
+            if len(fields) <= max(where.values()):
                 continue
             try:
                 stamp = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=timezone.utc).timestamp()
-                samples.append((stamp + shift, float(fields[1]), float(fields[3])))
+                sample = (stamp + shift, float(fields[where["sm"]]), float(fields[where["power"]]))
             except ValueError:
                 continue
+            try:
+                capped = float(bool(int(fields[where["reasons"]], 16) & SW_POWER_CAP))
+            except (KeyError, ValueError):  # not sampled, or '[N/A]'
+                capped = math.nan
+            samples.append((*sample, capped))
     return samples
 
 
@@ -68,23 +94,24 @@ def intervals(run: dict, positions: int) -> list[tuple[float, float, int]]:
     return spans
 
 
-def by_position(run: dict, samples: list[tuple[float, float, float]], positions: int = 15) -> list[list[tuple]]:
-    """Per position 0..`positions`: the (SM clock, power) of the samples inside that position's intervals."""
+def by_position(run: dict, samples: list[tuple], positions: int = 15) -> list[list[tuple]]:
+    """Per position 0..`positions`: the (SM clock, power, SW power cap) of the samples inside that position's
+    intervals."""
     found: list[list[tuple]] = [[] for _ in range(positions + 1)]
     spans = sorted(intervals(run, positions))
-    times = [t for t, _, _ in samples]
+    times = [sample[0] for sample in samples]
     for start, end, k in spans:
         for i in range(bisect.bisect_left(times, start), bisect.bisect_left(times, end)):
             found[k].append(samples[i][1:])
     return found
 
 
-def around_first_token(run: dict, samples: list[tuple[float, float, float]], before_ms: float = 1200.0,
+def around_first_token(run: dict, samples: list[tuple], before_ms: float = 1200.0,
                        after_ms: float = 150.0, bin_ms: float = 10.0) -> list[tuple[float, float, float, int]]:
     """(bin start ms from the first token, median SM clock, median power, samples) per `bin_ms` bin from
     -`before_ms` to `after_ms`, over every request's first token; bins without samples are left out."""
     bins: dict[int, list[tuple[float, float]]] = {}
-    times = [t for t, _, _ in samples]
+    times = [sample[0] for sample in samples]
     for start, ttft in zip(run.get("start_times") or [], run.get("ttfts") or []):
         if not ttft:
             continue
@@ -120,7 +147,7 @@ def dip_table(folder: Path, below_mhz: float) -> list[str]:
     for (system, n, c), run, samples in points(folder)[0]:
         first, last = [], []
         for start, ttft in zip(run.get("start_times") or [], run.get("ttfts") or []):
-            low = [t - start for t, clock, _ in samples if start + 0.5 <= t <= start + ttft + 0.15 and clock < below_mhz]
+            low = [t - start for t, clock, *_ in samples if start + 0.5 <= t <= start + ttft + 0.15 and clock < below_mhz]
             if ttft and low:
                 first.append(low[0] * 1e3)
                 last.append(low[-1] * 1e3)
@@ -166,7 +193,12 @@ def table(folder: Path, positions: int = 15) -> list[str]:
             cells = [fmt.format(statistics.median(s[index] for s in found_at[k])) if found_at[k] else "-"
                      for k in range(positions + 1)]
             rows.append(((n, c, system, index), f"| {n} | {c} | {system} | {name} | " + " | ".join(cells) + " |"))
-        rows.append(((n, c, system, 2), f"| {n} | {c} | {system} | samples | "
+        if any(not math.isnan(sample[3]) for sample in samples):  # the clock event reasons were sampled
+            read = [[x[2] for x in found_at[k] if not math.isnan(x[2])] for k in range(positions + 1)]
+            cells = [f"{statistics.mean(shares):.2f}" if shares else "-" for shares in read]
+            rows.append(((n, c, system, 2), f"| {n} | {c} | {system} | share under SW power cap | "
+                         + " | ".join(cells) + " |"))
+        rows.append(((n, c, system, 3), f"| {n} | {c} | {system} | samples | "
                      + " | ".join(str(len(found_at[k])) for k in range(positions + 1)) + " |"))
     if missing:
         print(f"no clock samples for: {', '.join(missing)}", file=sys.stderr)

@@ -6,12 +6,16 @@
 # last chunk). The system standard-onestep is standard vLLM given the step budget a dropping server raises vLLM's
 # to (prefill_budget.one_step_budget at max_model_len 32768 and vLLM 0.26's max_num_seqs 1024 for `vllm serve` on
 # an H100 / H200: 33,791, as the uniprefill server logs) and nothing else: the budget's effect apart from the drop's.
+# A system named *-split (standard-onestep-split, uniprefill-split) also ends a compiled range at 8192, vLLM's
+# default budget for `vllm serve` (compilation_config.compile_ranges_endpoints): steps up to 8,192 tokens, the
+# decodes among them, then run code compiled for standard's range (1, 8192) instead of (1, 33791).
 #   serve_start SYSTEM LOG   (sets SERVER_PID; returns once /health answers; non-zero, the server stopped,
 #                             if it died or did not answer within 300 s, or if port 8000 was taken already)
 #   serve_stop               (also on the sourcing script's exit)
 #   serve_model              (writes the model folder)
 #   serve_setup              (the box's environment, uniprefill refreshed from this tree, the model folder)
 #   serve_drop_totals        (uniprefill's drop totals of the running server, JSON, on stdout)
+#   system_args SYSTEM       (the arguments SYSTEM adds to `vllm serve`, one a line; an unknown SYSTEM fails)
 # Sources env.sh (VLLM_CLI). `vllm serve` needs the server wheels (box_install_server.sh).
 # VLLM_SERVER_DEV_MODE=1 opens vLLM's /collective_rpc (the drop totals by name after a run).
 SERVE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -44,11 +48,27 @@ system_settings() {  # SYSTEM: the uniprefill settings it runs with
   fi
 }
 
+system_args() {  # SYSTEM: the arguments `vllm serve` gets beyond the shared ones, one a line
+  local system="$1" cc=""
+  case "$system" in
+    standard|standard-onestep|standard-onestep-split|uniprefill|uniprefill-split|uniprefill-chunked) ;;
+    *) echo "unknown system '$system'" >&2; return 1 ;;
+  esac
+  [[ "$system" == uniprefill* ]] && cc="\"inductor_compile_config\": {\"uniprefill\": $(system_settings "$system")}"
+  if [[ "$system" == standard-onestep* ]]; then
+    echo --max-num-batched-tokens
+    python3 -P -c "from uniprefill.vllm.prefill_budget import one_step_budget; print(one_step_budget(32768, 1024))" \
+      || return 1
+  fi
+  [[ "$system" == *-split ]] && cc="${cc:+$cc, }\"compile_ranges_endpoints\": [8192]"
+  if [[ -n "$cc" ]]; then echo -cc; echo "{$cc}"; fi
+}
+
 serve_start() {
   local system="$1" log="$2" extra=() start
-  [[ "$system" == uniprefill* ]] && extra=(-cc "{\"inductor_compile_config\": {\"uniprefill\": $(system_settings "$system")}}")
-  [[ "$system" == standard-onestep ]] && extra=(--max-num-batched-tokens "$(python3 -P -c \
-    "from uniprefill.vllm.prefill_budget import one_step_budget; print(one_step_budget(32768, 1024))")")
+  local args
+  args="$(system_args "$system")" || return 1
+  [[ -n "$args" ]] && mapfile -t extra <<< "$args"
   if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2> /dev/null; then
     echo "$system: something already answers on 127.0.0.1:8000; not starting a second server"
     return 1

@@ -1,6 +1,6 @@
 """The side-by-side table of `bench_serve.sh`: each uniprefill system against standard vLLM per prompt length and
 client concurrency, from the `--save-result` files of `vllm bench serve` (`SYSTEM-L-cC.json` in one folder;
-SYSTEM is standard, standard-onestep, uniprefill or uniprefill-chunked: serve_lib.sh).
+SYSTEM one of SYSTEMS below: serve_lib.sh).
 
     python3 scripts/gpu/vllm/serve_table.py OUT_DIR [--plot serve.png]
 
@@ -30,7 +30,8 @@ import statistics
 import sys
 from pathlib import Path
 
-SYSTEMS = ("standard", "standard-onestep", "uniprefill", "uniprefill-chunked")  # each later one against standard
+SYSTEMS = ("standard", "standard-onestep", "standard-onestep-split", "uniprefill", "uniprefill-split",
+           "uniprefill-chunked")  # each later one against standard (serve_lib.sh)
 
 
 def load(folder: Path) -> dict[tuple[str, int, int], dict]:
