@@ -159,6 +159,13 @@ def test_serve_table_reads_the_gaps_by_position(tmp_path):
     assert done.stdout.count("| 8192 | 1 | standard, ms | 4.00 | 7.50 | 7.50 | 7.50 | 7.50 |") == 1
     assert "| 8192 | 1 | uniprefill / standard | 1.000 | 1.200 | 1.100 | 1.000 | 1.000 |" in done.stdout
     assert "| 8192 | 1 | uniprefill-chunked / standard | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 |" in done.stdout
+    done = subprocess.run([sys.executable, "-P", str(SERVE_TABLE), str(tmp_path), "--position-baseline",
+                           "uniprefill-chunked"], capture_output=True, text=True)  # over another system's gaps too
+    assert done.returncode == 0, done.stderr
+    assert "| 8192 | 1 | uniprefill-chunked, ms | 4.00 | 7.50 | 7.50 | 7.50 | 7.50 |" in done.stdout
+    assert "| 8192 | 1 | uniprefill / uniprefill-chunked | 1.000 | 1.200 | 1.100 | 1.000 | 1.000 |" in done.stdout
+    assert "| 8192 | 1 | standard / uniprefill-chunked | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 |" in done.stdout
+    assert "| 8192 | 1 | uniprefill / standard | 1.000 | 1.200 |" in done.stdout  # the standard table stays
     path = tmp_path / "uniprefill-8192-c1.json"  # an even count: the mean of the middle two, not the upper one
     run = json.loads(path.read_text())
     run["itls"] = [[0.004, 0.009]] * 5 + [[0.005, 0.009]] * 5

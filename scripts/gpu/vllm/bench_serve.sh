@@ -24,8 +24,8 @@
 # CLOCKS=1: nvidia-smi samples the GPU's SM and memory clocks, power, utilisation, temperature and (where the
 # driver has them) the clock event reasons every 10 ms during each point (SYSTEM-L-cC.clocks.csv with a header,
 # gzipped after the point) beside SYSTEM-L-cC.clock0.json (the host's
-# wall clock and the monotonic clock the client stamps requests with, read together), whence serve_clocks.py
-# places the samples in each request's prefill and gaps.
+# wall clock and the monotonic clock the client stamps requests with, read together; clock1.json again after the
+# point), whence serve_clocks.py places the driver's readings (refreshed about every 100 ms) in each request.
 set -uo pipefail
 OUT="${1:?usage: bench_serve.sh OUT_DIR [LENGTHS] [CONCURRENCIES] [NUM_PROMPTS]}"
 LENGTHS="${2:-8192,16384,28672}"
@@ -34,6 +34,8 @@ NUM_PROMPTS="${4:-32}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 mkdir -p "$OUT"
 source "$ROOT/scripts/gpu/vllm/serve_lib.sh"  # env.sh, SERVE_MODEL, serve_*
+sampler=""
+trap 'serve_stop; [[ -n "$sampler" ]] && kill "$sampler" 2> /dev/null' EXIT  # CLOCKS=1's nvidia-smi too
 serve_setup
 echo "$SETTINGS" > "$OUT/settings.json"
 grid_points() {  # one "LENGTH CONCURRENCY" line per point
@@ -46,6 +48,10 @@ grid_points() {  # one "LENGTH CONCURRENCY" line per point
   for length in ${LENGTHS//,/ }; do for concurrency in ${CONCURRENCIES//,/ }; do echo "$length $concurrency"; done; done
 }
 grid_points > /dev/null || exit 2
+clock_pair() {  # the host's wall clock and the monotonic one `vllm bench serve` stamps requests with, read together
+  python3 -c "import json, time; print(json.dumps({'wall': time.time(), 'monotonic': time.perf_counter(),
+'utc_offset_s': time.localtime().tm_gmtoff}))"
+}
 clock_fields() {  # nvidia-smi's fields for CLOCKS=1: the basic ones, and the clock event reasons and instant power
   # where this driver knows them (an unknown field stops nvidia-smi; older drivers name the reasons "throttle")
   local fields="timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu" extra
@@ -71,8 +77,7 @@ for system in ${SYSTEMS:-standard uniprefill}; do
     [[ "$system" == uniprefill* ]] && before=$(serve_drop_totals)
     sampler=""
     if [[ "${CLOCKS:-0}" == 1 ]]; then
-      python3 -c "import json, time; print(json.dumps({'wall': time.time(), 'monotonic': time.perf_counter(),
-'utc_offset_s': time.localtime().tm_gmtoff}))" > "$OUT/$system-$length-c$concurrency.clock0.json"
+      clock_pair > "$OUT/$system-$length-c$concurrency.clock0.json"
       nvidia-smi --query-gpu="$(clock_fields)" --format=csv,nounits -lms 10 \
         > "$OUT/$system-$length-c$concurrency.clocks.csv" 2>&1 &
       sampler=$!
@@ -85,7 +90,8 @@ for system in ${SYSTEMS:-standard uniprefill}; do
       > "$OUT/$system-$length-c$concurrency.log" 2>&1
     echo "$system $length c$concurrency: exit $? in $(( $(date +%s) - start )) s"
     if [[ -n "$sampler" ]]; then
-      kill "$sampler"; wait "$sampler" 2> /dev/null
+      kill "$sampler"; wait "$sampler" 2> /dev/null; sampler=""
+      clock_pair > "$OUT/$system-$length-c$concurrency.clock1.json"  # serve_clocks.py warns if they drifted
       gzip -f "$OUT/$system-$length-c$concurrency.clocks.csv"
     fi
     [[ "$system" == uniprefill* ]] && printf '{"before": %s, "after": %s}\n' "$before" "$(serve_drop_totals)" \
@@ -93,4 +99,6 @@ for system in ${SYSTEMS:-standard uniprefill}; do
   done 3< <(grid_points)
   serve_stop
 done
-python3 -P "$ROOT/scripts/gpu/vllm/serve_table.py" "$OUT"
+python3 -P "$ROOT/scripts/gpu/vllm/serve_table.py" "$OUT"; status=$?
+if [[ "${CLOCKS:-0}" == 1 ]]; then python3 -P "$ROOT/scripts/gpu/vllm/serve_clocks.py" "$OUT" || status=$?; fi
+exit "$status"

@@ -1,25 +1,33 @@
 """The GPU's clocks and power in each request's prefill and decode gaps, from a `bench_serve.sh` run with CLOCKS=1.
 
-    python3 scripts/gpu/vllm/serve_clocks.py OUT_DIR
+    python3 scripts/gpu/vllm/serve_clocks.py OUT_DIR [--dip-below MHZ] [--plot PNG]
 
 For each point file `SYSTEM-L-cC.json` (`vllm bench serve --save-detailed`: each request's start on the client's
 monotonic clock, its time to the first token and its inter-token gaps) beside `SYSTEM-L-cC.clocks.csv[.gz]`
-(nvidia-smi's samples every 10 ms: wall-clock timestamp, SM clock MHz, memory clock MHz, power W, ..., with a
-header naming the columns) and `SYSTEM-L-cC.clock0.json` (the host's wall clock and monotonic clock read together,
-and the host's offset from UTC, which nvidia-smi's local timestamps need): every sample is placed on the monotonic
-clock and counted in the interval of the request it falls in, the prefill (start to first token) or gap k (token k
-to token k + 1). Per point and system, the median SM clock and power over the samples in each interval, with their
-count, and where the CSV holds nvidia-smi's clock event reasons (`clocks_event_reasons.active`, a bit mask), the
-share of samples whose clock the software power cap was holding down. A slowdown of the first decode steps after
-a long prefill that comes from the card shows as a lower clock at those positions; one that comes from the host or
-the work does not.
+(nvidia-smi polled every 10 ms: wall-clock timestamp, SM clock MHz, memory clock MHz, power W, ..., with a header
+naming the columns) and `SYSTEM-L-cC.clock0.json` (the host's wall clock and monotonic clock read together, and the
+host's offset from UTC, which nvidia-smi's local timestamps need; `.clock1.json`, read after the point, checks the
+two clocks did not drift apart).
+
+**Readings, not polls.** The driver refreshes these values about every 100 ms (measured on the H200 of run ad:
+the polls repeat a reading nine times in ten), so only a poll whose values differ from the one before counts: a
+fresh reading, stamped when it first appears (within 10 ms of the refresh). `--every-poll` counts every poll, as
+the first tables of run ad did. A reading stands for about 100 ms: it cannot place a change inside one decode
+gap (about 6 ms), only inside a stretch of them.
+
+Per point and system: the median SM clock and power over the readings in the prefill (start to first token) and
+in each group of `--group` gaps (gap k: token k to token k + 1), with their count, and where the CSV holds
+nvidia-smi's clock event reasons (`clocks_event_reasons.active`, a bit mask), the share of readings whose clock the
+software power cap was holding down.
+`--dip-below MHZ` adds where in each request the SM clock read below MHZ (from half the request's time to its first
+token to 150 ms after it, at most its end): the median first and last such reading from the request's start,
+beside its time to the first token, which tells a dip tied to the prefill's start from one tied to its end; and the
+median gap after the first whose latest reading (before the gap's middle) is under MHZ, against the others': whether
+the gaps under a low clock are longer.
+`--plot PNG` draws the readings against time from each request's first token (median per 20 ms over the requests,
+each request's readings up to its end): SM clock and power per system and point.
 
 Prints Markdown and writes OUT_DIR/clocks-table.md; a point without samples is left out and named on stderr.
-`--dip-below MHZ` adds where in each request the SM clock fell below MHZ (from half a second after its start to
-150 ms after its first token): the median first and last such sample from the request's start, beside its time to
-the first token, which tells a dip tied to the prefill's start from one tied to its end.
-`--plot PNG` draws the samples against time from each request's first token (median per 10 ms over the requests):
-SM clock and power per system and point, where the clock's fall and rise around the end of the prefill show.
 """
 
 from __future__ import annotations
@@ -36,9 +44,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 POINT = re.compile(r"(.+)-(\d+)-c(\d+)\.json")
-
-
 SW_POWER_CAP = 0x4  # NVML's clock event reason "SW power scaling algorithm is reducing the clocks"
+DRIFT_WARN_S = 0.005
 
 
 def _columns(header: list[str]) -> dict[str, int]:
@@ -52,13 +59,14 @@ def _columns(header: list[str]) -> dict[str, int]:
     return where
 
 
-def read_samples(csv_path: Path, clock0: dict) -> list[tuple[float, float, float, float]]:
-    """(monotonic seconds, SM clock MHz, power W, SW power cap 1.0 / 0.0 or nan where not sampled) per sample,
-    the columns found by the CSV's header where it has one (else timestamp, SM clock, memory clock, power);
-    lines nvidia-smi wrote otherwise (an error, a '[N/A]') are skipped."""
+def read_samples(csv_path: Path, clock0: dict, every_poll: bool = False) -> list[tuple[float, float, float, float]]:
+    """(monotonic seconds, SM clock MHz, power W, SW power cap 1.0 / 0.0 or nan where not sampled) per fresh
+    reading (every poll with `every_poll`), in time order; the columns found by the CSV's header where it has one
+    (else timestamp, SM clock, memory clock, power); lines nvidia-smi wrote otherwise (an error, a '[N/A]') are
+    skipped."""
     opener = gzip.open if csv_path.suffix == ".gz" else open
     shift = clock0["monotonic"] - clock0["wall"] - clock0["utc_offset_s"]  # local-as-UTC epoch -> monotonic
-    samples, where = [], {"sm": 1, "power": 3}
+    samples, where, previous = [], {"sm": 1, "power": 3}, None
     with opener(csv_path, "rt") as lines:
         for line in lines:
             fields = [f.strip() for f in line.split(",")]
@@ -72,23 +80,30 @@ def read_samples(csv_path: Path, clock0: dict) -> list[tuple[float, float, float
                 sample = (stamp + shift, float(fields[where["sm"]]), float(fields[where["power"]]))
             except ValueError:
                 continue
+            if not every_poll and fields[1:] == previous:
+                continue  # the driver's last reading again
+            previous = fields[1:]
             try:
                 capped = float(bool(int(fields[where["reasons"]], 16) & SW_POWER_CAP))
             except (KeyError, ValueError):  # not sampled, or '[N/A]'
                 capped = math.nan
             samples.append((*sample, capped))
-    return samples
+    return sorted(samples)
+
+
+def requests(run: dict) -> list[tuple[float, float, list[float]]]:
+    """(start, time to the first token, gaps) of every request that produced a token, seconds."""
+    return [(start, ttft, list(gaps or [])) for start, ttft, gaps in
+            zip(run.get("start_times") or [], run.get("ttfts") or [], run.get("itls") or []) if ttft]
 
 
 def intervals(run: dict, positions: int) -> list[tuple[float, float, int]]:
     """(start, end, position) of every request's prefill (position 0) and first `positions` gaps, monotonic s."""
     spans = []
-    for start, ttft, gaps in zip(run.get("start_times") or [], run.get("ttfts") or [], run.get("itls") or []):
-        if not ttft:
-            continue  # a failed request
+    for start, ttft, gaps in requests(run):
         spans.append((start, start + ttft, 0))
         edge = start + ttft
-        for k, gap in enumerate((gaps or [])[:positions], 1):
+        for k, gap in enumerate(gaps[:positions], 1):
             spans.append((edge, edge + gap, k))
             edge += gap
     return spans
@@ -98,9 +113,8 @@ def by_position(run: dict, samples: list[tuple], positions: int = 15) -> list[li
     """Per position 0..`positions`: the (SM clock, power, SW power cap) of the samples inside that position's
     intervals."""
     found: list[list[tuple]] = [[] for _ in range(positions + 1)]
-    spans = sorted(intervals(run, positions))
     times = [sample[0] for sample in samples]
-    for start, end, k in spans:
+    for start, end, k in sorted(intervals(run, positions)):
         for i in range(bisect.bisect_left(times, start), bisect.bisect_left(times, end)):
             found[k].append(samples[i][1:])
     return found
@@ -109,20 +123,20 @@ def by_position(run: dict, samples: list[tuple], positions: int = 15) -> list[li
 def around_first_token(run: dict, samples: list[tuple], before_ms: float = 1200.0,
                        after_ms: float = 150.0, bin_ms: float = 10.0) -> list[tuple[float, float, float, int]]:
     """(bin start ms from the first token, median SM clock, median power, samples) per `bin_ms` bin from
-    -`before_ms` to `after_ms`, over every request's first token; bins without samples are left out."""
-    bins: dict[int, list[tuple[float, float]]] = {}
+    -`before_ms` to `after_ms` (at most each request's end: later readings belong to the next request), over every
+    request's first token; bins without samples are left out."""
+    bins: dict[int, list[tuple]] = {}
     times = [sample[0] for sample in samples]
-    for start, ttft in zip(run.get("start_times") or [], run.get("ttfts") or []):
-        if not ttft:
-            continue
+    for start, ttft, gaps in requests(run):
         first = start + ttft
-        for i in range(bisect.bisect_left(times, first - before_ms / 1e3), bisect.bisect_left(times, first + after_ms / 1e3)):
+        end = min(first + after_ms / 1e3, first + sum(gaps))
+        for i in range(bisect.bisect_left(times, first - before_ms / 1e3), bisect.bisect_left(times, end)):
             bins.setdefault(int((samples[i][0] - first) * 1e3 // bin_ms), []).append(samples[i][1:])
     return [(k * bin_ms, statistics.median(x[0] for x in v), statistics.median(x[1] for x in v), len(v))
             for k, v in sorted(bins.items())]
 
 
-def points(folder: Path) -> tuple[list[tuple[tuple[str, int, int], dict, list]], list[str]]:
+def points(folder: Path, every_poll: bool = False) -> tuple[list[tuple[tuple[str, int, int], dict, list]], list[str]]:
     """((system, length, concurrency), the point's result, its samples) per point with samples, and the points
     without."""
     found, missing = [], []
@@ -132,43 +146,97 @@ def points(folder: Path) -> tuple[list[tuple[tuple[str, int, int], dict, list]],
             continue
         stem = path.name[:-len(".json")]
         csv = next((p for p in (folder / f"{stem}.clocks.csv.gz", folder / f"{stem}.clocks.csv") if p.exists()), None)
-        clock0 = folder / f"{stem}.clock0.json"
+        clock0, clock1 = folder / f"{stem}.clock0.json", folder / f"{stem}.clock1.json"
         if csv is None or not clock0.exists():
             missing.append(stem)
             continue
+        before = json.loads(clock0.read_text())
+        if clock1.exists():
+            after = json.loads(clock1.read_text())
+            drift = (after["monotonic"] - after["wall"]) - (before["monotonic"] - before["wall"])
+            if abs(drift) > DRIFT_WARN_S:
+                print(f"{stem}: the wall clock drifted {drift * 1e3:+.1f} ms against the monotonic one over the point",
+                      file=sys.stderr)
         key = (match.group(1), int(match.group(2)), int(match.group(3)))
-        found.append((key, json.loads(path.read_text()), read_samples(csv, json.loads(clock0.read_text()))))
+        found.append((key, json.loads(path.read_text()), read_samples(csv, before, every_poll)))
     return found, missing
 
 
-def dip_table(folder: Path, below_mhz: float) -> list[str]:
-    """Per point: TTFT p50, and the median first / last sample under `below_mhz` from each request's start."""
+def table(found: list, positions: int = 15, group: int = 5) -> list[str]:
+    groups = [(0, 0)] + [(k, min(k + group - 1, positions)) for k in range(1, positions + 1, group)]
+    heads = ["prefill"] + [f"gap {a}" if a == b else f"gaps {a}-{b}" for a, b in groups[1:]]
+    rows = []
+    for (system, n, c), run, samples in found:
+        at = by_position(run, samples, positions)
+        merged = [[x for k in range(a, b + 1) for x in at[k]] for a, b in groups]
+        for name, index in (("SM clock MHz", 0), ("power W", 1)):
+            cells = [f"{statistics.median(x[index] for x in m):.0f}" if m else "-" for m in merged]
+            rows.append(((n, c, system, index), f"| {n} | {c} | {system} | {name} | " + " | ".join(cells) + " |"))
+        if any(not math.isnan(sample[3]) for sample in samples):  # the clock event reasons were sampled
+            read = [[x[2] for x in m if not math.isnan(x[2])] for m in merged]
+            cells = [f"{statistics.mean(shares):.2f}" if shares else "-" for shares in read]
+            rows.append(((n, c, system, 2), f"| {n} | {c} | {system} | share under SW power cap | "
+                         + " | ".join(cells) + " |"))
+        rows.append(((n, c, system, 3), f"| {n} | {c} | {system} | readings | "
+                     + " | ".join(str(len(m)) for m in merged) + " |"))
+    if not rows:
+        return []
+    return ["| prompt tokens | concurrency | system | median of | " + " | ".join(heads) + " |",
+            "|---|---|---|---|" + "---|" * len(heads), *(line for _, line in sorted(rows))]
+
+
+def gaps_by_reading(run: dict, samples: list[tuple], below_mhz: float) -> tuple[list[float], list[float]]:
+    """The gaps after the first (ms), split by the SM clock of the latest reading before each gap's middle: under
+    `below_mhz`, and at or above it. The first gap is left out (it also holds the first token's own output work)."""
+    times, low, high = [sample[0] for sample in samples], [], []
+    for start, ttft, gaps in requests(run):
+        edge = start + ttft + (gaps[0] if gaps else 0.0)
+        for gap in gaps[1:]:
+            i = bisect.bisect_right(times, edge + gap / 2) - 1
+            if i >= 0:
+                (low if samples[i][1] < below_mhz else high).append(gap * 1e3)
+            edge += gap
+    return low, high
+
+
+def dip_table(found: list, below_mhz: float) -> list[str]:
+    """Per point: TTFT p50, the median first / last reading under `below_mhz` from each request's start, and the
+    median gap after the first under such a reading and under the others."""
     lines = []
-    for (system, n, c), run, samples in points(folder)[0]:
-        first, last = [], []
-        for start, ttft in zip(run.get("start_times") or [], run.get("ttfts") or []):
-            low = [t - start for t, clock, *_ in samples if start + 0.5 <= t <= start + ttft + 0.15 and clock < below_mhz]
-            if ttft and low:
+
+    def median_of(gaps: list[float]) -> str:
+        return f"{statistics.median(gaps):.2f} ({len(gaps)})" if gaps else "- (0)"
+
+    for (system, n, c), run, samples in found:
+        first, last, done = [], [], requests(run)
+        for start, ttft, gaps in done:
+            end = start + ttft + min(0.15, sum(gaps))
+            low = [t - start for t, clock, *_ in samples if start + ttft / 2 <= t <= end and clock < below_mhz]
+            if low:
                 first.append(low[0] * 1e3)
                 last.append(low[-1] * 1e3)
-        ttfts = [t * 1e3 for t in run.get("ttfts") or [] if t]
+        if not done:
+            lines.append(f"| {n} | {c} | {system} | - | no request produced a token | - | - | - |")
+            continue
         stretch = f"{statistics.median(first):.0f} - {statistics.median(last):.0f}" if first else "-"
-        lines.append(f"| {n} | {c} | {system} | {statistics.median(ttfts):.0f} | {stretch} | {len(first)} of {len(ttfts)} |")
+        low, high = gaps_by_reading(run, samples, below_mhz)
+        lines.append(f"| {n} | {c} | {system} | {statistics.median(t * 1e3 for _, t, _ in done):.0f} | {stretch} | "
+                     f"{len(first)} of {len(done)} | {median_of(low)} | {median_of(high)} |")
     return ["", f"| prompt tokens | concurrency | system | TTFT p50 ms | SM clock under {below_mhz:.0f} MHz, ms from the "
-            "request's start (medians of first - last sample) | requests with such samples |",
-            "|---|---|---|---|---|---|", *lines]
+            "request's start (medians of first - last reading) | requests with such readings | gaps 2+ under such a "
+            "reading: median ms (count) | gaps 2+ under the others |",
+            "|---|---|---|---|---|---|---|---|", *lines]
 
 
-def plot(folder: Path, path: Path) -> None:
+def plot(found: list, title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    found, _ = points(folder)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for (system, n, c), run, samples in found:
-        series = around_first_token(run, samples)
+        series = around_first_token(run, samples, bin_ms=20.0)
         label = f"{system} {n} x {c}"
         top.plot([b for b, *_ in series], [x for _, x, _, _ in series], label=label, lw=1.2)
         bottom.plot([b for b, *_ in series], [w for _, _, w, _ in series], label=label, lw=1.2)
@@ -177,56 +245,36 @@ def plot(folder: Path, path: Path) -> None:
         ax.grid(alpha=0.3)
     top.set_ylabel("SM clock, MHz (median)")
     bottom.set_ylabel("power, W (median)")
-    bottom.set_xlabel("ms from each request's first token (the prefill ends just before it; the decode after)")
-    top.set_title(f"{folder.name}: nvidia-smi every 10 ms around the end of each prefill")
+    bottom.set_xlabel("ms from each request's first token (the prefill ends just before it; its decode after, to its end)")
+    top.set_title(f"{title}: nvidia-smi's readings (refreshed about every 100 ms) around the end of each prefill")
     top.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def table(folder: Path, positions: int = 15) -> list[str]:
-    rows = []
-    found, missing = points(folder)
-    for (system, n, c), run, samples in found:
-        found_at = by_position(run, samples, positions)
-        for name, index, fmt in (("SM clock MHz", 0, "{:.0f}"), ("power W", 1, "{:.0f}")):
-            cells = [fmt.format(statistics.median(s[index] for s in found_at[k])) if found_at[k] else "-"
-                     for k in range(positions + 1)]
-            rows.append(((n, c, system, index), f"| {n} | {c} | {system} | {name} | " + " | ".join(cells) + " |"))
-        if any(not math.isnan(sample[3]) for sample in samples):  # the clock event reasons were sampled
-            read = [[x[2] for x in found_at[k] if not math.isnan(x[2])] for k in range(positions + 1)]
-            cells = [f"{statistics.mean(shares):.2f}" if shares else "-" for shares in read]
-            rows.append(((n, c, system, 2), f"| {n} | {c} | {system} | share under SW power cap | "
-                         + " | ".join(cells) + " |"))
-        rows.append(((n, c, system, 3), f"| {n} | {c} | {system} | samples | "
-                     + " | ".join(str(len(found_at[k])) for k in range(positions + 1)) + " |"))
-    if missing:
-        print(f"no clock samples for: {', '.join(missing)}", file=sys.stderr)
-    if not rows:
-        return []
-    head = "| prompt tokens | concurrency | system | median of | prefill | " + " | ".join(
-        f"gap {k}" for k in range(1, positions + 1)) + " |"
-    return [head, "|---|---|---|---|" + "---|" * (positions + 1), *(line for _, line in sorted(rows))]
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--positions", type=int, default=15, help="gaps after the first token shown (default 15)")
+    parser.add_argument("--group", type=int, default=5, help="gaps per column (default 5: a reading spans ~16 gaps)")
+    parser.add_argument("--every-poll", action="store_true", help="count every poll, not only fresh readings")
     parser.add_argument("--plot", type=Path, default=None, help="also draw the clock and power around the first token")
     parser.add_argument("--dip-below", type=float, default=None, metavar="MHZ",
-                        help="also where in each request the SM clock fell below MHZ")
+                        help="also where in each request the SM clock read below MHZ")
     args = parser.parse_args(argv)
-    lines = table(args.folder, args.positions)
+    found, missing = points(args.folder, args.every_poll)
+    if missing:
+        print(f"no clock samples for: {', '.join(missing)}", file=sys.stderr)
+    lines = table(found, args.positions, args.group)
     if not lines:
         raise SystemExit(f"no point in {args.folder} has clock samples (bench_serve.sh with CLOCKS=1)")
     if args.dip_below is not None:
-        lines += dip_table(args.folder, args.dip_below)
+        lines += dip_table(found, args.dip_below)
     text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     (args.folder / "clocks-table.md").write_text(text)
     if args.plot:
-        plot(args.folder, args.plot)
+        plot(found, args.folder.name, args.plot)
     return 0
 
 

@@ -18,7 +18,8 @@ the median of each request's first gap after its first token, and the median and
 that costs one step before the first decode shows in the first column only; a slower decode, in the others. A
 third table reads the gaps by position: per point, standard's median gap at each position after the first token,
 and each system's median there over standard's (a decode that slows down for some steps after a drop and then
-recovers shows as ratios that fall back to 1; one slower throughout, as ratios above 1 everywhere).
+recovers shows as ratios that fall back to 1; one slower throughout, as ratios above 1 everywhere);
+`--position-baseline SYSTEM` adds the same table over another system's gaps.
 """
 
 from __future__ import annotations
@@ -110,28 +111,29 @@ def gap_table(runs: dict[tuple[str, int, int], dict]) -> list[str]:
             "| later gaps p99 ms |", "|---|---|---|---|---|---|---|", *lines]
 
 
-def position_table(runs: dict[tuple[str, int, int], dict], positions: int = 15) -> list[str]:
-    """Per point with standard's per-request gaps: standard's median gap (ms) at each position 1..`positions` after
-    the first token (position 1 is the first gap), then each other system's median there over standard's; each
-    position's medians over the requests that reached it (true medians: `statistics.median`). [] where no point has
-    gaps for standard and another system."""
+def position_table(runs: dict[tuple[str, int, int], dict], positions: int = 15, baseline: str = "standard") -> list[str]:
+    """Per point with the baseline system's per-request gaps: its median gap (ms) at each position 1..`positions`
+    after the first token (position 1 is the first gap), then each other system's median there over the baseline's;
+    each position's medians over the requests that reached it (true medians: `statistics.median`). [] where no point
+    has gaps for the baseline and another system."""
     def medians(run: dict) -> list[float]:
         gaps = [g for g in run.get("itls") or [] if g]
         longest = min(positions, max((len(g) for g in gaps), default=0))
         return [statistics.median(g[i] * 1e3 for g in gaps if len(g) > i) for i in range(longest)]
 
     lines, width = [], 0
-    for n, c in sorted({(n, c) for system, n, c in runs if system == "standard"}):
-        theirs = medians(runs[("standard", n, c)])
-        others = [(system, medians(runs[(system, n, c)])) for system in SYSTEMS[1:] if (system, n, c) in runs]
+    for n, c in sorted({(n, c) for system, n, c in runs if system == baseline}):
+        theirs = medians(runs[(baseline, n, c)])
+        others = [(system, medians(runs[(system, n, c)])) for system in SYSTEMS
+                  if system != baseline and (system, n, c) in runs]
         others = [(system, ours[:len(theirs)]) for system, ours in others if ours and theirs]
         if not others:
             continue
         shown = max(len(ours) for _, ours in others)
         width = max(width, shown)
-        lines.append(f"| {n} | {c} | standard, ms | " + " | ".join(f"{x:.2f}" for x in theirs[:shown]) + " |")
+        lines.append(f"| {n} | {c} | {baseline}, ms | " + " | ".join(f"{x:.2f}" for x in theirs[:shown]) + " |")
         for system, ours in others:
-            lines.append(f"| {n} | {c} | {system} / standard | "
+            lines.append(f"| {n} | {c} | {system} / {baseline} | "
                          + " | ".join(f"{a / b:.3f}" for a, b in zip(ours, theirs)) + " |")
     if not lines:
         return []
@@ -177,9 +179,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--plot", type=Path, default=None, help="also draw input tokens/s and the inter-token gap's p99 (PNG)")
+    parser.add_argument("--position-baseline", default=None, choices=SYSTEMS[1:],
+                        help="also the gaps by position over this system's (e.g. standard-onestep: the drop apart "
+                             "from the step budget)")
     args = parser.parse_args(argv)
     runs = load(args.folder)
-    text = "\n".join(table(runs, args.folder) + gap_table(runs) + position_table(runs)) + "\n"
+    lines = table(runs, args.folder) + gap_table(runs) + position_table(runs)
+    if args.position_baseline:
+        lines += position_table(runs, baseline=args.position_baseline)
+    text = "\n".join(lines) + "\n"
     sys.stdout.write(text)
     (args.folder / "serve-table.md").write_text(text)
     if args.plot:
