@@ -79,8 +79,8 @@ def test_readings_land_in_their_request_intervals_at_any_utc_offset(tmp_path):
     dips = [line for line in done.stdout.splitlines() if line.startswith("| 28672") and " of 2 |" in line]
     # uniprefill's low clock: gaps 1-2, read 505-575 ms after each start (its gap 2 under it, gap 3 not); standard's
     # none
-    assert dips == ["| 28672 | 1 | standard | 500 | - | 0 of 2 | - (0) | 40.00 (4) |",
-                    "| 28672 | 1 | uniprefill | 500 | 505 - 575 | 2 of 2 | 40.00 (2) | 40.00 (2) |"]
+    assert dips == ["| 28672 | 1 | standard | 500 | - | 0 of 2 | - (0) | 40.00 (4) | - |",
+                    "| 28672 | 1 | uniprefill | 500 | 505 - 575 | 2 of 2 | 40.00 (2) | 40.00 (2) | - |"]
     module = load_script()
     found = {key: (run, samples) for key, run, samples in module.points(tmp_path)[0]}
     series = module.around_first_token(*found["uniprefill", 28672, 1], before_ms=20, after_ms=200, bin_ms=40)
@@ -107,6 +107,9 @@ def test_a_poll_repeating_the_last_reading_is_not_counted_again(tmp_path):
     assert "| 28672 | 1 | uniprefill | readings | 24 | 6 |" in done.stdout
     done = run_script(tmp_path, "--positions", "3", "--group", "3", "--every-poll")
     assert "| 28672 | 1 | uniprefill | readings | 100 | 24 |" in done.stdout
+    lines = csv.read_text().splitlines()  # a column that changes at every poll (the temperature here) makes no
+    csv.write_text("\n".join(f"{line[:-2]}{i % 7}" if line[0] != "[" else line for i, line in enumerate(lines)) + "\n")
+    assert module.read_samples(csv, clock0) == fresh  # reading new: only the SM clock and the averaged power count
 
 
 def test_a_header_names_the_columns_and_the_power_cap_share_is_read(tmp_path):
@@ -127,7 +130,7 @@ def test_a_header_names_the_columns_and_the_power_cap_share_is_read(tmp_path):
         {"wall": 1_765_000_000.0 + 60, "monotonic": 90.0 + 60.02, "utc_offset_s": 0}))
     done = run_script(tmp_path, "--positions", "3", "--group", "1")
     assert done.returncode == 0, done.stderr
-    assert "drifted +20.0 ms" in done.stderr
+    assert "the wall clock moved -20.0 ms" in done.stderr  # it fell 20 ms behind
     lines = [line for line in done.stdout.splitlines() if line.startswith("| 8192")]
     assert lines == ["| 8192 | 1 | uniprefill | SM clock MHz | 1980 | 1500 | 1980 | 1980 |",
                      "| 8192 | 1 | uniprefill | power W | 300 | 500 | 300 | 300 |",
@@ -140,10 +143,22 @@ def test_failed_requests_and_a_folder_without_samples(tmp_path):
     run = {"start_times": [5.0, 6.0, 7.0], "ttfts": [0.0, 0.5, None], "itls": [[], [0.1], []]}
     assert module.intervals(run, positions=3) == [(6.0, 6.5, 0), (6.5, 6.6, 1)]  # no token: no interval
     assert module.dip_table([(("standard", 8192, 1), {"start_times": [1.0], "ttfts": [0.0], "itls": [[]]}, [])],
-                            1450)[-1] == "| 8192 | 1 | standard | - | no request produced a token | - | - | - |"
-    samples = [(0.9, 1400.0, 600.0, float("nan")), (1.518, 1900.0, 600.0, float("nan"))]  # low, then high from 1.518 s
-    run = {"start_times": [1.0], "ttfts": [0.5], "itls": [[0.01, 0.006, 0.008, 0.012]]}  # gaps 2-4 at 1.51-1.536 s
-    assert module.gaps_by_reading(run, samples, 1450) == ([6.0], [8.0, 12.0])
+                            1450)[-1] == "| 8192 | 1 | standard | - | no request produced a token | - | - | - | - |"
+    nan = float("nan")
+    samples = [(1.4, 1400.0, 600.0, nan), (1.518, 1900.0, 600.0, nan)]  # low, then high from 1.518 s
+    run = {"start_times": [1.0, 2.0], "ttfts": [0.5, 0.5], "itls": [[0.01, 0.006, 0.008, 0.012], [0.01, 0.005]]}
+    # request 1: gap 2 (1.510-1.516 s) under the low reading, gaps 3-4 under the high one; request 2's gap 2 lies
+    # 1 s after the last reading: too old, left out
+    split = module.gaps_by_reading(run, samples, 1450)
+    assert split == {2: ([6.0], []), 3: ([], [8.0]), 4: ([], [12.0])}
+    assert module.low_over_high(split) is None  # no position holds both
+    split[3][0].append(10.0)
+    assert module.low_over_high(split) == (1.25, 1, 1)  # position 3: 10 over 8
+    (tmp_path / "standard-8192-c1.json").write_text(json.dumps({"ttfts": [0.5], "itls": [[0.1]]}))
+    (tmp_path / "standard-8192-c1.clock0.json").write_text(json.dumps({"wall": 0.0, "monotonic": 0.0, "utc_offset_s": 0}))
+    (tmp_path / "standard-8192-c1.clocks.csv").write_text("2026/12/07 17:00:00.000, 1500, 3201, 600, 100, 40\n")
+    found, missing = module.points(tmp_path)
+    assert not found and missing == ["standard-8192-c1 (no start_times: run without --save-detailed?)"]
     (tmp_path / "standard-8192-c1.json").write_text("{}")
     done = run_script(tmp_path)
     assert done.returncode != 0 and "CLOCKS=1" in done.stderr

@@ -15,7 +15,7 @@ LIB = Path(__file__).resolve().parents[2] / "scripts" / "gpu" / "vllm" / "serve_
 SETTINGS = '{"p": 0.95, "vllm_drop": true}'
 
 
-def system_args(system: str, tmp_path: Path) -> subprocess.CompletedProcess:
+def system_args(system: str, tmp_path: Path, settings: str = SETTINGS) -> subprocess.CompletedProcess:
     """`system_args SYSTEM` in bash with serve_lib.sh sourced; `python3` is this interpreter (uniprefill importable)."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
@@ -23,7 +23,7 @@ def system_args(system: str, tmp_path: Path) -> subprocess.CompletedProcess:
     bin_dir.mkdir(exist_ok=True)
     if not (bin_dir / "python3").exists():
         (bin_dir / "python3").symlink_to(sys.executable)
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "SETTINGS": SETTINGS}
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "SETTINGS": settings}
     script = f'source "{LIB}"; export PYTHONPATH="{os.environ.get("PYTHONPATH", "")}"; system_args "$1"'
     return subprocess.run(["bash", "-c", script, "bash", system], capture_output=True, text=True, env=env)
 
@@ -48,3 +48,13 @@ def test_each_system_adds_its_flags(system, expected, tmp_path):
 def test_an_unknown_system_fails(tmp_path):
     done = system_args("standard-onestpe", tmp_path)
     assert done.returncode != 0 and "unknown system 'standard-onestpe'" in done.stderr and not done.stdout
+
+
+def test_settings_over_several_lines_become_one_argument_and_bad_settings_fail(tmp_path):
+    done = system_args("uniprefill", tmp_path, settings='{\n  "p": 0.95,\n  "vllm_drop": true\n}')
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["-cc", '{"inductor_compile_config": {"uniprefill": {"p": 0.95, "vllm_drop": true}}}']
+    for bad in ('{"p": 0.95,', "[0.95]"):
+        done = system_args("uniprefill-chunked", tmp_path, settings=bad)
+        assert done.returncode != 0 and not done.stdout
+    assert system_args("standard-onestep", tmp_path, settings="not json").returncode == 0  # no settings read

@@ -62,13 +62,15 @@ clock_fields() {  # nvidia-smi's fields for CLOCKS=1: the basic ones, and the cl
   done
   echo "$fields"
 }
+failed=0  # server starts and clients that failed: the exit status says so after the tables
+[[ "${CLOCKS:-0}" == 1 ]] && fields="$(clock_fields)"
 for system in ${SYSTEMS:-standard uniprefill}; do
   todo=0
   while read -r length concurrency; do
     [[ -s "$OUT/$system-$length-c$concurrency.json" ]] || todo=$(( todo + 1 ))
   done < <(grid_points)
   (( todo )) || { echo "$system: every point already in $OUT"; continue; }
-  serve_start "$system" "$OUT/$system.server.log" || continue
+  serve_start "$system" "$OUT/$system.server.log" || { failed=1; continue; }
   while read -r length concurrency <&3; do  # fd 3: the clients cannot eat the list
     if [[ -s "$OUT/$system-$length-c$concurrency.json" ]]; then
       echo "$system $length c$concurrency: kept from an earlier call"; continue
@@ -78,7 +80,7 @@ for system in ${SYSTEMS:-standard uniprefill}; do
     sampler=""
     if [[ "${CLOCKS:-0}" == 1 ]]; then
       clock_pair > "$OUT/$system-$length-c$concurrency.clock0.json"
-      nvidia-smi --query-gpu="$(clock_fields)" --format=csv,nounits -lms 10 \
+      nvidia-smi --query-gpu="$fields" --format=csv,nounits -lms 10 \
         > "$OUT/$system-$length-c$concurrency.clocks.csv" 2>&1 &
       sampler=$!
     fi
@@ -88,7 +90,9 @@ for system in ${SYSTEMS:-standard uniprefill}; do
       --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 \
       --save-result --save-detailed --result-dir "$OUT" --result-filename "$system-$length-c$concurrency.json" \
       > "$OUT/$system-$length-c$concurrency.log" 2>&1
-    echo "$system $length c$concurrency: exit $? in $(( $(date +%s) - start )) s"
+    client=$?
+    echo "$system $length c$concurrency: exit $client in $(( $(date +%s) - start )) s"
+    (( client == 0 )) || failed=1
     if [[ -n "$sampler" ]]; then
       kill "$sampler"; wait "$sampler" 2> /dev/null; sampler=""
       clock_pair > "$OUT/$system-$length-c$concurrency.clock1.json"  # serve_clocks.py warns if they drifted
@@ -101,4 +105,5 @@ for system in ${SYSTEMS:-standard uniprefill}; do
 done
 python3 -P "$ROOT/scripts/gpu/vllm/serve_table.py" "$OUT"; status=$?
 if [[ "${CLOCKS:-0}" == 1 ]]; then python3 -P "$ROOT/scripts/gpu/vllm/serve_clocks.py" "$OUT" || status=$?; fi
+(( status == 0 && failed )) && status=1
 exit "$status"

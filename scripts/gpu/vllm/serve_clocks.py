@@ -22,8 +22,9 @@ software power cap was holding down.
 `--dip-below MHZ` adds where in each request the SM clock read below MHZ (from half the request's time to its first
 token to 150 ms after it, at most its end): the median first and last such reading from the request's start,
 beside its time to the first token, which tells a dip tied to the prefill's start from one tied to its end; and the
-median gap after the first whose latest reading (before the gap's middle) is under MHZ, against the others': whether
-the gaps under a low clock are longer.
+median gap after the first whose latest reading (before the gap's middle, at most 150 ms old) is under MHZ, against
+the others', pooled and position by position (the early gaps differ anyway): whether the gaps under a low clock are
+longer.
 `--plot PNG` draws the readings against time from each request's first token (median per 20 ms over the requests,
 each request's readings up to its end): SM clock and power per system and point.
 
@@ -49,10 +50,12 @@ DRIFT_WARN_S = 0.005
 
 
 def _columns(header: list[str]) -> dict[str, int]:
-    """Column index of the SM clock, power and clock event reasons in nvidia-smi's CSV header (names with units)."""
+    """Column index of the SM clock, the averaged power (which refreshes with the clock), the power shown (the
+    instant power where sampled) and the clock event reasons in nvidia-smi's CSV header (names with units)."""
     names = [h.split("[")[0].strip() for h in header]
     where = {"sm": names.index("clocks.current.sm") if "clocks.current.sm" in names else 1,
-             "power": names.index("power.draw") if "power.draw" in names else 3}
+             "average": names.index("power.draw") if "power.draw" in names else 3}
+    where["power"] = names.index("power.draw.instant") if "power.draw.instant" in names else where["average"]
     reasons = [i for i, name in enumerate(names) if name.endswith("reasons.active")]
     if reasons:
         where["reasons"] = reasons[0]
@@ -66,7 +69,7 @@ def read_samples(csv_path: Path, clock0: dict, every_poll: bool = False) -> list
     skipped."""
     opener = gzip.open if csv_path.suffix == ".gz" else open
     shift = clock0["monotonic"] - clock0["wall"] - clock0["utc_offset_s"]  # local-as-UTC epoch -> monotonic
-    samples, where, previous = [], {"sm": 1, "power": 3}, None
+    samples, where, previous = [], {"sm": 1, "average": 3, "power": 3}, None
     with opener(csv_path, "rt") as lines:
         for line in lines:
             fields = [f.strip() for f in line.split(",")]
@@ -80,9 +83,10 @@ def read_samples(csv_path: Path, clock0: dict, every_poll: bool = False) -> list
                 sample = (stamp + shift, float(fields[where["sm"]]), float(fields[where["power"]]))
             except ValueError:
                 continue
-            if not every_poll and fields[1:] == previous:
-                continue  # the driver's last reading again
-            previous = fields[1:]
+            reading = (fields[where["sm"]], fields[where["average"]])
+            if not every_poll and reading == previous:
+                continue  # the driver's last reading again (a column that changes on its own, such as the
+            previous = reading  # instant power or the temperature, does not make it new)
             try:
                 capped = float(bool(int(fields[where["reasons"]], 16) & SW_POWER_CAP))
             except (KeyError, ValueError):  # not sampled, or '[N/A]'
@@ -91,10 +95,13 @@ def read_samples(csv_path: Path, clock0: dict, every_poll: bool = False) -> list
     return sorted(samples)
 
 
+DETAILED = ("start_times", "ttfts", "itls")  # what `vllm bench serve --save-detailed` adds per request
+
+
 def requests(run: dict) -> list[tuple[float, float, list[float]]]:
     """(start, time to the first token, gaps) of every request that produced a token, seconds."""
-    return [(start, ttft, list(gaps or [])) for start, ttft, gaps in
-            zip(run.get("start_times") or [], run.get("ttfts") or [], run.get("itls") or []) if ttft]
+    return [(start, ttft, list(gaps or [])) for start, ttft, gaps in zip(*(run.get(key) or [] for key in DETAILED))
+            if ttft]
 
 
 def intervals(run: dict, positions: int) -> list[tuple[float, float, int]]:
@@ -148,17 +155,26 @@ def points(folder: Path, every_poll: bool = False) -> tuple[list[tuple[tuple[str
         csv = next((p for p in (folder / f"{stem}.clocks.csv.gz", folder / f"{stem}.clocks.csv") if p.exists()), None)
         clock0, clock1 = folder / f"{stem}.clock0.json", folder / f"{stem}.clock1.json"
         if csv is None or not clock0.exists():
-            missing.append(stem)
+            missing.append(f"{stem} (no clock files)")
+            continue
+        run = json.loads(path.read_text())
+        absent = [key for key in DETAILED if not run.get(key)]
+        if absent:
+            missing.append(f"{stem} (no {', '.join(absent)}: run without --save-detailed?)")
             continue
         before = json.loads(clock0.read_text())
+        samples = read_samples(csv, before, every_poll)
+        if not samples:
+            missing.append(f"{stem} (no readings in {csv.name})")
+            continue
         if clock1.exists():
             after = json.loads(clock1.read_text())
-            drift = (after["monotonic"] - after["wall"]) - (before["monotonic"] - before["wall"])
-            if abs(drift) > DRIFT_WARN_S:
-                print(f"{stem}: the wall clock drifted {drift * 1e3:+.1f} ms against the monotonic one over the point",
-                      file=sys.stderr)
+            moved = (after["wall"] - before["wall"]) - (after["monotonic"] - before["monotonic"])
+            if abs(moved) > DRIFT_WARN_S:
+                print(f"{stem}: the wall clock moved {moved * 1e3:+.1f} ms against the monotonic one over the point "
+                      "(readings placed by the clocks read before it)", file=sys.stderr)
         key = (match.group(1), int(match.group(2)), int(match.group(3)))
-        found.append((key, json.loads(path.read_text()), read_samples(csv, before, every_poll)))
+        found.append((key, run, samples))
     return found, missing
 
 
@@ -185,18 +201,32 @@ def table(found: list, positions: int = 15, group: int = 5) -> list[str]:
             "|---|---|---|---|" + "---|" * len(heads), *(line for _, line in sorted(rows))]
 
 
-def gaps_by_reading(run: dict, samples: list[tuple], below_mhz: float) -> tuple[list[float], list[float]]:
-    """The gaps after the first (ms), split by the SM clock of the latest reading before each gap's middle: under
-    `below_mhz`, and at or above it. The first gap is left out (it also holds the first token's own output work)."""
-    times, low, high = [sample[0] for sample in samples], [], []
+def gaps_by_reading(run: dict, samples: list[tuple], below_mhz: float,
+                    max_age_s: float = 0.15) -> dict[int, tuple[list[float], list[float]]]:
+    """Per position k >= 2 (the first gap also holds the first token's own output work): the gaps (ms) whose latest
+    reading before their middle, at most `max_age_s` old, shows an SM clock under `below_mhz`, and those whose
+    reading shows one at or above it. Per position, because the early gaps differ from the later ones anyway and
+    the low readings fall on early gaps."""
+    times, split = [sample[0] for sample in samples], {}
     for start, ttft, gaps in requests(run):
         edge = start + ttft + (gaps[0] if gaps else 0.0)
-        for gap in gaps[1:]:
-            i = bisect.bisect_right(times, edge + gap / 2) - 1
-            if i >= 0:
-                (low if samples[i][1] < below_mhz else high).append(gap * 1e3)
+        for k, gap in enumerate(gaps[1:], 2):
+            middle = edge + gap / 2
+            i = bisect.bisect_right(times, middle) - 1
+            if i >= 0 and middle - times[i] <= max_age_s:
+                split.setdefault(k, ([], []))[0 if samples[i][1] < below_mhz else 1].append(gap * 1e3)
             edge += gap
-    return low, high
+    return split
+
+
+def low_over_high(split: dict[int, tuple[list[float], list[float]]]) -> tuple[float, int, int] | None:
+    """The median over positions holding both kinds of each position's median gap under a low reading over its
+    median gap under the others; with the number of such positions and of the gaps in them under a low reading."""
+    both = {k: pair for k, pair in split.items() if pair[0] and pair[1]}
+    if not both:
+        return None
+    ratios = [statistics.median(low) / statistics.median(high) for low, high in both.values()]
+    return statistics.median(ratios), len(both), sum(len(low) for low, _ in both.values())
 
 
 def dip_table(found: list, below_mhz: float) -> list[str]:
@@ -216,16 +246,21 @@ def dip_table(found: list, below_mhz: float) -> list[str]:
                 first.append(low[0] * 1e3)
                 last.append(low[-1] * 1e3)
         if not done:
-            lines.append(f"| {n} | {c} | {system} | - | no request produced a token | - | - | - |")
+            lines.append(f"| {n} | {c} | {system} | - | no request produced a token | - | - | - | - |")
             continue
         stretch = f"{statistics.median(first):.0f} - {statistics.median(last):.0f}" if first else "-"
-        low, high = gaps_by_reading(run, samples, below_mhz)
+        split = gaps_by_reading(run, samples, below_mhz)
+        low = [g for pair in split.values() for g in pair[0]]
+        high = [g for pair in split.values() for g in pair[1]]
+        within = low_over_high(split)
+        within_text = f"{within[0]:.3f} ({within[1]} positions, {within[2]} gaps)" if within else "-"
         lines.append(f"| {n} | {c} | {system} | {statistics.median(t * 1e3 for _, t, _ in done):.0f} | {stretch} | "
-                     f"{len(first)} of {len(done)} | {median_of(low)} | {median_of(high)} |")
+                     f"{len(first)} of {len(done)} | {median_of(low)} | {median_of(high)} | {within_text} |")
     return ["", f"| prompt tokens | concurrency | system | TTFT p50 ms | SM clock under {below_mhz:.0f} MHz, ms from the "
             "request's start (medians of first - last reading) | requests with such readings | gaps 2+ under such a "
-            "reading: median ms (count) | gaps 2+ under the others |",
-            "|---|---|---|---|---|---|---|---|", *lines]
+            "reading: median ms (count) | gaps 2+ under the others | under such a reading over the others at the same "
+            "position: median ratio |",
+            "|---|---|---|---|---|---|---|---|---|", *lines]
 
 
 def plot(found: list, title: str, path: Path) -> None:

@@ -40,12 +40,12 @@ serve_setup() {
   serve_model
 }
 
-system_settings() {  # SYSTEM: the uniprefill settings it runs with
-  if [[ "$1" == uniprefill-chunked ]]; then
-    python3 -c "import json, sys; s = json.loads(sys.argv[1]); s['vllm_one_step_prefill'] = False; print(json.dumps(s))" "$SETTINGS"
-  else
-    echo "$SETTINGS"
-  fi
+system_settings() {  # SYSTEM: the uniprefill settings it runs with, as one line of JSON (fails on bad SETTINGS)
+  python3 -c "import json, sys
+s = json.loads(sys.argv[1])
+if not isinstance(s, dict): raise SystemExit('SETTINGS is not a JSON object: ' + sys.argv[1])
+if sys.argv[2] == 'uniprefill-chunked': s['vllm_one_step_prefill'] = False
+print(json.dumps(s))" "$SETTINGS" "$1"
 }
 
 system_args() {  # SYSTEM: the arguments `vllm serve` gets beyond the shared ones, one a line
@@ -54,7 +54,11 @@ system_args() {  # SYSTEM: the arguments `vllm serve` gets beyond the shared one
     standard|standard-onestep|standard-onestep-split|uniprefill|uniprefill-split|uniprefill-chunked) ;;
     *) echo "unknown system '$system'" >&2; return 1 ;;
   esac
-  [[ "$system" == uniprefill* ]] && cc="\"inductor_compile_config\": {\"uniprefill\": $(system_settings "$system")}"
+  if [[ "$system" == uniprefill* ]]; then
+    local settings
+    settings="$(system_settings "$system")" || return 1
+    cc="\"inductor_compile_config\": {\"uniprefill\": $settings}"
+  fi
   if [[ "$system" == standard-onestep* ]]; then
     echo --max-num-batched-tokens
     python3 -P -c "from uniprefill.vllm.prefill_budget import one_step_budget; print(one_step_budget(32768, 1024))" \
