@@ -309,8 +309,15 @@ def profile(args) -> dict:
     kwargs: dict = {"seed": 0, "max_model_len": args.max_model_len}
     if args.load_format:
         kwargs["load_format"] = args.load_format
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    compilation: dict = {}
     if args.uniprefill:
-        kwargs["compilation_config"] = {"inductor_compile_config": {"uniprefill": json.loads(args.uniprefill)}}
+        compilation["inductor_compile_config"] = {"uniprefill": json.loads(args.uniprefill)}
+    if args.compile_ranges_endpoints:
+        compilation["compile_ranges_endpoints"] = [int(x) for x in args.compile_ranges_endpoints.split(",")]
+    if compilation:
+        kwargs["compilation_config"] = compilation
     if args.trace_dir:
         kwargs["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": str(args.trace_dir.resolve()),
                                      "torch_profiler_with_stack": args.trace_stack}
@@ -445,6 +452,12 @@ def main(argv=None) -> int:
                              "steps after the prefill and the later ones get a wall per token each (the serve runs "
                              "aa / ac found the gaps after a drop longer in the first steps)")
     parser.add_argument("--load-format", default=None, help="vLLM's load_format (dummy: a folder without weights)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="vLLM's step budget (a control: standard vLLM at `vllm serve`'s 8192 or at the 33791 a "
+                             "dropping server raises it to; run ad found the budget alone lengthens the decode)")
+    parser.add_argument("--compile-ranges-endpoints", default=None,
+                        help="comma-separated compilation_config.compile_ranges_endpoints (e.g. 8192 beside a raised "
+                             "budget: the decode then runs code compiled for vLLM's own range)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--host", action="store_true",
                         help="also the host's side: cProfile of one prefill and one prefill+decode, and the top "
