@@ -99,9 +99,10 @@ DETAILED = ("start_times", "ttfts", "itls")  # what `vllm bench serve --save-det
 
 
 def requests(run: dict) -> list[tuple[float, float, list[float]]]:
-    """(start, time to the first token, gaps) of every request that produced a token, seconds."""
-    return [(start, ttft, list(gaps or [])) for start, ttft, gaps in zip(*(run.get(key) or [] for key in DETAILED))
-            if ttft]
+    """(start, time to the first token, gaps) of every request that produced a token, seconds (lists of unequal
+    length, a malformed result file, raise)."""
+    return [(start, ttft, list(gaps or [])) for start, ttft, gaps in
+            zip(*(run.get(key) or [] for key in DETAILED), strict=True) if ttft]
 
 
 def intervals(run: dict, positions: int) -> list[tuple[float, float, int]]:
