@@ -304,6 +304,60 @@ def test_returned_logits_off_by_a_margin_that_keeps_the_tokens_are_a_mismatch():
     assert right.status == "equal", right
 
 
+def test_a_token_mismatch_replays_the_plain_model_and_names_a_reference_that_does_not_repeat_itself():
+    """After a `generate` mismatch the plain model runs again from the same seed: the detail says whether it gave
+    its first answer again, or another one (process state moving the reference's numerics, not a compiled bug)."""
+    pool = fuzz._Pool()
+    model, fast = pool.get("tiny-llama", torch.float32, p=1.0)
+    generate = fast.generate
+
+    def shifted(**kwargs):  # the compiled model's new tokens off by one
+        out = generate(**kwargs)
+        length = kwargs["input_ids"].shape[1]
+        return torch.cat([out[:, :length], (out[:, length:] + 1) % model.config.vocab_size], 1)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast, "generate", shifted)
+        result = fuzz._generate_case(random.Random(3), pool, 3, "tiny-llama", torch.float32, mode="sample")
+        assert result.status == "mismatch" and "same seed: the same)" in result.detail, result
+        plain, answers = model.generate, []
+
+        def drifting(**kwargs):  # the plain model's answer moves between its two calls
+            out = plain(**kwargs)
+            answers.append(out)
+            return out if len(answers) == 1 else torch.cat([out[:, :-1], (out[:, -1:] + 1) % 128], 1)
+
+        patch.setattr(model, "generate", drifting)
+        result = fuzz._generate_case(random.Random(3), pool, 3, "tiny-llama", torch.float32, mode="sample")
+    assert result.status == "mismatch" and "its answer does not repeat" in result.detail, result
+    assert len(answers) == 2
+
+
+def test_a_case_that_leaves_process_wide_torch_state_changed_is_an_error_naming_it(monkeypatch):
+    """A case after which a process-wide setting that moves eager numerics differs (here the float32 matmul
+    precision) is an error naming the setting; later cases are compared with the new state, so only it is named.
+    The summary records the environment a replay must match."""
+    before = torch.get_float32_matmul_precision()
+    calls = []
+
+    def fake_case(rng, pool, case, archs):
+        calls.append(case)
+        if len(calls) == 2:
+            torch.set_float32_matmul_precision("medium" if before != "medium" else "high")
+        return fuzz.CaseResult(case, "tiny-llama", "forward", "equal")
+
+    monkeypatch.setattr(fuzz, "run_case", fake_case)
+    try:
+        summary = fuzz.run_fuzz(cases=3, seed=1)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert summary.by_status == {"equal": 2, "error": 1}, summary.by_status
+    assert summary.failures[0].case == calls[1] and "float32_matmul_precision" in summary.failures[0].detail
+    environment = summary.as_json(1, ["tiny-llama"])["environment"]
+    assert {"torch", "transformers", "cpu", "cpu_capability", "threads", "autocast_cpu"} <= set(environment)
+    assert environment["float32_matmul_precision"] == before
+
+
 @pytest.mark.parametrize("arch", fuzz.REFERENCE_ARCHS)
 def test_a_left_padded_batch_after_drops_equals_the_reference_row_by_row_and_a_swapped_history_is_a_mismatch(arch):
     """Each row of a left-padded batch drops on its own; checked with the histories' order reversed, the case is a

@@ -26,7 +26,12 @@ backend="uniprefill")` (`fuzz_plain_compile`), and checks:
 * at p < 1 a call that needs every position (labels, gradients, hidden states, router logits; any architecture)
   drops nothing, says why and equals the plain model, the gradient of the embeddings included
   (`fuzz_every_position`);
-* a call long enough to drop that ran unaccelerated says why (`backend.last_unaccelerated`).
+* a call long enough to drop that ran unaccelerated says why (`backend.last_unaccelerated`);
+* a case leaves the process as it found it: one after which a process-wide torch setting that moves eager
+  numerics (`torch_state`: threads, matmul precision, autocast, grad mode, ...) differs is an "error" naming it.
+  After a `generate` token mismatch the plain model runs once more from the same seed, and the detail says whether
+  it repeated its own answer. The summary records the `environment` (versions, CPU and its vector ISA) a replay
+  must match.
 
 Compiled models are pooled per (architecture, dtype, settings) and reused, so the ORDER of
 calls varies across cases (a batch after a batch-1 call, lengths changing, two models
@@ -64,6 +69,7 @@ class FuzzSummary:
     ties: list[CaseResult] = field(default_factory=list)
     invalid: list[CaseResult] = field(default_factory=list)  # the plain model refused the input (detail: its error)
     seconds: float = 0.0
+    environment: dict = field(default_factory=dict)  # `environment()` when the run began
 
     @property
     def mismatches(self) -> int:
@@ -99,7 +105,36 @@ class FuzzSummary:
                 "by_status": dict(self.by_status), "by_kind": dict(self.by_kind),
                 "accelerated_calls": self.accelerated_calls, "unaccelerated_reasons": dict(self.reasons),
                 "failures": [vars(f) for f in self.failures], "ties": [vars(t) for t in self.ties],
-                "invalid": [vars(i) for i in self.invalid]}
+                "invalid": [vars(i) for i in self.invalid], "environment": self.environment}
+
+
+def environment() -> dict:
+    """What a replay must match: versions, the CPU and its vector ISA, threads, and the process-wide torch state
+    that changes eager numerics (`torch_state`)."""
+    import platform
+
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), **torch_state()}
+
+
+def torch_state() -> dict:
+    """The process-wide torch settings an earlier case could leave changed and that change eager numerics: a
+    case's result differs only if one moved. `run_fuzz` makes the case after which one moved an "error" naming it
+    (a case must leave the process as it found it), and compares later cases with the new state."""
+    return {"threads": torch.get_num_threads(), "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            "autocast_cpu": torch.is_autocast_enabled("cpu"), "grad": torch.is_grad_enabled(),
+            "inference_mode": torch.is_inference_mode_enabled(), "default_dtype": str(torch.get_default_dtype()),
+            "deterministic": torch.are_deterministic_algorithms_enabled(), "mkldnn": torch.backends.mkldnn.enabled,
+            "sdpa_backends": [torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                              torch.backends.cuda.math_sdp_enabled()]}
 
 
 def _reason_class(reason: str) -> str:
@@ -242,7 +277,8 @@ def run_fuzz(cases: int, seed: int = 0, archs=ARCHS, fresh_every: int = 25, prog
     case running then is finished); `progress(i, summary)` is called after each."""
     rng = random.Random(seed)
     pool = _Pool()
-    summary = FuzzSummary()
+    summary = FuzzSummary(environment=environment())
+    state = torch_state()
     start = time.perf_counter()
     with warnings.catch_warnings(), contextlib.ExitStack():
         warnings.simplefilter("ignore")
@@ -251,7 +287,14 @@ def run_fuzz(cases: int, seed: int = 0, archs=ARCHS, fresh_every: int = 25, prog
                 break
             if i % fresh_every == 0:
                 pool.clear()
-            summary.add(run_case(rng, pool, seed * 1_000_003 + i, archs))
+            result = run_case(rng, pool, seed * 1_000_003 + i, archs)
+            now = torch_state()
+            moved = {k: (state[k], v) for k, v in now.items() if v != state[k]}
+            if moved:  # a finding whoever left it (the plain model's code or ours): named on the case that did
+                result.detail += f"; process-wide torch state changed by this case (before, after): {moved}"
+                result.status = "error" if result.status in ("equal", "tie", "invalid") else result.status
+                state = now
+            summary.add(result)
             summary.seconds = time.perf_counter() - start
             if progress is not None:
                 progress(i + 1, summary)

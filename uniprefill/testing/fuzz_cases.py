@@ -380,7 +380,12 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     elif not torch.equal(out, ref) and tie is None:
         result.status = "mismatch"
         new = slice(0 if mode == "inputs_embeds" else length, None)
-        result.detail = f"tokens {out[:, new].tolist()} vs {ref[:, new].tolist()}; {result.detail}"
+        again = _plain_again(model, kwargs, seed, mode, turn)
+        again = "the same" if again is not None and torch.equal(again, ref) else \
+            "not comparable" if again is None or again.shape != ref.shape else \
+            f"{again[:, new].tolist()}: its answer does not repeat"
+        result.detail = f"tokens {out[:, new].tolist()} vs {ref[:, new].tolist()} (the plain model again from the " \
+                        f"same seed: {again}); {result.detail}"
     elif tie is not None:
         result.status, result.detail = "tie", f"{tie}; {result.detail}"
         result.accelerated = int(_accelerated(fast))
@@ -391,6 +396,21 @@ def _generate_case(rng, pool, case, arch, dtype, mode: str | None = None) -> Cas
     elif fast.backend.last_unaccelerated:
         result.reasons.append(fast.backend.last_unaccelerated)
     return result
+
+
+def _plain_again(model, kwargs: dict, seed: int, mode: str, turn) -> torch.Tensor | None:
+    """The plain model's tokens once more from the same seed, after a mismatch: a reference that does not repeat
+    its own answer (process state moving its numerics) is named in the case's detail. None if it raised."""
+    from transformers import DynamicCache
+
+    try:
+        with torch.no_grad():
+            torch.manual_seed(seed)
+            extra = {"past_key_values": DynamicCache(config=model.config)} if mode == "explicit cache" else {}
+            again = model.generate(**kwargs, **extra) if turn is None else _next_turn(model, kwargs, turn)
+    except Exception:  # noqa: BLE001  (it answered the first time: the detail says "not comparable")
+        return None
+    return again.sequences if mode == "logits returned" else again
 
 
 def _next_turn(target, kwargs: dict, turn: torch.Tensor) -> torch.Tensor:
