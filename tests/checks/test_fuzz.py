@@ -155,21 +155,61 @@ class _PlainPool:
 def test_the_plain_torch_compile_door_equals_the_plain_model_and_accounts_for_every_call():
     """Through `torch.compile(model, backend="uniprefill")`, `model.compile(...)` and `model.forward =
     torch.compile(model.forward, ...)`: every case equal (or the plain model refused the input), and some calls ran
-    the rewritten graph. Seeds 0-8 reach every door (seed 7 a forward through the compiled method, 8 its generate, 5 a
-    call whose length axis the caller marked dynamic, 2 a call under `inference_mode`)."""
+    the rewritten graph. Seeds 0-8 and 16 reach every door (seed 7 a forward through the compiled method, 8 its
+    generate, 5 a call whose length axis the caller marked dynamic, 16 a call under `inference_mode`; the seeds as
+    drawn since torch.compile's keywords are, 2026-12-07)."""
     pool = fuzz._Pool()
     results = [fuzz._plain_compile_case(random.Random(seed), pool, seed, "tiny-llama", torch.float32)
-               for seed in range(9)]
+               for seed in (*range(9), 16)]
     assert {r.status for r in results} <= {"equal", "invalid"}, [(r.status, r.detail) for r in results]
     assert sum(r.accelerated for r in results) >= 1, [(r.kind, r.reasons) for r in results]
     assert {r.kind for r in results} == {"forward (torch.compile)", "generate (model.compile)",
                                          "generate (compiled forward)"}
     assert "'marked': 3" in results[5].detail, results[5]  # the draw that marks the length axis dynamic happens
     # (this seed's call fills a cache and runs unaccelerated anyway: the fix it led to is tested in test_doors.py)
-    assert "under inference_mode" in results[2].detail, results[2]  # the calling context is drawn at this door too
+    assert "under inference_mode" in results[9].detail, results[9]  # the calling context is drawn at this door too
     method = results[7]  # a forward long enough to drop ran the rewritten graph or said why (`_outcome`)
     assert "(method)" in method.detail and method.status == "equal", method
     assert method.accelerated or method.reasons, method
+
+
+@pytest.mark.parametrize("flags", [(("dynamic", False),), (("dynamic", True),), (("fullgraph", True),)])
+def test_the_plain_torch_compile_door_with_torch_compile_keywords_equals_the_plain_model(flags, monkeypatch):
+    """A user's own torch.compile keywords (`dynamic=False`: a graph per shape, `dynamic=True`, `fullgraph=True`)
+    at the plain door: every case equal, or invalid where the plain model refused the input or (fullgraph) raises
+    under dynamo's eager backend too; the keywords are named in the detail, and calls still run the rewritten graph."""
+    from uniprefill.testing import fuzz_plain_compile
+
+    monkeypatch.setattr(fuzz_plain_compile, "_draw_flags", lambda rng: flags)
+    pool = fuzz._Pool()
+    results = [fuzz._plain_compile_case(random.Random(seed), pool, seed, "tiny-llama", torch.float32)
+               for seed in (0, 2, 6, 7, 9)]  # 7 and 9 run the rewritten graph, 6 asks for hidden states
+    assert {r.status for r in results} <= {"equal", "invalid"}, [(r.status, r.detail) for r in results]
+    assert all(f"{flags[0][0]}={flags[0][1]}" in r.detail for r in results if r.status == "equal"), results
+    assert sum(r.accelerated for r in results) >= 1, [(r.kind, r.reasons) for r in results]
+    invalid = [r for r in results if r.status == "invalid" and "eager backend too" in r.detail]
+    assert not invalid or flags == (("fullgraph", True),), invalid
+
+
+def test_a_raise_under_fullgraph_is_invalid_only_where_the_eager_backend_raises_too():
+    """`_raised_under_flags`: under fullgraph=True the same call through dynamo's eager backend decides; a raise only
+    under uniprefill, or without fullgraph, propagates (for `run_case` to count as an error)."""
+    from uniprefill.testing.fuzz_plain_compile import _raised_under_flags
+
+    def eager_raises(flags):
+        raise RuntimeError("graph break")
+
+    result = _raised_under_flags(fuzz.CaseResult(1, "tiny-llama", "forward", "equal"), ValueError("ours"),
+                                 (("fullgraph", True),), eager_raises)
+    assert result.status == "invalid" and "graph break" in result.detail, result
+    with pytest.raises(ValueError, match="ours"):
+        _raised_under_flags(fuzz.CaseResult(1, "tiny-llama", "forward", "equal"), ValueError("ours"),
+                            (("fullgraph", True),), lambda flags: None)
+    called = []
+    with pytest.raises(ValueError, match="ours"):
+        _raised_under_flags(fuzz.CaseResult(1, "tiny-llama", "forward", "equal"), ValueError("ours"),
+                            (("dynamic", False),), called.append)
+    assert not called
 
 
 def test_the_plain_torch_compile_door_reports_wrong_logits_and_calls_that_never_reached_the_backend():

@@ -215,26 +215,28 @@ class _Pool:
             self.entries[key] = (model, uniprefill.compile(model, config))
         return self.entries[key]
 
-    def get_plain(self, arch: str, dtype: torch.dtype, door: str):
+    def get_plain(self, arch: str, dtype: torch.dtype, door: str, flags: tuple = ()):
         """(plain model, a copy compiled by plain torch.compile): `door` "module" is `torch.compile(copy,
         backend="uniprefill", options=...)`, "module twin" the same of another copy (a second model of the class),
         "in place" is `copy.compile(backend="uniprefill", options=...)`, "method" is transformers' idiom
-        `copy.forward = torch.compile(copy.forward, backend="uniprefill", options=...)`."""
+        `copy.forward = torch.compile(copy.forward, backend="uniprefill", options=...)`. `flags`: torch.compile's
+        own keywords a user adds, as (name, value) pairs (`dynamic`, `fullgraph`)."""
         import copy
 
-        key = (arch, dtype, "plain", door)
+        key = (arch, dtype, "plain", door, flags)
         if key not in self.entries:
             model = self.entries.get((arch, dtype, "model")) or build_model(arch, dtype)
             self.entries[(arch, dtype, "model")] = model
             twin = copy.deepcopy(model)
             options = {"p": 1.0, "drop_layers": _first_full_layers(model), **SETTINGS}
+            flags = dict(flags)
             if door in ("module", "module twin"):
-                compiled = torch.compile(twin, backend="uniprefill", options=options)
+                compiled = torch.compile(twin, backend="uniprefill", options=options, **flags)
             elif door == "method":
-                twin.forward = torch.compile(twin.forward, backend="uniprefill", options=options)
+                twin.forward = torch.compile(twin.forward, backend="uniprefill", options=options, **flags)
                 compiled = twin
             else:
-                twin.compile(backend="uniprefill", options=options)
+                twin.compile(backend="uniprefill", options=options, **flags)
                 compiled = twin
             self.entries[key] = (model, compiled)
         return self.entries[key]

@@ -3,6 +3,10 @@
 `model.forward = torch.compile(model.forward, ...)`, and `generate` through `model.compile(backend="uniprefill",
 ...)`, the in-place form whose `generate` reaches the compiled forward, or through that idiom.
 
+A third of the cases add torch.compile's own keywords as a user might (`dynamic=True`, `dynamic=False`: a graph per
+shape, `fullgraph=True`); where the call raises under `fullgraph=True`, the case is "invalid" only if the plain model
+compiled by dynamo's "eager" backend with the same keywords raises too (the model's own graph break), else "error".
+
 A fifth of the forward calls mark their length axis dynamic first (`torch._dynamo.maybe_mark_dynamic`, the
 caller's way to avoid a recompile per length): dynamo then traces the rows as a constant.
 
@@ -88,21 +92,26 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
     # runs both through one graph), and each must report its own calls. The door draws shifted the random stream
     # on 2026-12-06: seeds of earlier rounds replay other cases from then on
     doors = ["method" if rng.random() < 0.25 else "module"] + (["module twin"] if rng.random() < 0.3 else [])
+    flags = _draw_flags(rng)  # drawn since 2026-12-07: seeds of earlier rounds replay other cases from then on
     for step in range(rng.randint(1, 3)):
-        model, compiled = pool.get_plain(arch, dtype, doors[step % len(doors)])
+        model, compiled = pool.get_plain(arch, dtype, doors[step % len(doors)], flags)
         call = _random_inputs(rng, model, dtype)
         kwargs, spec = call["kwargs"], call["spec"]
         if rng.random() < 0.2:  # the caller marks the length dynamic (a recompile per length avoided), not the rows
             spec["marked"] = _mark_length_dynamic(kwargs, spec["length"])
         context, grad_free, tolerance_dtype = _grad_free(rng, dtype)
-        result.detail = f"call {step + 1} ({doors[step % len(doors)]}) under {context}: {spec}"
+        result.detail = f"call {step + 1} ({doors[step % len(doors)]}{_flags_text(flags)}) under {context}: {spec}"
         with grad_free(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             try:
                 ref = _call(model, model, kwargs, spec["positional"])
             except Exception as exc:  # noqa: BLE001  (the plain model refuses: not a case)
                 return _plain_model_raised(result, exc)
             _clear_reports(compiled)
-            out = _call(compiled, model, kwargs, spec["positional"])
+            try:
+                out = _call(compiled, model, kwargs, spec["positional"])
+            except Exception as exc:  # noqa: BLE001
+                return _raised_under_flags(result, exc, flags, lambda flags: _call(
+                    torch.compile(_fresh(arch, dtype), backend="eager", **flags), model, kwargs, spec["positional"]))
         bad = _compare_logits(out.logits, ref.logits, call["mask"], kwargs.get("logits_to_keep"), tolerance_dtype) \
             or _compare_extras(out, ref, kwargs, tolerance_dtype)
         if bad:
@@ -115,12 +124,41 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
     return result
 
 
+def _draw_flags(rng) -> tuple:
+    """torch.compile keywords of the case, as sorted (name, value) pairs: none in two cases of three."""
+    return rng.choice([(), (), (), (), (("dynamic", True),), (("dynamic", False),), (("fullgraph", True),)])
+
+
+def _flags_text(flags: tuple) -> str:
+    return "".join(f", {name}={value}" for name, value in flags)
+
+
+def _raised_under_flags(result: CaseResult, exc: Exception, flags: tuple, call_eager) -> CaseResult:
+    """The compiled call raised. Under `fullgraph=True`, `call_eager(flags)` makes the same call through a new model
+    of the case (`_fresh`: as the compiled copy was when compiled; a model that already ran can skip code a first call
+    runs, such as transformers' output-capturing hooks installed under a lock) compiled by dynamo's "eager" backend
+    with the same keywords: if it raises too, the model breaks its graph whatever the backend, the user's flag cannot
+    hold, and the case is "invalid"; otherwise (and without fullgraph) the raise is re-raised, for `run_case` to count
+    as an error."""
+    if dict(flags).get("fullgraph"):
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                call_eager(dict(flags))
+        except Exception as eager_exc:  # noqa: BLE001
+            result.status = "invalid"
+            result.detail = (f"fullgraph=True raises under dynamo's eager backend too: {type(eager_exc).__name__}: "
+                             f"{str(eager_exc)[:200]}; {result.detail}")
+            return result
+    raise exc
+
+
 def _plain_compile_generate(rng, pool, case, arch, dtype) -> CaseResult:
     """`generate` on a model compiled in place (`model.compile(...)`, or its forward compiled and set on it):
     greedy or beam, padded or not; tokens must equal the plain model's. Its calls fill caches, so they run
     unaccelerated with that reason (checked: never silently)."""
     door = rng.choice(["in place", "method"])
-    model, compiled = pool.get_plain(arch, dtype, door)
+    flags = _draw_flags(rng)
+    model, compiled = pool.get_plain(arch, dtype, door, flags)
     rows = rng.choice([1, 2])
     length = rng.randint(MIN_TOKENS, 160)
     ids = torch.randint(3, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(case))
@@ -132,14 +170,18 @@ def _plain_compile_generate(rng, pool, case, arch, dtype) -> CaseResult:
                   do_sample=False, num_beams=beams)
     result = CaseResult(case, arch, f"generate ({'model.compile' if door == 'in place' else 'compiled forward'})",
                         "equal",
-                        detail=f"rows {rows}, length {length}, beams {beams}, left-padded {bool((mask == 0).any())}")
+                        detail=f"rows {rows}, length {length}, beams {beams}, left-padded {bool((mask == 0).any())}"
+                               f"{_flags_text(flags)}")
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         try:
             ref = model.generate(**kwargs)
         except Exception as exc:  # noqa: BLE001
             return _plain_model_raised(result, exc)
         _clear_reports(compiled)
-        out = compiled.generate(**kwargs)
+        try:
+            out = compiled.generate(**kwargs)
+        except Exception as exc:  # noqa: BLE001
+            return _raised_under_flags(result, exc, flags, lambda flags: _eager_generate(arch, dtype, kwargs, flags))
     if not torch.equal(out, ref):
         from .fuzz_cases import _tie_at_divergence
 
@@ -151,3 +193,17 @@ def _plain_compile_generate(rng, pool, case, arch, dtype) -> CaseResult:
     if failure:
         result.status = failure
     return result
+
+
+def _fresh(arch: str, dtype: torch.dtype):
+    """A new model of the case, equal to the pooled plain model before it ran (`build_model` is seeded)."""
+    from .fuzz import build_model
+
+    return build_model(arch, dtype)
+
+
+def _eager_generate(arch: str, dtype: torch.dtype, kwargs: dict, flags: dict):
+    """`generate` of a new model of the case compiled in place by dynamo's "eager" backend with `flags`."""
+    model = _fresh(arch, dtype)
+    model.compile(backend="eager", **flags)
+    return model.generate(**kwargs)
