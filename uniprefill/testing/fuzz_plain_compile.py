@@ -3,7 +3,7 @@
 `model.forward = torch.compile(model.forward, ...)`, and `generate` through `model.compile(backend="uniprefill",
 ...)`, the in-place form whose `generate` reaches the compiled forward, or through that idiom.
 
-A third of the cases add torch.compile's own keywords as a user might (`dynamic=True`, `dynamic=False`: a graph per
+Three cases in seven add torch.compile's own keywords as a user might (`dynamic=True`, `dynamic=False`: a graph per
 shape, `fullgraph=True`); where the call raises under `fullgraph=True`, the case is "invalid" only if the plain model
 compiled by dynamo's "eager" backend with the same keywords raises too (the model's own graph break), else "error".
 
@@ -125,7 +125,7 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
 
 
 def _draw_flags(rng) -> tuple:
-    """torch.compile keywords of the case, as sorted (name, value) pairs: none in two cases of three."""
+    """torch.compile keywords of the case, as sorted (name, value) pairs: none in four cases of seven, each keyword in one."""
     return rng.choice([(), (), (), (), (("dynamic", True),), (("dynamic", False),), (("fullgraph", True),)])
 
 
