@@ -125,7 +125,8 @@ def _plain_compile_case(rng, pool, case, arch, dtype) -> CaseResult:
 
 
 def _draw_flags(rng) -> tuple:
-    """torch.compile keywords of the case, as sorted (name, value) pairs: none in four cases of seven, each keyword in one."""
+    """torch.compile keywords of the case, as sorted (name, value) pairs: none in four cases of seven, each keyword
+    in one."""
     return rng.choice([(), (), (), (), (("dynamic", True),), (("dynamic", False),), (("fullgraph", True),)])
 
 
