@@ -365,7 +365,8 @@ def test_a_token_mismatch_replays_the_plain_model_and_names_a_reference_that_doe
         def drifting(**kwargs):  # the plain model's answer moves between its two calls
             out = plain(**kwargs)
             answers.append(out)
-            return out if len(answers) == 1 else torch.cat([out[:, :-1], (out[:, -1:] + 1) % model.config.vocab_size], 1)
+            moved = torch.cat([out[:, :-1], (out[:, -1:] + 1) % model.config.vocab_size], 1)
+            return out if len(answers) == 1 else moved
 
         patch.setattr(model, "generate", drifting)
         result = fuzz._generate_case(random.Random(3), pool, 3, "tiny-llama", torch.float32, mode="sample")
