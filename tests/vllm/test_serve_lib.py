@@ -35,8 +35,6 @@ def system_args(system: str, tmp_path: Path, settings: str = SETTINGS) -> subpro
     ("uniprefill", ["-cc", {"inductor_compile_config": {"uniprefill": json.loads(SETTINGS)}}]),
     ("uniprefill-split", ["-cc", {"inductor_compile_config": {"uniprefill": json.loads(SETTINGS)},
                                   "compile_ranges_endpoints": [8192]}]),
-    ("uniprefill-onerange", ["-cc", {"inductor_compile_config": {"uniprefill": json.loads(SETTINGS)},
-                                     "compile_ranges_endpoints": [33791]}]),
     ("uniprefill-chunked", ["-cc", {"inductor_compile_config": {
         "uniprefill": {**json.loads(SETTINGS), "vllm_one_step_prefill": False}}}]),
 ])

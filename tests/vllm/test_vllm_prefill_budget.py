@@ -72,34 +72,6 @@ def test_a_dropping_engine_prefills_its_longest_prompt_in_one_step(installed, ca
     assert "max_num_batched_tokens 8192 -> 33791" in caplog.text  # logged at construction, in vLLM's logger tree
 
 
-def test_a_raised_budget_keeps_vllms_compiled_range_for_the_decode_steps(installed, caplog):
-    """Fails without `keep_compile_range`: vLLM would compile one range up to the raised budget, whose code made a
-    batch-1 decode step about 2% slower than standard vLLM's with nothing dropped (docs/vllm.md)."""
-    args = EngineArgs(options(vllm_drop=True, keep_ratio=0.3))
-    with caplog.at_level(logging.INFO, logger="vllm.uniprefill"):
-        assert budget_of(args) == 33791
-    assert args.compilation_config["compile_ranges_endpoints"] == [8192]  # vLLM adds 33791 as the last end
-    assert "compile_ranges_endpoints [8192]" in caplog.text
-
-
-def test_the_users_compile_ranges_and_an_unraised_budget_are_left_alone(installed):
-    given = {**options(vllm_drop=True), "compile_ranges_endpoints": [2048]}
-    args = EngineArgs(given)
-    assert budget_of(args) == 33791
-    assert args.compilation_config["compile_ranges_endpoints"] == [2048]
-    mine = EngineArgs(options(vllm_drop=True), max_num_batched_tokens=4096)
-    assert budget_of(mine) == 4096
-    assert "compile_ranges_endpoints" not in mine.compilation_config
-
-
-def test_keep_compile_range_sets_the_attribute_of_vllms_config_object():
-    config = NS(compile_ranges_endpoints=None)
-    assert prefill_budget.keep_compile_range(config, 8192) == 8192
-    assert config.compile_ranges_endpoints == [8192]
-    assert prefill_budget.keep_compile_range(config, 4096) is None  # given now: kept
-    assert config.compile_ranges_endpoints == [8192]
-
-
 def test_the_raise_is_capped_and_never_lowers_vllms_budget(installed):
     long_model = NS(max_model_len=131072, is_multimodal_model=False, is_mm_prefix_lm=False)  # Llama-3.1's default
     assert budget_of(EngineArgs(options(vllm_drop=True)), long_model) == 32768 + 1023  # longer prompts chunk
@@ -197,11 +169,10 @@ def test_vllms_own_engine_arguments(monkeypatch):
             args = real(model="/nonexistent", compilation_config=cc)
             args._set_default_max_num_seqs_and_batched_tokens_args(usage.UsageContext.OPENAI_API_SERVER, MODEL,
                                                                     NS(use_batched_dp_moe=False))
-            budgets[name] = (args.max_num_batched_tokens, args.max_num_seqs, args.compilation_config.compile_ranges_endpoints)
+            budgets[name] = (args.max_num_batched_tokens, args.max_num_seqs)
     finally:
         if installed_here:
             prefill_budget.uninstall(real)
-    drop_budget, seqs, endpoints = budgets["drop"]
+    drop_budget, seqs = budgets["drop"]
     assert drop_budget == 32768 + seqs - 1
     assert budgets["plain"][0] < drop_budget
-    assert endpoints == [budgets["plain"][0]] and budgets["plain"][2] is None  # vLLM's own range kept

@@ -80,20 +80,6 @@ def raised_budget(engine_args: Any, max_model_len: int, user_budget: int | None,
     return budget if budget > current else None
 
 
-def keep_compile_range(compilation_config: Any, vllm_budget: int) -> int | None:
-    """End a compiled range at vLLM's own budget when the user gave no `compile_ranges_endpoints`: vLLM compiles
-    one range up to `max_num_batched_tokens`, and Inductor's code for the range (1, 33791) made every batch-1
-    decode step about 2% slower than under (1, 8192) with nothing dropped (docs/vllm.md, "Long prompts").
-    Returns the endpoint added, or None. Accepts vLLM's `CompilationConfig` or the dict `LLM(...)` passes."""
-    if compilation_config is None or _get(compilation_config, "compile_ranges_endpoints") is not None:
-        return None
-    if isinstance(compilation_config, dict):
-        compilation_config["compile_ranges_endpoints"] = [int(vllm_budget)]
-    else:
-        compilation_config.compile_ranges_endpoints = [int(vllm_budget)]
-    return int(vllm_budget)
-
-
 def _raising_defaults(original):
     def method(self, usage_context, model_config, parallel_config, *args, **kwargs):
         user_budget = self.max_num_batched_tokens
@@ -104,11 +90,6 @@ def _raising_defaults(original):
                            "over all its tokens in one step beside the running decodes (vllm_one_step_prefill; give "
                            "max_num_batched_tokens to keep a budget of your own)", self.max_num_batched_tokens, budget,
                            min(model_config.max_model_len, ONE_STEP_MAX_PROMPT))
-            kept = keep_compile_range(self.compilation_config, self.max_num_batched_tokens)
-            if kept is not None:
-                logger.warning("uniprefill: compile_ranges_endpoints [%d]: steps of up to %d tokens (every decode "
-                               "step) compile as under vLLM's own budget, the longer ones in a range of their own",
-                               kept, kept)
             self.max_num_batched_tokens = budget
         return result
 

@@ -8,10 +8,7 @@
 # an H100 / H200: 33,791, as the uniprefill server logs) and nothing else: the budget's effect apart from the drop's.
 # A system named *-split (standard-onestep-split, uniprefill-split) also ends a compiled range at 8192, vLLM's
 # default budget for `vllm serve` (compilation_config.compile_ranges_endpoints): steps up to 8,192 tokens, the
-# decodes among them, then run code compiled for standard's range (1, 8192) instead of (1, 33791). A dropping
-# server does that itself since the budget it raises keeps vLLM's range (prefill_budget.keep_compile_range), so
-# uniprefill-split equals uniprefill; uniprefill-onerange gives compile_ranges_endpoints [33791] instead: one range
-# up to the raised budget, as dropping servers compiled before.
+# decodes among them, then run code compiled for standard's range (1, 8192) instead of (1, 33791).
 #   serve_start SYSTEM LOG   (sets SERVER_PID; returns once /health answers; non-zero, the server stopped,
 #                             if it died or did not answer within 300 s, or if port 8000 was taken already)
 #   serve_stop               (also on the sourcing script's exit)
@@ -54,7 +51,7 @@ print(json.dumps(s))" "$SETTINGS" "$1"
 system_args() {  # SYSTEM: the arguments `vllm serve` gets beyond the shared ones, one a line
   local system="$1" cc=""
   case "$system" in
-    standard|standard-onestep|standard-onestep-split|uniprefill|uniprefill-split|uniprefill-onerange|uniprefill-chunked) ;;
+    standard|standard-onestep|standard-onestep-split|uniprefill|uniprefill-split|uniprefill-chunked) ;;
     *) echo "unknown system '$system'" >&2; return 1 ;;
   esac
   if [[ "$system" == uniprefill* ]]; then
@@ -62,14 +59,12 @@ system_args() {  # SYSTEM: the arguments `vllm serve` gets beyond the shared one
     settings="$(system_settings "$system")" || return 1
     cc="\"inductor_compile_config\": {\"uniprefill\": $settings}"
   fi
-  local budget
-  budget="$(python3 -P -c "from uniprefill.vllm.prefill_budget import one_step_budget; print(one_step_budget(32768, 1024))")" \
-    || return 1
   if [[ "$system" == standard-onestep* ]]; then
-    echo --max-num-batched-tokens; echo "$budget"
+    echo --max-num-batched-tokens
+    python3 -P -c "from uniprefill.vllm.prefill_budget import one_step_budget; print(one_step_budget(32768, 1024))" \
+      || return 1
   fi
   [[ "$system" == *-split ]] && cc="${cc:+$cc, }\"compile_ranges_endpoints\": [8192]"
-  [[ "$system" == *-onerange ]] && cc="${cc:+$cc, }\"compile_ranges_endpoints\": [$budget]"
   if [[ -n "$cc" ]]; then echo -cc; echo "{$cc}"; fi
 }
 

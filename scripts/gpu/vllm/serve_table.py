@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 SYSTEMS = ("standard", "standard-onestep", "standard-onestep-split", "uniprefill", "uniprefill-split",
-           "uniprefill-onerange", "uniprefill-chunked")  # each later one against standard (serve_lib.sh)
+           "uniprefill-chunked")  # each later one against standard (serve_lib.sh)
 
 
 def load(folder: Path) -> dict[tuple[str, int, int], dict]:
