@@ -607,7 +607,7 @@ def test_router_logits_the_model_does_not_return_ask_for_no_position():
     assert ignores_router_logits(types.SimpleNamespace(router_logits=()))
 
 
-def test_an_every_position_call_whose_bf16_batch_ran_row_by_row_ties_as_the_plain_models_rows_alone_do():
+def test_an_every_position_call_whose_bf16_batch_ran_row_by_row_ties_as_the_plain_models_rows_alone_do(monkeypatch):
     """Round 61's one mismatch (case 1093004279057): tiny Qwen3-Next in bf16, gradients on, a left-padded batch of
     rows of 199 and 87 tokens at keep_ratio 0.3. The compiled model ran it unaccelerated, row by row: its logits equal
     the plain model's rows run one at a time bit for bit, while the plain model's batched logits part from the padded
@@ -623,10 +623,6 @@ def test_an_every_position_call_whose_bf16_batch_ran_row_by_row_ties_as_the_plai
     def off_both(model, fast, out, ref, *args):  # the compiled logits equal no plain answer
         return None
 
-    original = fuzz_every_position._rows_alone_tie
-    fuzz_every_position._rows_alone_tie = off_both
-    try:
-        again = _every_position_case(_Scripted(draws), fuzz._Pool(), case, "qwen3-next-6", torch.bfloat16)
-    finally:
-        fuzz_every_position._rows_alone_tie = original
+    monkeypatch.setattr(fuzz_every_position, "_rows_alone_tie", off_both)
+    again = _every_position_case(_Scripted(draws), fuzz._Pool(), case, "qwen3-next-6", torch.bfloat16)
     assert again.status == "mismatch" and "logits differ" in again.detail, again
